@@ -1,0 +1,131 @@
+"""KV compressors: the KVCompressor protocol and NQ, block quantization with
+exact outliers.  A compressor turns a K or V tensor [..., tokens, head_dim]
+into a compressed object and back, and reports the bytes it really takes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Protocol, runtime_checkable
+
+import torch
+
+from . import _format
+from .ops import NQParts, nq_compress, nq_decompress
+
+__all__ = ["KVCompressor", "NQ", "NQTensor", "tensor_nbytes", "DEFAULT_KEY_PER", "DEFAULT_VALUE_PER"]
+
+# Measured by `python -m nexuskv report` on SmolLM2-135M (see README): per-channel
+# keys give lower attention-output error than per-token keys at 4 and 2 bits,
+# because a few key channels carry large offsets (KIVI's observation).
+DEFAULT_KEY_PER = "channel"
+DEFAULT_VALUE_PER = "token"
+
+_AXIS_OF_PER = {"channel": _format.AXIS_TOKENS, "token": _format.AXIS_CHANNELS}
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@runtime_checkable
+class KVCompressor(Protocol):
+    """What a KV cache needs from a compressor.  ``compress`` takes a float tensor
+    [..., tokens, head_dim] and returns any object; ``decompress`` inverts it;
+    ``nbytes`` counts every byte that object holds (codes and all metadata)."""
+
+    def compress(self, x: torch.Tensor) -> Any: ...
+
+    def decompress(self, c: Any, dtype: Optional[torch.dtype] = None) -> torch.Tensor: ...
+
+    def nbytes(self, c: Any) -> int: ...
+
+
+def effective_bits(compressor: KVCompressor, c: Any, numel: int) -> float:
+    """Bits per element, every scale, zero, index and outlier included."""
+    return 8.0 * compressor.nbytes(c) / numel
+
+
+@dataclass
+class NQTensor:
+    """One NQ-compressed tensor: the five buffers plus what is needed to read them."""
+
+    parts: NQParts
+    bits: int
+    group_size: int
+    axis: int
+    shape: torch.Size  # of the original tensor
+    dtype: torch.dtype  # of the original tensor
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tensor_nbytes(t) for t in self.parts)
+
+    @property
+    def effective_bits(self) -> float:
+        return 8.0 * self.nbytes / self.numel
+
+    @property
+    def bytes_ratio(self) -> float:
+        """Size of the original tensor in its own dtype over the compressed size."""
+        return self.numel * torch.empty((), dtype=self.dtype).element_size() / self.nbytes
+
+
+@dataclass(frozen=True)
+class NQ:
+    """Block quantization: ``bits``-bit asymmetric codes per group of ``group_size``,
+    ``num_outliers`` exact outliers per group.
+
+    ``per="channel"``: each channel gets its own scale/zero over groups of consecutive
+    tokens (KIVI's key quantization).  ``per="token"``: each token gets its own
+    scale/zero over groups of consecutive channels (value quantization)."""
+
+    bits: int = 4
+    group_size: int = 64
+    per: Literal["channel", "token"] = "token"
+    num_outliers: int = 0
+    meta_dtype: Optional[torch.dtype] = field(default=None)
+
+    def __post_init__(self):
+        if self.per not in _AXIS_OF_PER:
+            raise ValueError(f"NQ: per must be 'channel' or 'token', got {self.per!r}")
+
+    @classmethod
+    def for_keys(cls, bits: int = 4, group_size: int = 64, **kw) -> "NQ":
+        return cls(bits=bits, group_size=group_size, per=DEFAULT_KEY_PER, **kw)
+
+    @classmethod
+    def for_values(cls, bits: int = 4, group_size: int = 64, **kw) -> "NQ":
+        return cls(bits=bits, group_size=group_size, per=DEFAULT_VALUE_PER, **kw)
+
+    @property
+    def axis(self) -> int:
+        return _AXIS_OF_PER[self.per]
+
+    def compress(self, x: torch.Tensor) -> NQTensor:
+        parts = nq_compress(x, self.bits, self.group_size, self.axis, self.num_outliers, self.meta_dtype)
+        return NQTensor(parts, self.bits, self.group_size, self.axis, x.shape, x.dtype)
+
+    def decompress(self, c: NQTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        return nq_decompress(*c.parts, c.bits, c.group_size, c.axis, c.shape[-1], dtype)
+
+    def nbytes(self, c: NQTensor) -> int:
+        return c.nbytes
+
+    def expected_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
+        """Bytes of compress(x) for x of this shape and dtype, from the format alone
+        (the formula documented in nq_format.h)."""
+        *lead, tokens, head_dim = shape
+        rows = torch.Size(lead).numel()
+        a, b = _format.meta_shape(tokens, head_dim, self.group_size, self.axis)
+        x_bytes = torch.empty((), dtype=dtype).element_size()
+        meta_bytes = torch.empty((), dtype=self.meta_dtype or dtype).element_size()
+        return rows * (tokens * _format.row_bytes(self.bits, head_dim)
+                       + a * b * (2 * meta_bytes + self.num_outliers * (1 + x_bytes)))
+
+    def describe(self) -> str:
+        s = f"NQ{self.bits} g{self.group_size} per-{self.per}"
+        return s + (f" k{self.num_outliers}" if self.num_outliers else "")

@@ -1,0 +1,93 @@
+"""The nexuskv operator surface in Python: typed wrappers with docstrings and
+the fake (meta) kernels that let torch.compile and torch.export trace the
+operators without running them.  Schemas live in ops/registration.cpp; the
+compressed format is documented in csrc/include/nexuskv/core/nq_format.h."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import _format, _loader
+
+_loader.load()
+
+__all__ = ["NQParts", "nq_compress", "nq_decompress"]
+
+
+class NQParts(NamedTuple):
+    """The five tensors of one NQ-compressed tensor x[..., T, D]."""
+
+    codes: torch.Tensor  # uint8 [..., T, row_bytes]   packed codes, one row per token
+    scale: torch.Tensor  # meta  [..., A, B]           per-group scale
+    zero: torch.Tensor  # meta  [..., A, B]           per-group zero (the group minimum)
+    outlier_idx: torch.Tensor  # uint8 [..., A, B, k]  position of each outlier in its group
+    outlier_val: torch.Tensor  # x.dtype [..., A, B, k] exact outlier values
+
+
+def nq_compress(x: torch.Tensor, bits: int, group_size: int, axis: int, num_outliers: int = 0,
+                meta_dtype: Optional[torch.dtype] = None) -> NQParts:
+    """Block-quantizes x[..., tokens, head_dim] (float32, float16 or bfloat16).
+
+    Args:
+        bits: 2, 3, 4 or 8 bits per code.
+        group_size: elements per quantization group (1..256).
+        axis: -2 groups ``group_size`` consecutive tokens of one channel (per-channel
+            quantization, the KIVI choice for keys); -1 groups ``group_size``
+            consecutive channels of one token (per-token quantization, for values).
+        num_outliers: k < group_size entries per group kept exactly (dense-and-sparse).
+        meta_dtype: dtype of scale and zero; default x.dtype (never overflows).
+
+    Rejects NaN/Inf in x.  Inference only: x must not require grad under grad mode.
+    """
+    return NQParts(*torch.ops.nexuskv.nq_compress(x, bits, group_size, axis, num_outliers, meta_dtype))
+
+
+def nq_decompress(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, outlier_idx: torch.Tensor,
+                  outlier_val: torch.Tensor, bits: int, group_size: int, axis: int, head_dim: int,
+                  out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Inverse of nq_compress: x_hat[..., tokens, head_dim] in out_dtype
+    (default outlier_val.dtype, the compressed tensor's dtype).  Every
+    non-outlier element is within scale/2 of the original; outliers are exact."""
+    return torch.ops.nexuskv.nq_decompress(codes, scale, zero, outlier_idx, outlier_val, bits, group_size, axis,
+                                           head_dim, out_dtype)
+
+
+# ---- fake kernels: output shapes and dtypes only ----------------------------------------
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_params(op: str, bits: int, group_size: int, axis: int) -> None:
+    torch._check(bits in _format.SUPPORTED_BITS, lambda: f"{op}: bits must be one of 2, 3, 4, 8, got {bits}")
+    torch._check(1 <= group_size <= _format.MAX_GROUP_SIZE,
+                 lambda: f"{op}: group_size must be in [1, {_format.MAX_GROUP_SIZE}], got {group_size}")
+    torch._check(axis in (-2, -1), lambda: f"{op}: axis must be -2 or -1, got {axis}")
+
+
+@torch.library.register_fake("nexuskv::nq_compress")
+def _nq_compress_fake(x, bits, group_size, axis, num_outliers=0, meta_dtype=None):
+    _check_params("nq_compress", bits, group_size, axis)
+    torch._check(x.dim() >= 2, lambda: "nq_compress: x must have shape [..., tokens, head_dim]")
+    torch._check(x.dtype in _FLOATS, lambda: f"nq_compress: x must be float32, float16 or bfloat16, got {x.dtype}")
+    torch._check(0 <= num_outliers < group_size, lambda: "nq_compress: num_outliers must be in [0, group_size)")
+    *lead, tokens, head_dim = x.shape
+    a, b = _format.meta_shape(tokens, head_dim, group_size, axis)
+    meta = meta_dtype or x.dtype
+    return (x.new_empty((*lead, tokens, _format.row_bytes(bits, head_dim)), dtype=torch.uint8),
+            x.new_empty((*lead, a, b), dtype=meta), x.new_empty((*lead, a, b), dtype=meta),
+            x.new_empty((*lead, a, b, num_outliers), dtype=torch.uint8),
+            x.new_empty((*lead, a, b, num_outliers), dtype=x.dtype))
+
+
+@torch.library.register_fake("nexuskv::nq_decompress")
+def _nq_decompress_fake(codes, scale, zero, outlier_idx, outlier_val, bits, group_size, axis, head_dim,
+                        out_dtype=None):
+    _check_params("nq_decompress", bits, group_size, axis)
+    torch._check(codes.dtype == torch.uint8, lambda: "nq_decompress: codes must be uint8")
+    torch._check(codes.dim() >= 2, lambda: "nq_decompress: codes must have shape [..., tokens, row_bytes]")
+    torch._check(codes.shape[-1] == _format.row_bytes(bits, head_dim),
+                 lambda: "nq_decompress: codes row bytes do not match bits and head_dim")
+    *lead, tokens, _ = codes.shape
+    return codes.new_empty((*lead, tokens, head_dim), dtype=out_dtype or outlier_val.dtype)

