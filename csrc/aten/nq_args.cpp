@@ -92,10 +92,9 @@ NQTensors nq_allocate_outputs(const core::NQDims& d, const at::Tensor& x, at::Sc
           at::empty(with({A, B, k}), opts.dtype(at::kByte)), at::empty(with({A, B, k}), opts)};
 }
 
-core::NQDims nq_decompress_dims(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zero,
-                                const at::Tensor& outlier_idx, const at::Tensor& outlier_val, int64_t bits,
-                                int64_t group_size, int64_t axis, int64_t head_dim) {
-  constexpr const char* op = "nq_decompress";
+core::NQDims nq_decompress_dims(const char* op, const at::Tensor& codes, const at::Tensor& scale,
+                                const at::Tensor& zero, const at::Tensor& outlier_idx, const at::Tensor& outlier_val,
+                                int64_t bits, int64_t group_size, int64_t axis, int64_t head_dim) {
   for (const auto* t : {&codes, &scale, &zero, &outlier_idx, &outlier_val})
     TORCH_CHECK(t->defined(), op, ": all five compressed tensors must be defined");
   check_bits_group_axis(op, bits, group_size, axis);
@@ -135,6 +134,32 @@ core::NQDims nq_decompress_dims(const at::Tensor& codes, const at::Tensor& scale
   check_sizes(op, "zero", zero, lead, {d.meta_a(), d.meta_b()});
   check_sizes(op, "outlier_idx", outlier_idx, lead, {d.meta_a(), d.meta_b(), d.num_outliers});
   check_sizes(op, "outlier_val", outlier_val, lead, {d.meta_a(), d.meta_b(), d.num_outliers});
+  return d;
+}
+
+core::NQDims dgq_decompress_dims(const char* op, const at::Tensor& codes, const at::Tensor& scale,
+                                 const at::Tensor& zero, const at::Tensor& outlier_idx,
+                                 const at::Tensor& outlier_val, const at::Tensor& segment_starts, int64_t bits,
+                                 int64_t group_size, int64_t head_dim) {
+  const core::NQDims d =
+      nq_decompress_dims(op, codes, scale, zero, outlier_idx, outlier_val, bits, group_size, -2, head_dim);
+  TORCH_CHECK(segment_starts.defined() && segment_starts.scalar_type() == at::kInt, op,
+              ": segment_starts must be int32");
+  TORCH_CHECK(segment_starts.device() == codes.device(), op, ": segment_starts must be on ", codes.device());
+  check_sizes(op, "segment_starts", segment_starts, codes.sizes().slice(0, codes.dim() - 2), {d.meta_a()});
+  const at::Tensor starts = segment_starts.to(at::kCPU).contiguous();
+  const int32_t* s = starts.data_ptr<int32_t>();
+  const int64_t S = d.meta_a();
+  for (int64_t r = 0; r < d.rows; ++r, s += S) {
+    TORCH_CHECK(s[0] == 0, op, ": segment_starts of row ", r, " must begin at token 0, got ", s[0]);
+    for (int64_t i = 0; i < S; ++i) {
+      const int64_t end = i + 1 < S ? s[i + 1] : d.tokens;
+      TORCH_CHECK(s[i] <= end && end <= d.tokens && end - s[i] <= core::kMaxGroupSize, op,
+                  ": segment_starts of row ", r, " must be non-decreasing within [0, ", d.tokens,
+                  "] with segments of at most ", core::kMaxGroupSize, " tokens; segment ", i, " is [", s[i], ", ",
+                  end, ")");
+    }
+  }
   return d;
 }
 

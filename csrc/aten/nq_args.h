@@ -26,11 +26,20 @@ at::ScalarType nq_meta_dtype(at::ScalarType x_dtype, std::optional<at::ScalarTyp
 // Empty outputs of nq_compress on x's device: codes, scale, zero, outlier_idx, outlier_val.
 NQTensors nq_allocate_outputs(const core::NQDims& d, const at::Tensor& x, at::ScalarType meta_dtype);
 
-// Checks the five buffers of nq_decompress against each other and the
-// parameters; returns the sizes of the tensor they encode.
-core::NQDims nq_decompress_dims(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zero,
+// Checks the five buffers of an NQ tensor against each other and the
+// parameters; returns the sizes of the tensor they encode.  `op` names the
+// operator in error messages.
+core::NQDims nq_decompress_dims(const char* op, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zero,
                                 const at::Tensor& outlier_idx, const at::Tensor& outlier_val, int64_t bits,
                                 int64_t group_size, int64_t axis, int64_t head_dim);
+
+// The same for a DGQ tensor: the five NQ buffers (grouping along tokens) plus
+// segment_starts int32 [..., S], checked to be ordered segments of at most
+// kMaxGroupSize tokens starting at 0 (the readers rely on it).
+core::NQDims dgq_decompress_dims(const char* op, const at::Tensor& codes, const at::Tensor& scale,
+                                 const at::Tensor& zero, const at::Tensor& outlier_idx,
+                                 const at::Tensor& outlier_val, const at::Tensor& segment_starts, int64_t bits,
+                                 int64_t group_size, int64_t head_dim);
 
 // Sizes of the decompressed tensor: codes' leading dims + [T, head_dim].
 std::vector<int64_t> nq_decompressed_sizes(const at::Tensor& codes, int64_t head_dim);

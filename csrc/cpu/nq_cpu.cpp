@@ -54,7 +54,7 @@ at::Tensor nq_decompress_cpu(const at::Tensor& codes_in, const at::Tensor& scale
                              const at::Tensor& idx_in, const at::Tensor& val_in, int64_t bits, int64_t group_size,
                              int64_t axis, int64_t head_dim, std::optional<at::ScalarType> out_dtype) {
   const core::NQDims d =
-      nq_decompress_dims(codes_in, scale_in, zero_in, idx_in, val_in, bits, group_size, axis, head_dim);
+      nq_decompress_dims("nq_decompress", codes_in, scale_in, zero_in, idx_in, val_in, bits, group_size, axis, head_dim);
   // The compressed tensors are ours and contiguous; views of them are copied.
   const at::Tensor codes = codes_in.contiguous(), scale = scale_in.contiguous(), zero = zero_in.contiguous();
   const at::Tensor idx = idx_in.contiguous(), val = val_in.contiguous();

@@ -5,7 +5,7 @@ compressed format is documented in csrc/include/nexuskv/core/nq_format.h."""
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -13,7 +13,7 @@ from . import _format, _loader
 
 _loader.load()
 
-__all__ = ["NQParts", "nq_compress", "nq_decompress"]
+__all__ = ["NQParts", "nq_compress", "nq_decompress", "dgq_fused_attention", "hadamard_rotate"]
 
 
 class NQParts(NamedTuple):
@@ -54,6 +54,39 @@ def nq_decompress(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, 
                                            head_dim, out_dtype)
 
 
+def dgq_fused_attention(q: torch.Tensor, k_cache: Sequence[torch.Tensor], v_cache: Sequence[torch.Tensor],
+                        k_format: Sequence[int], v_format: Sequence[int], compressed_lens: torch.Tensor,
+                        k_tail: Optional[torch.Tensor] = None, v_tail: Optional[torch.Tensor] = None,
+                        tail_lens: Optional[torch.Tensor] = None, rotation_signs: Optional[torch.Tensor] = None,
+                        scale: Optional[float] = None) -> torch.Tensor:
+    """softmax(q . K^T * scale + causal mask) . V straight from the compressed cache.
+
+    Args:
+        q: [batch, q_heads, q_len, head_dim]; q_heads a multiple of kv_heads (GQA); head_dim a
+            multiple of 16, at most 256.  The q_len queries are the last q_len positions of
+            their sequence, causal among themselves.
+        k_cache, v_cache: the NQ buffers (codes, scale, zero, outlier_idx, outlier_val) of K and V,
+            each [batch, kv_heads, ...], plus segment_starts for DGQ keys.
+        k_format, v_format: (bits, group_size, axis) of each.
+        compressed_lens: [batch] compressed tokens of each sequence (<= the cache's capacity).
+        k_tail, v_tail: optional [batch, kv_heads, tail_tokens, head_dim] full-precision newest
+            tokens, positioned after the compressed ones; tail_lens [batch] how many are valid.
+        rotation_signs: [head_dim] +-1 when the cache holds hadamard_rotate(K/V, signs).
+        scale: softmax scale, default head_dim ** -0.5.
+
+    Returns [batch, q_heads, q_len, head_dim] in q's dtype; zeros for a sequence of length 0.
+    Never materializes the dequantized cache: it works tile by tile in float32."""
+    return torch.ops.nexuskv.dgq_fused_attention(q, list(k_cache), list(v_cache), list(k_format),
+                                                 list(v_format), compressed_lens, k_tail, v_tail, tail_lens,
+                                                 rotation_signs, scale)
+
+
+def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Randomized Hadamard rotation of the last dim n (a power of two): H (signs * x) / sqrt(n).
+    Orthogonal, so q.k is unchanged when q and k are both rotated; inverse=True undoes it."""
+    return torch.ops.nexuskv.hadamard_rotate(x, signs, inverse)
+
+
 # ---- fake kernels: output shapes and dtypes only ----------------------------------------
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -91,3 +124,17 @@ def _nq_decompress_fake(codes, scale, zero, outlier_idx, outlier_val, bits, grou
                  lambda: "nq_decompress: codes row bytes do not match bits and head_dim")
     *lead, tokens, _ = codes.shape
     return codes.new_empty((*lead, tokens, head_dim), dtype=out_dtype or outlier_val.dtype)
+
+
+@torch.library.register_fake("nexuskv::dgq_fused_attention")
+def _dgq_fused_attention_fake(q, k_cache, v_cache, k_format, v_format, compressed_lens, k_tail=None, v_tail=None,
+                              tail_lens=None, rotation_signs=None, scale=None):
+    torch._check(q.dim() == 4, lambda: "dgq_fused_attention: q must have shape [batch, q_heads, q_len, head_dim]")
+    torch._check(len(k_cache) in (5, 6) and len(v_cache) in (5, 6),
+                 lambda: "dgq_fused_attention: k_cache and v_cache must hold 5 or 6 tensors")
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("nexuskv::hadamard_rotate")
+def _hadamard_rotate_fake(x, signs, inverse=False):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -1,6 +1,11 @@
 // 16-bit float storage types for the torch-free core, bit-compatible with
 // c10::Half and c10::BFloat16 (so ATen glue can reinterpret pointers), plus
 // the directed rounding that the quantizer needs for its metadata.
+//
+// The scalar conversions are `static inline` (internal linkage) on purpose:
+// attention_kernel.cpp is compiled once per instruction set (AVX2, AVX-512),
+// and an ordinary inline function emitted there could be the copy the linker
+// keeps for every caller, putting AVX instructions into the portable path.
 #pragma once
 
 #include <cstdint>
@@ -16,12 +21,12 @@ struct bf16_t {
 };
 static_assert(sizeof(half_t) == 2 && sizeof(bf16_t) == 2, "16-bit storage types");
 
-inline uint32_t float_bits(float f) {
+static inline uint32_t float_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return u;
 }
-inline float bits_float(uint32_t u) {
+static inline float bits_float(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
@@ -29,7 +34,7 @@ inline float bits_float(uint32_t u) {
 
 // IEEE binary16 -> float, exact; written without denormal float arithmetic
 // (denormal operands are slow on x86).
-inline float half_to_float(uint16_t h) {
+static inline float half_to_float(uint16_t h) {
   const uint32_t shifted_exp = 0x7c00u << 13;
   uint32_t o = (uint32_t(h) & 0x7fffu) << 13;
   const uint32_t exp = o & shifted_exp;
@@ -44,7 +49,7 @@ inline float half_to_float(uint16_t h) {
 }
 
 // float -> IEEE binary16, round to nearest even; overflow gives Inf.
-inline uint16_t float_to_half(float f) {
+static inline uint16_t float_to_half(float f) {
   uint32_t x = float_bits(f);
   const uint32_t sign = (x >> 16) & 0x8000u;
   uint32_t a = x & 0x7fffffffu;
@@ -59,10 +64,10 @@ inline uint16_t float_to_half(float f) {
   return uint16_t(sign | (a >> 13));
 }
 
-inline float bf16_to_float(uint16_t b) { return bits_float(uint32_t(b) << 16); }
+static inline float bf16_to_float(uint16_t b) { return bits_float(uint32_t(b) << 16); }
 
 // float -> bfloat16, round to nearest even; NaN stays NaN.
-inline uint16_t float_to_bf16(float f) {
+static inline uint16_t float_to_bf16(float f) {
   const uint32_t x = float_bits(f);
   if ((x & 0x7fffffffu) > 0x7f800000u) return uint16_t((x >> 16) | 0x0040u);
   return uint16_t((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
@@ -70,19 +75,19 @@ inline uint16_t float_to_bf16(float f) {
 
 // Next representable 16-bit float towards +Inf / -Inf (sign-magnitude
 // encoding, shared by fp16 and bf16).
-inline uint16_t bits16_next_up(uint16_t h) {
+static inline uint16_t bits16_next_up(uint16_t h) {
   if (h == 0x8000u) return 0x0001u;
   return (h & 0x8000u) ? uint16_t(h - 1) : uint16_t(h + 1);
 }
-inline uint16_t bits16_next_down(uint16_t h) {
+static inline uint16_t bits16_next_down(uint16_t h) {
   if (h == 0x0000u) return 0x8001u;
   return (h & 0x8000u) ? uint16_t(h + 1) : uint16_t(h - 1);
 }
 
 // Uniform access: to_float / from_float (nearest) for every storage type.
-inline float to_float(float v) { return v; }
-inline float to_float(half_t v) { return half_to_float(v.bits); }
-inline float to_float(bf16_t v) { return bf16_to_float(v.bits); }
+static inline float to_float(float v) { return v; }
+static inline float to_float(half_t v) { return half_to_float(v.bits); }
+static inline float to_float(bf16_t v) { return bf16_to_float(v.bits); }
 
 template <typename T>
 T from_float(float v);

@@ -61,6 +61,19 @@
 //   are zero padding; they are counted in the bytes (nothing is hidden).
 //   D = 64 or 128 needs no padding at any bit width.
 //
+// DGQ (dynamic groups, keys): the kTokens grouping with data-chosen token
+// groups ("segments") instead of fixed ones.  A sixth buffer
+//
+//   segment_starts  int32 [N, S]        first token of each segment
+//
+// lists S = ceil(T / group_size) segments; segment s covers
+// [starts[s], starts[s+1]) (the last one ends at T).  Segments are whole
+// granules of tokens (the last may be partial) no longer than max_len <= 256;
+// a row that needs fewer than S segments fills the unused slots with T
+// (empty segments, zero scale and zero).  scale/zero are [N, S, D] and
+// outlier_idx holds the position inside the segment, so the readers of
+// fixed groups work unchanged given the segment bounds.
+//
 // Effective bits per element (exact for the returned tensors, padding
 // included):
 //   8 * (N*T*row_bytes + N*A*B*(2*meta_bytes + k*(1 + x_bytes))) / (N*T*D)

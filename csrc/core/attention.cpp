@@ -1,0 +1,117 @@
+// Fused attention: run-time choice of the instruction set, key-range splits,
+// the log-sum-exp merge of splits, and the Hadamard rotation.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "nexuskv/core/attention.h"
+
+namespace nexuskv::core {
+
+// One definition per compiled instruction set (attention_kernel.cpp).
+#define NEXUSKV_DECLARE_ISA(isa) \
+  namespace isa {                \
+  void attention_tasks_impl(const AttentionProblem&, int64_t, float*, int64_t, int64_t); \
+  }
+NEXUSKV_DECLARE_ISA(generic)
+#if defined(NEXUSKV_HAVE_X86_ISAS)
+NEXUSKV_DECLARE_ISA(avx2)
+NEXUSKV_DECLARE_ISA(avx512)
+#endif
+
+namespace {
+
+using TasksFn = void (*)(const AttentionProblem&, int64_t, float*, int64_t, int64_t);
+
+struct Isa {
+  const char* name;
+  TasksFn fn;
+};
+
+Isa pick_isa() {
+  const char* cap = std::getenv("NEXUSKV_CPU_ISA");
+  const std::string want = cap ? cap : "";
+#if defined(NEXUSKV_HAVE_X86_ISAS)
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx512 && (want.empty() || want == "avx512")) return {"avx512", &avx512::attention_tasks_impl};
+  if (avx2 && (want.empty() || want == "avx512" || want == "avx2")) return {"avx2", &avx2::attention_tasks_impl};
+#endif
+  return {"generic", &generic::attention_tasks_impl};
+}
+
+const Isa& isa() {
+  static const Isa chosen = pick_isa();
+  return chosen;
+}
+
+}  // namespace
+
+const char* attention_isa() { return isa().name; }
+
+int64_t attention_num_splits(const AttentionProblem& p, int64_t min_tasks) {
+  int64_t longest = 0;
+  for (int64_t b = 0; b < p.batch; ++b) longest = std::max(longest, p.seq_len(b));
+  const int64_t pairs = p.batch * p.kv_heads;
+  // A split of fewer than 16 tiles costs more in set-up and merge than it saves.
+  const int64_t max_splits = std::max<int64_t>(1, longest / (16 * kTileTokens));
+  return std::clamp<int64_t>(ceil_div(min_tasks, pairs), 1, max_splits);
+}
+
+void attention_tasks(const AttentionProblem& p, int64_t splits, float* partials, int64_t begin, int64_t end) {
+  isa().fn(p, splits, partials, begin, end);
+}
+
+void attention_merge(const AttentionProblem& p, int64_t splits, const float* partials, float* out, int64_t begin,
+                     int64_t end) {
+  const int64_t D = p.head_dim, rows = p.rows_per_task(), group = p.q_heads / p.kv_heads;
+  const int64_t stride = partial_floats(p);
+  std::vector<float> row(static_cast<size_t>(D));
+  for (int64_t bh = begin; bh < end; ++bh) {
+    const int64_t b = bh / p.kv_heads, h = bh % p.kv_heads;
+    const float* part = partials + bh * splits * stride;
+    for (int64_t r = 0; r < rows; ++r) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < splits; ++s) m = std::max(m, part[s * stride + r * (D + 2) + D]);
+      std::fill(row.begin(), row.end(), 0.f);
+      float l = 0.f;
+      if (m != -std::numeric_limits<float>::infinity()) {
+        for (int64_t s = 0; s < splits; ++s) {
+          const float* pr = part + s * stride + r * (D + 2);
+          const float w = std::exp(pr[D] - m);  // exp(-inf) = 0 for empty splits
+          l += w * pr[D + 1];
+          for (int64_t d = 0; d < D; ++d) row[size_t(d)] += w * pr[d];
+        }
+        for (int64_t d = 0; d < D; ++d) row[size_t(d)] /= l;
+        if (p.rotation_signs) hadamard_rotate_rows(row.data(), row.data(), 1, D, p.rotation_signs, true);
+      }
+      const int64_t gq = r / p.q_len, i = r % p.q_len;
+      std::memcpy(out + ((b * p.q_heads + h * group + gq) * p.q_len + i) * D, row.data(), size_t(D) * sizeof(float));
+    }
+  }
+}
+
+void hadamard_rotate_rows(const float* x, float* y, int64_t rows, int64_t n, const float* signs, bool inverse) {
+  const float norm = 1.f / std::sqrt(float(n));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    float* yr = y + r * n;
+    for (int64_t i = 0; i < n; ++i) yr[i] = inverse ? xr[i] : xr[i] * signs[i];
+    // In-place fast Walsh-Hadamard transform (Sylvester order; H is symmetric).
+    for (int64_t len = 1; len < n; len <<= 1)
+      for (int64_t i = 0; i < n; i += 2 * len)
+        for (int64_t j = i; j < i + len; ++j) {
+          const float a = yr[j], b = yr[j + len];
+          yr[j] = a + b, yr[j + len] = a - b;
+        }
+    for (int64_t i = 0; i < n; ++i) yr[i] *= inverse ? norm * signs[i] : norm;
+  }
+}
+
+}  // namespace nexuskv::core

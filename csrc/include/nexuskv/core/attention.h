@@ -1,0 +1,79 @@
+// Torch-free fused attention over the compressed cache (NQ / DGQ format,
+// nq_format.h) plus a full-precision tail of the newest tokens:
+//
+//   out = softmax(q . K^T * scale + causal mask) . V
+//
+// computed tile by tile (kTileTokens keys at a time, dequantized into a small
+// float scratch that stays in L1/L2), with an online softmax in float32.  No
+// buffer the size of the cache is ever allocated.  Work is split into tasks
+// (batch, kv head, split of the key range); each task writes a partial
+// (acc, max, sum) per query row, and attention_merge combines the splits with
+// a log-sum-exp merge.  All query heads of a GQA group share every K/V tile.
+#pragma once
+
+#include <cstdint>
+
+#include "nexuskv/core/nq_format.h"
+
+namespace nexuskv::core {
+
+constexpr int64_t kTileTokens = 32;
+constexpr int64_t kMaxHeadDim = 256;
+
+// One compressed K or V cache of shape [B, H, capacity, D] as the kernel reads it.
+struct CompressedView {
+  const uint8_t* codes = nullptr;          // [B, H, capacity, row_bytes]
+  const void* scale = nullptr;             // [B, H, A, B_meta]  meta_dtype
+  const void* zero = nullptr;              // [B, H, A, B_meta]  meta_dtype
+  const uint8_t* outlier_idx = nullptr;    // [B, H, A, B_meta, k]
+  const void* outlier_val = nullptr;       // [B, H, A, B_meta, k]  val_dtype
+  const int32_t* segment_starts = nullptr; // [B, H, A] (DGQ keys) or null: fixed groups
+  DType meta_dtype = DType::kFloat32;
+  DType val_dtype = DType::kFloat32;
+  NQDims dims;                             // rows = B*H, tokens = capacity
+  int64_t meta_a = 0;                      // A: token groups / segments / tokens
+};
+
+struct AttentionProblem {
+  int64_t batch = 0, q_heads = 0, kv_heads = 0, q_len = 0, head_dim = 0;
+  const float* q = nullptr;               // [B, Hq, Lq, D] float32, contiguous
+  CompressedView k, v;
+  const int64_t* compressed_lens = nullptr;  // [B] valid compressed tokens per sequence
+  const float* k_tail = nullptr;          // [B, Hkv, tail_capacity, D] float32 or null
+  const float* v_tail = nullptr;          // [B, Hkv, tail_capacity, D] float32 or null
+  int64_t tail_capacity = 0;
+  const int64_t* tail_lens = nullptr;     // [B] valid tail tokens per sequence, or null
+  const float* rotation_signs = nullptr;  // [D] +-1: the cache is stored rotated, or null
+  float scale = 1.f;
+
+  int64_t rows_per_task() const { return (q_heads / kv_heads) * q_len; }
+  int64_t tail_len(int64_t b) const { return k_tail ? (tail_lens ? tail_lens[b] : tail_capacity) : 0; }
+  int64_t seq_len(int64_t b) const { return compressed_lens[b] + tail_len(b); }
+};
+
+// Floats of one task's partial result: per query row, acc[D] then max, sum.
+inline int64_t partial_floats(const AttentionProblem& p) { return p.rows_per_task() * (p.head_dim + 2); }
+
+// Splits of the key range per (batch, kv head) so that about `min_tasks`
+// tasks exist, never a split shorter than a few tiles.
+int64_t attention_num_splits(const AttentionProblem& p, int64_t min_tasks);
+
+// Runs tasks [begin, end) of B * Hkv * splits; task (b, h, s) writes
+// partials[task * partial_floats(p) ...].
+void attention_tasks(const AttentionProblem& p, int64_t splits, float* partials, int64_t begin, int64_t end);
+
+// Combines the splits of (b, h) pairs [begin, end) and writes
+// out [B, Hq, Lq, D] (float32), undoing the rotation.  A sequence of length
+// 0 gives zeros.
+void attention_merge(const AttentionProblem& p, int64_t splits, const float* partials, float* out,
+                     int64_t begin, int64_t end);
+
+// Which instruction set attention_tasks uses on this CPU ("avx512", "avx2",
+// "generic"); NEXUSKV_CPU_ISA=generic|avx2|avx512 caps it (for tests).
+const char* attention_isa();
+
+// Randomized Hadamard rotation of rows of length n (a power of two):
+// y = H (signs * x) / sqrt(n); inverse: x = signs * H y / sqrt(n).
+void hadamard_rotate_rows(const float* x, float* y, int64_t rows, int64_t n, const float* signs, bool inverse);
+
+}  // namespace nexuskv::core

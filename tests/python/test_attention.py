@@ -1,0 +1,337 @@
+"""dgq_fused_attention against a float64 reference: the cache is dequantized
+with the test's own reference decoder (nq_reference.py), rotated back with an
+explicit float64 Hadamard matrix, then plain causal softmax attention runs in
+float64.  Also rotation, operator hygiene, memory and bad input."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import nexuskv
+from nexuskv.ops import dgq_fused_attention, hadamard_rotate
+from nq_reference import F64, reference_dequantize
+
+KEY_AXIS, VALUE_AXIS = -2, -1
+
+
+def hadamard_f64(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=F64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def rotation_matrix(signs: torch.Tensor) -> torch.Tensor:
+    """R with rotate(x) = x @ R.T for row vectors x: R = H diag(signs) / sqrt(n)."""
+    n = signs.shape[0]
+    return hadamard_f64(n) @ torch.diag(signs.to(F64)) / math.sqrt(n)
+
+
+def random_signs(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, (n,), generator=g).float() * 2 - 1
+
+
+def reference_attention(q, k, v, comp_lens, k_tail, v_tail, tail_lens, scale):
+    """float64 causal attention; k, v [B, Hkv, Tc, D] dense float64 (original basis)."""
+    B, Hq, Lq, D = q.shape
+    group = Hq // k.shape[1]
+    out = torch.zeros(B, Hq, Lq, D, dtype=F64)
+    for b in range(B):
+        c = int(comp_lens[b])
+        t = int(tail_lens[b]) if k_tail is not None else 0
+        K, V = k[b, :, :c], v[b, :, :c]
+        if t:
+            K = torch.cat([K, k_tail[b, :, :t].to(F64)], 1)
+            V = torch.cat([V, v_tail[b, :, :t].to(F64)], 1)
+        L = c + t
+        if L == 0:
+            continue
+        K, V = K.repeat_interleave(group, 0), V.repeat_interleave(group, 0)
+        s = (q[b].to(F64) @ K.transpose(-1, -2)) * scale
+        pos = torch.arange(L - Lq, L)[:, None]
+        s = s.masked_fill(torch.arange(L)[None, :] > pos, -math.inf)
+        out[b] = torch.softmax(s, -1) @ V
+    return out
+
+
+class Case:
+    """A random cache: compressed K/V (optionally rotated, optionally DGQ keys) and a tail."""
+
+    def __init__(self, *, bits=4, group=32, ratio=4, kv_heads=2, q_len=1, head_dim=64, comp_lens=(70, 33),
+                 tail=0, tail_lens=None, rotate=False, dgq=False, k_outliers=1, dtype=torch.float32, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        B = len(comp_lens)
+        self.capacity = max(max(comp_lens), 1)
+        D = head_dim
+        self.k = torch.randn(B, kv_heads, self.capacity, D, generator=g).to(dtype)
+        self.v = torch.randn(B, kv_heads, self.capacity, D, generator=g).to(dtype)
+        self.k[..., 3] += 4.0  # an offset key channel, as real keys have
+        self.q = torch.randn(B, kv_heads * ratio, q_len, D, generator=g).to(dtype)
+        self.comp_lens = torch.tensor(comp_lens)
+        self.signs = random_signs(D, seed) if rotate else None
+        k_in, v_in = self.k, self.v
+        if rotate:
+            k_in, v_in = hadamard_rotate(k_in, self.signs), hadamard_rotate(v_in, self.signs)
+        self.k_format, self.v_format = [bits, group, KEY_AXIS], [bits, group, VALUE_AXIS]
+        if dgq:
+            parts = torch.ops.nexuskv.dgq_compress(k_in, bits, group, 16, 2 * group, k_outliers, None)
+            self.k_cache, self.k_starts = list(parts), parts[5]
+        else:
+            self.k_cache, self.k_starts = list(nexuskv.nq_compress(k_in, bits, group, KEY_AXIS, k_outliers)), None
+        self.v_cache = list(nexuskv.nq_compress(v_in, bits, group, VALUE_AXIS, 1))
+        self.k_tail = self.v_tail = self.tail_lens = None
+        if tail:
+            self.k_tail = torch.randn(B, kv_heads, tail, D, generator=g).to(dtype)
+            self.v_tail = torch.randn(B, kv_heads, tail, D, generator=g).to(dtype)
+            self.tail_lens = torch.tensor(tail_lens if tail_lens is not None else [tail] * B)
+        self.scale = D ** -0.5
+
+    def run(self, **overrides):
+        kw = dict(k_tail=self.k_tail, v_tail=self.v_tail, tail_lens=self.tail_lens, rotation_signs=self.signs,
+                  scale=self.scale)
+        kw.update(overrides)
+        return dgq_fused_attention(self.q, self.k_cache, self.v_cache, self.k_format, self.v_format, self.comp_lens,
+                                   **kw)
+
+    def reference(self):
+        D = self.q.shape[-1]
+        k = reference_dequantize(self.k_cache[:5], *self.k_format, D, segment_starts=self.k_starts)
+        v = reference_dequantize(self.v_cache, *self.v_format, D)
+        if self.signs is not None:
+            R = rotation_matrix(self.signs)
+            k, v = k @ R, v @ R  # rotate(x) = x R^T, so x = rotate(x) R
+        return reference_attention(self.q, k, v, self.comp_lens, self.k_tail, self.v_tail, self.tail_lens,
+                                   self.scale)
+
+
+def rel_err(a, b):
+    return float((a.to(F64) - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def has_dgq():
+    return hasattr(torch.ops.nexuskv, "dgq_compress")
+
+
+GRID = list(itertools.product(
+    (2, 3, 4, 8),              # bits
+    (1, 3, 4),                 # GQA ratio
+    (1, 4, 17),                # q_len
+    (0, 24),                   # tail tokens
+    (False, True),             # rotation
+    (False, True),             # DGQ keys
+))
+
+
+@pytest.mark.parametrize("bits,ratio,q_len,tail,rotate,dgq", GRID)
+def test_matches_float64_reference(bits, ratio, q_len, tail, rotate, dgq):
+    if dgq and not has_dgq():
+        pytest.skip("dgq_compress not built")
+    # Ragged: a long sequence, one not a multiple of the group, one shorter than a group.
+    comp_lens = (100, 45, 20) if tail else (100, 45, 20 + q_len)
+    case = Case(bits=bits, ratio=ratio, q_len=q_len, tail=tail, tail_lens=[tail, 5, tail] if tail else None,
+                comp_lens=comp_lens, rotate=rotate, dgq=dgq, seed=bits * 100 + ratio * 10 + q_len)
+    assert rel_err(case.run(), case.reference()) <= 1e-4
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_head_dims_and_dtypes(head_dim, dtype):
+    rotate = head_dim & (head_dim - 1) == 0
+    case = Case(head_dim=head_dim, dtype=dtype, q_len=2, tail=8, rotate=rotate, seed=head_dim)
+    out = case.run()
+    assert out.dtype == dtype and out.shape == case.q.shape
+    # float32 accumulation; the only extra error is the output rounding to dtype.
+    tol = 1e-4 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    assert rel_err(out, case.reference()) <= tol
+
+
+def test_zero_length_sequence_gives_zeros():
+    case = Case(comp_lens=(64, 0), q_len=1)
+    out = case.run()
+    assert torch.all(out[1] == 0) and torch.isfinite(out).all()
+    assert rel_err(out[0], case.reference()[0]) <= 1e-4
+
+
+def test_tail_only_and_long_split_context():
+    # All tokens in the tail (compressed_lens 0); and a context long enough to be split.
+    case = Case(comp_lens=(0, 0), tail=40, q_len=3)
+    assert rel_err(case.run(), case.reference()) <= 1e-4
+    long = Case(comp_lens=(3000,), kv_heads=1, ratio=4, q_len=1, seed=7)
+    assert rel_err(long.run(), long.reference()) <= 1e-4
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+def test_every_instruction_set_agrees(isa, tmp_path):
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch, nexuskv\n"
+        "sys.path.insert(0, %r)\n"
+        "from test_attention import Case, rel_err\n"
+        "c = Case(bits=3, ratio=3, q_len=5, tail=7, rotate=True, head_dim=128, seed=3)\n"
+        "print(rel_err(c.run(), c.reference()))\n" % str(__import__("pathlib").Path(__file__).parent))
+    env = dict(__import__("os").environ, NEXUSKV_CPU_ISA=isa)
+    err = float(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                               check=True).stdout)
+    assert err <= 1e-4
+
+
+# ---- rotation -------------------------------------------------------------------------------
+
+
+def test_hadamard_rotate_is_orthogonal_and_inverted():
+    x = torch.randn(5, 7, 128)
+    s = random_signs(128, 1)
+    y = hadamard_rotate(x, s)
+    torch.testing.assert_close(y.double(), x.double() @ rotation_matrix(s).T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hadamard_rotate(y, s, inverse=True), x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-5, atol=1e-5)
+
+
+def test_rotation_is_exact_without_quantization():
+    # Full-precision tail only: rotated and unrotated attention must agree.
+    case = Case(comp_lens=(0, 0), tail=50, q_len=4, rotate=True, head_dim=128)
+    rotated = case.run()
+    plain = case.run(rotation_signs=None)
+    assert (rotated - plain).abs().max() <= 1e-5
+
+
+def outlier_channel_kv(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(1, 2, 512, 128, generator=g)
+    v = torch.randn(1, 2, 512, 128, generator=g)
+    k[..., [5, 77]] *= 20  # outlier channels
+    v[..., [9, 100]] *= 20
+    q = torch.randn(1, 8, 1, 128, generator=g)
+    return q, k, v
+
+
+def per_token_attention_error(q, k, v, signs):
+    lens = torch.tensor([k.shape[2]])
+    ki, vi = (hadamard_rotate(k, signs), hadamard_rotate(v, signs)) if signs is not None else (k, v)
+    kc, vc = nexuskv.nq_compress(ki, 4, 64, -1), nexuskv.nq_compress(vi, 4, 64, -1)
+    out = dgq_fused_attention(q, kc, vc, [4, 64, -1], [4, 64, -1], lens, rotation_signs=signs)
+    ref = reference_attention(q, k.double(), v.double(), lens, None, None, None, 128 ** -0.5)
+    return rel_err(out, ref)
+
+
+def test_rotation_lowers_per_token_error_with_outlier_channels():
+    q, k, v = outlier_channel_kv(0)
+    plain = per_token_attention_error(q, k, v, None)
+    rotated = per_token_attention_error(q, k, v, random_signs(128, 0))
+    assert rotated < 0.75 * plain, (plain, rotated)  # measured 0.378 -> 0.190
+
+
+# ---- operator hygiene ------------------------------------------------------------------------
+
+
+def attention_args(case: Case):
+    return (case.q, case.k_cache, case.v_cache, case.k_format, case.v_format, case.comp_lens, case.k_tail,
+            case.v_tail, case.tail_lens, case.signs, case.scale)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(tail=8, q_len=3, rotate=True), dict(dtype=torch.bfloat16, ratio=3)])
+def test_opcheck(kw):
+    case = Case(**kw)
+    torch.library.opcheck(torch.ops.nexuskv.dgq_fused_attention.default, attention_args(case))
+    torch.library.opcheck(torch.ops.nexuskv.hadamard_rotate.default, (case.q, random_signs(64, 0), True))
+
+
+def test_torch_compile_fullgraph():
+    case = Case(tail=8, q_len=2)
+
+    def step(q):
+        return dgq_fused_attention(q, case.k_cache, case.v_cache, case.k_format, case.v_format, case.comp_lens,
+                                   case.k_tail, case.v_tail, case.tail_lens, None, case.scale) * 2
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(case.q), step(case.q), rtol=0, atol=0)
+
+
+def test_torchscript():
+    case = Case(tail=8)
+
+    @torch.jit.script
+    def scripted(q: torch.Tensor, kc: list[torch.Tensor], vc: list[torch.Tensor], lens: torch.Tensor,
+                 kt: torch.Tensor, vt: torch.Tensor):
+        return torch.ops.nexuskv.dgq_fused_attention(q, kc, vc, [4, 32, -2], [4, 32, -1], lens, kt, vt, None, None,
+                                                     None)
+
+    torch.testing.assert_close(scripted(case.q, case.k_cache, case.v_cache, case.comp_lens, case.k_tail, case.v_tail),
+                               case.run(tail_lens=None, scale=None), rtol=0, atol=0)
+
+
+def allocated_bytes(fn) -> int:
+    """Peak bytes allocated through torch's CPU allocator while fn runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += e.cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def test_extra_memory_does_not_grow_with_context():
+    # Scratch is per task (a tile, the query rows) and the partials are per split; the number
+    # of splits is capped by the thread count, so from 8K on nothing grows with the context.
+    short, long = (Case(comp_lens=(n,), kv_heads=2, head_dim=128, seed=1) for n in (8192, 32768))
+    a, b = allocated_bytes(short.run), allocated_bytes(long.run)
+    dense_long = 2 * long.k.numel() * 4
+    assert b <= a and b < dense_long / 1000, (a, b, dense_long)
+
+
+def test_requires_grad_rejected():
+    case = Case()
+    q = case.q.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="inference-only"):
+        dgq_fused_attention(q, case.k_cache, case.v_cache, case.k_format, case.v_format, case.comp_lens)
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+
+def bad(case: Case, **kw):
+    args = dict(q=case.q, k_cache=case.k_cache, v_cache=case.v_cache, k_format=case.k_format,
+                v_format=case.v_format, compressed_lens=case.comp_lens)
+    args.update(kw)
+    return lambda: dgq_fused_attention(**args)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda c: bad(c, q=torch.randn(2, 6, 1, 64)), r"q_heads \(6\) must be a multiple of kv_heads \(4\)"),
+    (lambda c: bad(c, q=torch.randn(2, 8, 1, 128)), "codes has 32 bytes per token, but bits=4 and head_dim=128"),
+    (lambda c: bad(c, q=torch.randn(2, 8, 1, 72)), "head_dim must be a multiple of 16"),
+    (lambda c: bad(c, q=torch.randn(2, 8, 64)), r"q must have shape \[batch, q_heads, q_len, head_dim\]"),
+    (lambda c: bad(c, q=torch.randn(2, 8, 1, 64).long()), "q must be float32, float16 or bfloat16"),
+    (lambda c: bad(c, q=torch.randn(3, 8, 1, 64)), "holds 2 sequences but q has 3"),
+    (lambda c: bad(c, compressed_lens=torch.tensor([70, 33, 1])), r"compressed_lens must have shape \[2\]"),
+    (lambda c: bad(c, compressed_lens=torch.tensor([71, 33])), r"compressed_lens\[0\] = 71 is outside \[0, 70\]"),
+    (lambda c: bad(c, compressed_lens=torch.tensor([-1, 33])), "is outside"),
+    (lambda c: bad(c, compressed_lens=torch.tensor([70., 33.])), "compressed_lens must be int32 or int64"),
+    (lambda c: bad(c, q=torch.randn(2, 8, 40, 64)), r"q_len \(40\) exceeds the length of sequence 1 \(33 tokens\)"),
+    (lambda c: bad(c, k_cache=c.k_cache[:4]), "k_cache must hold 5 tensors"),
+    (lambda c: bad(c, k_format=[4, 32]), r"k_format must be \[bits, group_size, axis\]"),
+    (lambda c: bad(c, k_format=[5, 32, -2]), "bits must be one of 2, 3, 4, 8, got 5"),
+    (lambda c: bad(c, v_format=[4, 32, -2]), "scale must have shape"),
+    (lambda c: bad(c, k_cache=[c.k_cache[0].float()] + c.k_cache[1:]), "codes must be uint8"),
+    (lambda c: bad(c, v_cache=c.v_cache[:2] + [c.v_cache[2].double()] + c.v_cache[3:]), "zero must have scale's dtype"),
+    (lambda c: bad(c, k_tail=torch.randn(2, 4, 3, 64)), "give both k_tail and v_tail"),
+    (lambda c: bad(c, k_tail=torch.randn(2, 4, 3, 64), v_tail=torch.randn(2, 4, 3, 32)), "must have shape"),
+    (lambda c: bad(c, k_tail=torch.randn(2, 4, 3, 64), v_tail=torch.randn(2, 4, 3, 64),
+                   tail_lens=torch.tensor([4, 0])), r"tail_lens\[0\] = 4 is outside \[0, 3\]"),
+    (lambda c: bad(c, rotation_signs=torch.ones(32)), r"rotation signs must have shape \[64\]"),
+    (lambda c: bad(c, rotation_signs=torch.full((64,), 0.5)), "must all be \\+1 or -1"),
+])
+def test_bad_input(make, match):
+    case = Case(ratio=2, kv_heads=4)
+    with pytest.raises(RuntimeError, match=match):
+        make(case)()
