@@ -32,4 +32,44 @@ at::Tensor nq_decompress(const at::Tensor& codes, const at::Tensor& scale, const
   return op.call(codes, scale, zero, outlier_idx, outlier_val, bits, group_size, axis, head_dim, out_dtype);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgq_compress(
+    const at::Tensor& x, int64_t bits, int64_t group_size, int64_t granule, std::optional<int64_t> max_len,
+    int64_t num_outliers, std::optional<at::ScalarType> meta_dtype) {
+  using Sig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, int64_t, int64_t, int64_t, std::optional<int64_t>, int64_t, std::optional<at::ScalarType>);
+  static const auto op = find_op<Sig>("nexuskv::dgq_compress");
+  return op.call(x, bits, group_size, granule, max_len, num_outliers, meta_dtype);
+}
+
+at::Tensor dgq_decompress(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zero,
+                          const at::Tensor& outlier_idx, const at::Tensor& outlier_val,
+                          const at::Tensor& segment_starts, int64_t bits, int64_t group_size, int64_t head_dim,
+                          std::optional<at::ScalarType> out_dtype) {
+  using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
+                         std::optional<at::ScalarType>);
+  static const auto op = find_op<Sig>("nexuskv::dgq_decompress");
+  return op.call(codes, scale, zero, outlier_idx, outlier_val, segment_starts, bits, group_size, head_dim,
+                 out_dtype);
+}
+
+at::Tensor dgq_fused_attention(const at::Tensor& q, at::TensorList k_cache, at::TensorList v_cache,
+                               at::IntArrayRef k_format, at::IntArrayRef v_format, const at::Tensor& compressed_lens,
+                               const std::optional<at::Tensor>& k_tail, const std::optional<at::Tensor>& v_tail,
+                               const std::optional<at::Tensor>& tail_lens,
+                               const std::optional<at::Tensor>& rotation_signs, std::optional<double> scale) {
+  using Sig = at::Tensor(const at::Tensor&, at::TensorList, at::TensorList, at::IntArrayRef, at::IntArrayRef,
+                         const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                         const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::optional<double>);
+  static const auto op = find_op<Sig>("nexuskv::dgq_fused_attention");
+  return op.call(q, k_cache, v_cache, k_format, v_format, compressed_lens, k_tail, v_tail, tail_lens, rotation_signs,
+                 scale);
+}
+
+at::Tensor hadamard_rotate(const at::Tensor& x, const at::Tensor& signs, bool inverse) {
+  using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, bool);
+  static const auto op = find_op<Sig>("nexuskv::hadamard_rotate");
+  return op.call(x, signs, inverse);
+}
+
 }  // namespace nexuskv

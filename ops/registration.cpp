@@ -1,7 +1,10 @@
 // The nexuskv operator surface: every schema, in one block.  Kernels register
 // beside their code (csrc/cpu, csrc/cuda) with TORCH_LIBRARY_IMPL; the
 // inference-only guard lives in ops/inference_only.cpp.
+#include <torch/custom_class.h>
 #include <torch/library.h>
+
+#include "nexuskv/cache.h"
 
 TORCH_LIBRARY(nexuskv, m) {
   // NQ block quantization; the compressed format is documented in
@@ -20,6 +23,19 @@ TORCH_LIBRARY(nexuskv, m) {
       "int bits, int group_size, int axis, int head_dim, ScalarType? out_dtype=None) -> Tensor",
       {at::Tag::pt2_compliant_tag});
 
+  // DGQ: per-channel quantization over token groups chosen from the data
+  // (segments of whole granules, at most max_len tokens, default 2*group_size;
+  // S = ceil(tokens / group_size) per row).  Returns the NQ buffers plus
+  // segment_starts [..., S] (int32).  Allocates its outputs.
+  m.def(
+      "dgq_compress(Tensor x, int bits, int group_size, int granule=16, int? max_len=None, int num_outliers=0, "
+      "ScalarType? meta_dtype=None) -> "
+      "(Tensor codes, Tensor scale, Tensor zero, Tensor outlier_idx, Tensor outlier_val, Tensor segment_starts)",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "dgq_decompress(Tensor codes, Tensor scale, Tensor zero, Tensor outlier_idx, Tensor outlier_val, "
+      "Tensor segment_starts, int bits, int group_size, int head_dim, ScalarType? out_dtype=None) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
   // Fused attention straight over the compressed cache:
   //   out = softmax(q . K^T * scale + causal) . V        [batch, q_heads, q_len, head_dim]
   // k_cache / v_cache: [codes, scale, zero, outlier_idx, outlier_val] (NQ) or
@@ -39,4 +55,27 @@ TORCH_LIBRARY(nexuskv, m) {
   // Randomized Hadamard rotation of the last dim (a power of two):
   // y = H (signs * x) / sqrt(n); inverse=True undoes it.  Allocates its output.
   m.def("hadamard_rotate(Tensor x, Tensor signs, bool inverse=False) -> Tensor", {at::Tag::pt2_compliant_tag});
+
+  // The compressed KV cache of one attention layer (policy: nexuskv/cache.h),
+  // for Python and TorchScript as torch.classes.nexuskv.KVCache.
+  m.class_<nexuskv::KVCache>("KVCache")
+      .def(torch::init([](int64_t key_bits, int64_t key_group_size, int64_t key_axis, int64_t key_outliers,
+                          bool key_dynamic, int64_t value_bits, int64_t value_group_size, int64_t value_axis,
+                          int64_t value_outliers, int64_t residual, bool rotate, int64_t seed) {
+        nexuskv::QuantSpec keys, values;
+        keys.bits = key_bits, keys.group_size = key_group_size, keys.axis = key_axis;
+        keys.num_outliers = key_outliers, keys.dynamic = key_dynamic;
+        values.bits = value_bits, values.group_size = value_group_size, values.axis = value_axis;
+        values.num_outliers = value_outliers;
+        return c10::make_intrusive<nexuskv::KVCache>(keys, values, residual, rotate, seed);
+      }))
+      .def("append", &nexuskv::KVCache::append)
+      .def("attend", &nexuskv::KVCache::attend)
+      .def("dense", &nexuskv::KVCache::dense)
+      .def("lengths", &nexuskv::KVCache::lengths)
+      .def("max_length", &nexuskv::KVCache::max_length)
+      .def("nbytes", &nexuskv::KVCache::nbytes)
+      .def("used_nbytes", &nexuskv::KVCache::used_nbytes)
+      .def("chunk", &nexuskv::KVCache::chunk)
+      .def("reset", &nexuskv::KVCache::reset);
 }

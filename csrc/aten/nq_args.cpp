@@ -154,10 +154,8 @@ core::NQDims dgq_decompress_dims(const char* op, const at::Tensor& codes, const 
     TORCH_CHECK(s[0] == 0, op, ": segment_starts of row ", r, " must begin at token 0, got ", s[0]);
     for (int64_t i = 0; i < S; ++i) {
       const int64_t end = i + 1 < S ? s[i + 1] : d.tokens;
-      TORCH_CHECK(s[i] <= end && end <= d.tokens && end - s[i] <= core::kMaxGroupSize, op,
-                  ": segment_starts of row ", r, " must be non-decreasing within [0, ", d.tokens,
-                  "] with segments of at most ", core::kMaxGroupSize, " tokens; segment ", i, " is [", s[i], ", ",
-                  end, ")");
+      TORCH_CHECK(s[i] <= end && end <= d.tokens, op, ": segment_starts of row ", r,
+                  " must be non-decreasing within [0, ", d.tokens, "]; segment ", i, " is [", s[i], ", ", end, ")");
     }
   }
   return d;

@@ -34,8 +34,8 @@ core::NQDims nq_decompress_dims(const char* op, const at::Tensor& codes, const a
                                 int64_t group_size, int64_t axis, int64_t head_dim);
 
 // The same for a DGQ tensor: the five NQ buffers (grouping along tokens) plus
-// segment_starts int32 [..., S], checked to be ordered segments of at most
-// kMaxGroupSize tokens starting at 0 (the readers rely on it).
+// segment_starts int32 [..., S], checked to be ordered segments starting at 0
+// within [0, tokens] (the readers rely on it).
 core::NQDims dgq_decompress_dims(const char* op, const at::Tensor& codes, const at::Tensor& scale,
                                  const at::Tensor& zero, const at::Tensor& outlier_idx,
                                  const at::Tensor& outlier_val, const at::Tensor& segment_starts, int64_t bits,

@@ -47,6 +47,45 @@ inline float exp_nonpos(float x) {
   return x < -87.f ? 0.f : p * two_n;
 }
 
+// dst[0..n) = p[off .. off + n) as float32; the dtype switch is outside the
+// loops so that they vectorize.
+void load_floats(const void* p, DType t, int64_t off, int64_t n, float* __restrict dst) {
+  if (t == DType::kFloat32) {
+    std::memcpy(dst, static_cast<const float*>(p) + off, size_t(n) * sizeof(float));
+  } else if (t == DType::kBFloat16) {
+    const uint16_t* src = static_cast<const uint16_t*>(p) + off;
+    for (int64_t i = 0; i < n; ++i) dst[i] = bits_float(uint32_t(src[i]) << 16);
+  } else {
+    const uint16_t* src = static_cast<const uint16_t*>(p) + off;
+    for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(src[i]);
+  }
+}
+
+// Sum of v[0..n) with 16 independent partial sums (an in-order float sum
+// cannot be vectorized without -ffast-math).
+inline float sum_f(const float* __restrict v, int64_t n) {
+  float part[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) part[l] += v[i + l];
+  for (; i < n; ++i) part[0] += v[i];
+  float s = 0.f;
+  for (int l = 0; l < 16; ++l) s += part[l];
+  return s;
+}
+
+// Dot product of a[0..n) and b[0..n), the same way.
+inline float dot_f(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float part[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) part[l] += a[i + l] * b[i + l];
+  for (; i < n; ++i) part[0] += a[i] * b[i];
+  float s = 0.f;
+  for (int l = 0; l < 16; ++l) s += part[l];
+  return s;
+}
+
 inline float load_float(const void* p, DType t, int64_t i) {
   switch (t) {
     case DType::kFloat16: return half_to_float(static_cast<const uint16_t*>(p)[i]);
@@ -55,8 +94,9 @@ inline float load_float(const void* p, DType t, int64_t i) {
   }
 }
 
-// dst[c] = code(c) * s[c] + z[c] for one packed row, c < D (D % 16 == 0).
-template <int kBits>
+// dst[c] = code(c) * s[c] + z[c] for one packed row, c < D (D % 16 == 0);
+// with kAffine false just dst[c] = code(c) (scales are folded elsewhere).
+template <int kBits, bool kAffine = true>
 void dequant_row(const uint8_t* __restrict packed, int64_t D, const float* __restrict s,
                  const float* __restrict z, float* __restrict dst) {
   constexpr int kChunk = kBits == 8 ? 16 : kBits == 4 ? 32 : 64;
@@ -71,7 +111,10 @@ void dequant_row(const uint8_t* __restrict packed, int64_t D, const float* __res
       for (int l = 0; l < 16; ++l) {
         uint32_t code = (packed[l] >> (kLowBits * j)) & kMask;
         if constexpr (kBits == 3) code |= ((uint32_t(packed[16 + (l & 7)]) >> (2 * j + (l >> 3))) & 1u) << 2;
-        dst[c0 + l] = float(code) * s[c0 + l] + z[c0 + l];
+        if constexpr (kAffine)
+          dst[c0 + l] = float(code) * s[c0 + l] + z[c0 + l];
+        else
+          dst[c0 + l] = float(code);
       }
     }
   }
@@ -83,6 +126,15 @@ void dequant_row_bits(int bits, const uint8_t* packed, int64_t D, const float* s
     case 3: dequant_row<3>(packed, D, s, z, dst); break;
     case 4: dequant_row<4>(packed, D, s, z, dst); break;
     default: dequant_row<8>(packed, D, s, z, dst); break;
+  }
+}
+
+void codes_row_bits(int bits, const uint8_t* packed, int64_t D, float* dst) {
+  switch (bits) {
+    case 2: dequant_row<2, false>(packed, D, nullptr, nullptr, dst); break;
+    case 3: dequant_row<3, false>(packed, D, nullptr, nullptr, dst); break;
+    case 4: dequant_row<4, false>(packed, D, nullptr, nullptr, dst); break;
+    default: dequant_row<8, false>(packed, D, nullptr, nullptr, dst); break;
   }
 }
 
@@ -126,8 +178,8 @@ void dequant_tile(const CompressedView& c, int64_t bh, const GroupCursor& cur, i
   const uint8_t* codes = c.codes + (bh * d.tokens) * rb;
   if (d.axis == GroupAxis::kTokens) {
     const int64_t g = (bh * c.meta_a + cur.group()) * Bm;  // first meta entry of the group
-    for (int64_t ch = 0; ch < D; ++ch) s_buf[ch] = load_float(c.scale, c.meta_dtype, g + ch);
-    for (int64_t ch = 0; ch < D; ++ch) z_buf[ch] = load_float(c.zero, c.meta_dtype, g + ch);
+    load_floats(c.scale, c.meta_dtype, g, D, s_buf);
+    load_floats(c.zero, c.meta_dtype, g, D, z_buf);
     for (int64_t t = t0; t < t1; ++t) dequant_row_bits(d.bits, codes + t * rb, D, s_buf, z_buf, dst + (t - t0) * D);
     for (int64_t ch = 0; k && ch < D; ++ch)
       for (int64_t slot = 0; slot < k; ++slot) {
@@ -155,75 +207,105 @@ void dequant_tile(const CompressedView& c, int64_t bh, const GroupCursor& cur, i
   }
 }
 
-// out[i] = q_i . k for four query rows against one key row (D % 16 == 0).
-inline void dot4(const float* q0, const float* q1, const float* q2, const float* q3, const float* __restrict k,
-                 int64_t D, float* out) {
+// out[i * 4 + j] = q_i . k_j for four query rows and four key rows (D % 16 == 0).
+inline void dot4x4(const float* const* q, const float* __restrict k, int64_t D, float* out) {
 #if defined(__AVX512F__)
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  __m512 a[4][4];
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 16) {
-    const __m512 kv = _mm512_loadu_ps(k + d);
-    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d), kv, a0);
-    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + d), kv, a1);
-    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q2 + d), kv, a2);
-    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q3 + d), kv, a3);
-  }
-  out[0] = _mm512_reduce_add_ps(a0), out[1] = _mm512_reduce_add_ps(a1);
-  out[2] = _mm512_reduce_add_ps(a2), out[3] = _mm512_reduce_add_ps(a3);
-#elif defined(__AVX2__)
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t d = 0; d < D; d += 8) {
-    const __m256 kv = _mm256_loadu_ps(k + d);
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), kv, a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), kv, a1);
-    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d), kv, a2);
-    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + d), kv, a3);
-  }
-  auto hsum = [](__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  };
-  out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
-#else
-  float a[4][8] = {};
-  for (int64_t d = 0; d < D; d += 8)
-    for (int l = 0; l < 8; ++l) {
-      const float kv = k[d + l];
-      a[0][l] += q0[d + l] * kv, a[1][l] += q1[d + l] * kv, a[2][l] += q2[d + l] * kv, a[3][l] += q3[d + l] * kv;
+    __m512 kv[4];
+    for (int j = 0; j < 4; ++j) kv[j] = _mm512_loadu_ps(k + j * D + d);
+    for (int i = 0; i < 4; ++i) {
+      const __m512 qv = _mm512_loadu_ps(q[i] + d);
+      for (int j = 0; j < 4; ++j) a[i][j] = _mm512_fmadd_ps(qv, kv[j], a[i][j]);
     }
-  for (int i = 0; i < 4; ++i) {
-    float s = 0.f;
-    for (int l = 0; l < 8; ++l) s += a[i][l];
-    out[i] = s;
   }
+  // Sum each accumulator: fold 512 -> 256 bits, then three hadds give the four sums of a row.
+  for (int i = 0; i < 4; ++i) {
+    __m256 y[4];
+    for (int j = 0; j < 4; ++j)
+      y[j] = _mm256_add_ps(_mm512_castps512_ps256(a[i][j]),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i][j]), 1)));
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(y[0], y[1]), _mm256_hadd_ps(y[2], y[3]));
+    _mm_storeu_ps(out + 4 * i, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
+#elif defined(__AVX2__)
+  __m256 a[4][4];
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j) a[i][j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 kv[4];
+    for (int j = 0; j < 4; ++j) kv[j] = _mm256_loadu_ps(k + j * D + d);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 qv = _mm256_loadu_ps(q[i] + d);
+      for (int j = 0; j < 4; ++j) a[i][j] = _mm256_fmadd_ps(qv, kv[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[i][0], a[i][1]), _mm256_hadd_ps(a[i][2], a[i][3]));
+    _mm_storeu_ps(out + 4 * i, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
+#else
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j) {
+      float acc[8] = {};
+      for (int64_t d = 0; d < D; d += 8)
+        for (int l = 0; l < 8; ++l) acc[l] += q[i][d + l] * k[j * D + d + l];
+      float sum = 0.f;
+      for (int l = 0; l < 8; ++l) sum += acc[l];
+      out[4 * i + j] = sum;
+    }
 #endif
 }
 
-// acc[0..D) += sum_j p[j] * v[j*D ..] over n rows, a 16-float slice of acc in
-// registers at a time.
-inline void accumulate_pv(float* __restrict acc, const float* __restrict p, const float* __restrict v, int64_t n,
-                          int64_t D) {
+// acc_i[d] += sum_j w_i[j * nb + d / G] * v[j * D + d] for R query rows at once
+// (each V load serves all R rows); nb weights per token, one per channel group
+// of G channels (G % 16 == 0), nb = 1 and G = D for plain probabilities.
+template <int R>
+void pv_block(float* const* acc, const float* const* w, int64_t nb, int64_t G, const float* __restrict v, int64_t n,
+              int64_t D) {
   for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    const int64_t b = d0 / G;
 #if defined(__AVX512F__)
-    __m512 a = _mm512_loadu_ps(acc + d0);
-    for (int64_t j = 0; j < n; ++j) a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(v + j * D + d0), a);
-    _mm512_storeu_ps(acc + d0, a);
-#elif defined(__AVX2__)
-    __m256 a = _mm256_loadu_ps(acc + d0), b = _mm256_loadu_ps(acc + d0 + 8);
+    __m512 a[R];
+    for (int i = 0; i < R; ++i) a[i] = _mm512_loadu_ps(acc[i] + d0);
     for (int64_t j = 0; j < n; ++j) {
-      const __m256 pj = _mm256_set1_ps(p[j]);
-      a = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * D + d0), a);
-      b = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * D + d0 + 8), b);
+      const __m512 vj = _mm512_loadu_ps(v + j * D + d0);
+      for (int i = 0; i < R; ++i) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i][j * nb + b]), vj, a[i]);
     }
-    _mm256_storeu_ps(acc + d0, a), _mm256_storeu_ps(acc + d0 + 8, b);
+    for (int i = 0; i < R; ++i) _mm512_storeu_ps(acc[i] + d0, a[i]);
+#elif defined(__AVX2__)
+    __m256 a[R][2];
+    for (int i = 0; i < R; ++i) a[i][0] = _mm256_loadu_ps(acc[i] + d0), a[i][1] = _mm256_loadu_ps(acc[i] + d0 + 8);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(v + j * D + d0), v1 = _mm256_loadu_ps(v + j * D + d0 + 8);
+      for (int i = 0; i < R; ++i) {
+        const __m256 wj = _mm256_set1_ps(w[i][j * nb + b]);
+        a[i][0] = _mm256_fmadd_ps(wj, v0, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(wj, v1, a[i][1]);
+      }
+    }
+    for (int i = 0; i < R; ++i) _mm256_storeu_ps(acc[i] + d0, a[i][0]), _mm256_storeu_ps(acc[i] + d0 + 8, a[i][1]);
 #else
-    float a[16];
-    std::memcpy(a, acc + d0, sizeof(a));
-    for (int64_t j = 0; j < n; ++j)
-      for (int l = 0; l < 16; ++l) a[l] += p[j] * v[j * D + d0 + l];
-    std::memcpy(acc + d0, a, sizeof(a));
+    for (int i = 0; i < R; ++i) {
+      float a[16];
+      std::memcpy(a, acc[i] + d0, sizeof(a));
+      for (int64_t j = 0; j < n; ++j)
+        for (int l = 0; l < 16; ++l) a[l] += w[i][j * nb + b] * v[j * D + d0 + l];
+      std::memcpy(acc[i] + d0, a, sizeof(a));
+    }
 #endif
+  }
+}
+
+void pv_rows(int R, float* const* acc, const float* const* w, int64_t nb, int64_t G, const float* v, int64_t n,
+             int64_t D) {
+  switch (R) {
+    case 1: pv_block<1>(acc, w, nb, G, v, n, D); break;
+    case 2: pv_block<2>(acc, w, nb, G, v, n, D); break;
+    case 3: pv_block<3>(acc, w, nb, G, v, n, D); break;
+    default: pv_block<4>(acc, w, nb, G, v, n, D); break;
   }
 }
 
@@ -245,58 +327,172 @@ inline void fill_f(float* p, int64_t n, float v) {
   for (int64_t i = 0; i < n; ++i) p[i] = v;
 }
 
+// A tile of keys/values ready for attend(): float rows plus how to read them.
+struct Tile {
+  const float* k = nullptr;        // [n, D] keys, or raw codes when k_query is the folded one
+  const float* k_query = nullptr;  // [rows, D] queries to dot with k (scaled by the key group's scales)
+  const float* k_bias = nullptr;   // [rows] added to every score (q . key zeros), or null
+  const float* v = nullptr;        // [n, D] values, or raw codes when v_scale is set
+  const float* v_scale = nullptr;  // [n, nb] per-token channel-group scales of folded values, or null
+  const float* v_zero = nullptr;   // [n, nb]
+  int64_t nb = 1, group = 0;       // channel groups per token and their width (folded values)
+};
+
 // Per-task state: the GQA group's query rows and their running softmax.
 struct TaskState {
   int64_t rows, D;
   FloatBuf q;        // [rows, D] scaled (and rotated) queries
+  FloatBuf qk;       // [rows, D] q times the current key group's scales (folded keys)
+  FloatBuf kbias;    // [rows] q . the current key group's zeros
   FloatBuf acc;      // [rows, D]
+  FloatBuf zacc;     // [rows, D / 16] sum of p * zero per channel group (folded values)
   FloatBuf m, l;     // [rows] running max and sum
   FloatBuf scores;   // [rows, kTileTokens]
-  FloatBuf k_tile, v_tile, s_buf, z_buf;
+  FloatBuf weights;  // [rows, kTileTokens * D / 16] p * value scale per token and channel group
+  FloatBuf k_tile, v_tile, s_buf, z_buf, vs, vz;
+  FloatBuf spare;    // [4, D] keys of a partial block of four
   int64_t* pos;      // [rows] position of each query row
 
   TaskState(int64_t rows_, int64_t D_)
-      : rows(rows_), D(D_), q(rows_ * D_), acc(rows_ * D_), m(rows_), l(rows_), scores(rows_ * kTileTokens),
-        k_tile(kTileTokens * D_), v_tile(kTileTokens * D_), s_buf(D_), z_buf(D_), pos(new int64_t[size_t(rows_)]) {}
+      : rows(rows_), D(D_), q(rows_ * D_), qk(rows_ * D_), kbias(rows_), acc(rows_ * D_), zacc(rows_ * (D_ / 16)),
+        m(rows_), l(rows_), scores(rows_ * kTileTokens), weights(rows_ * kTileTokens * (D_ / 16)),
+        k_tile(kTileTokens * D_), v_tile(kTileTokens * D_), s_buf(D_), z_buf(D_), vs(kTileTokens * (D_ / 16)),
+        vz(kTileTokens * (D_ / 16)), spare(4 * D_), pos(new int64_t[size_t(rows_)]) {}
   ~TaskState() { delete[] pos; }
 
   void reset() {
     fill_f(acc.p, rows * D, 0.f);
+    fill_f(zacc.p, rows * (D / 16), 0.f);
     fill_f(m.p, rows, kNegInf);
     fill_f(l.p, rows, 0.f);
   }
 
-  // One tile of n keys at positions first_pos.. (k, v: [n, D] float).
-  void attend(const float* k, const float* v, int64_t n, int64_t first_pos) {
+  // scores[r, j] = k_query_r . k_j (+ k_bias_r) for the n keys of a tile.
+  void compute_scores(const Tile& t, int64_t n) {
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
       const float* qr[4];
-      for (int i = 0; i < 4; ++i) qr[i] = q.p + std::min(r0 + i, rows - 1) * D;
-      for (int64_t j = 0; j < n; ++j) {
-        float s[4];
-        dot4(qr[0], qr[1], qr[2], qr[3], k + j * D, D, s);
-        for (int i = 0; i < 4 && r0 + i < rows; ++i) scores.p[(r0 + i) * kTileTokens + j] = s[i];
+      for (int i = 0; i < 4; ++i) qr[i] = t.k_query + std::min(r0 + i, rows - 1) * D;
+      for (int64_t j0 = 0; j0 < n; j0 += 4) {
+        float s[16];
+        if (j0 + 4 <= n) {
+          dot4x4(qr, t.k + j0 * D, D, s);
+        } else {  // last partial block: repeat the last key
+          const float* kr[4];
+          float* kb = spare.p;
+          for (int j = 0; j < 4; ++j) kr[j] = t.k + std::min(j0 + j, n - 1) * D;
+          for (int j = 0; j < 4; ++j) std::memcpy(kb + j * D, kr[j], size_t(D) * sizeof(float));
+          dot4x4(qr, kb, D, s);
+        }
+        for (int i = 0; i < 4 && r0 + i < rows; ++i)
+          for (int j = 0; j < 4 && j0 + j < n; ++j)
+            scores.p[(r0 + i) * kTileTokens + j0 + j] = s[4 * i + j] + (t.k_bias ? t.k_bias[r0 + i] : 0.f);
       }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      float* sr = scores.p + r * kTileTokens;
-      const int64_t visible = std::clamp<int64_t>(pos[r] - first_pos + 1, 0, n);  // causal mask
-      if (visible == 0) continue;
-      float tile_max = kNegInf;
-      for (int64_t j = 0; j < visible; ++j) tile_max = max_f(tile_max, sr[j]);
-      const float m_new = max_f(m.p[r], tile_max);
-      const float alpha = exp_nonpos(m.p[r] - m_new);
-      float sum = 0.f;
-      for (int64_t j = 0; j < visible; ++j) sr[j] = exp_nonpos(sr[j] - m_new);
-      for (int64_t j = 0; j < visible; ++j) sum += sr[j];
-      float* ar = acc.p + r * D;
-      if (alpha != 1.f)
-        for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
-      accumulate_pv(ar, sr, v, visible, D);
-      l.p[r] = l.p[r] * alpha + sum;
-      m.p[r] = m_new;
+  }
+
+  // Online softmax over the tile's scores (causal), then acc += p . V.
+  void update(const Tile& t, int64_t n, int64_t first_pos) {
+    const int64_t nb = t.v_scale ? t.nb : 1, G = t.v_scale ? t.group : D;
+    int64_t visible[4];
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int R = int(std::min<int64_t>(4, rows - r0));
+      float* acc_rows[4];
+      const float* w_rows[4];
+      int64_t vis_max = 0;
+      for (int i = 0; i < R; ++i) {
+        const int64_t r = r0 + i;
+        float* sr = scores.p + r * kTileTokens;
+        visible[i] = std::clamp<int64_t>(pos[r] - first_pos + 1, 0, n);  // causal mask
+        vis_max = std::max(vis_max, visible[i]);
+        float tile_max = kNegInf;
+        for (int64_t j = 0; j < visible[i]; ++j) tile_max = max_f(tile_max, sr[j]);
+        const float m_new = max_f(m.p[r], tile_max);
+        const float alpha = m_new == kNegInf ? 1.f : exp_nonpos(m.p[r] - m_new);
+        for (int64_t j = 0; j < n; ++j) sr[j] = j < visible[i] ? exp_nonpos(sr[j] - m_new) : 0.f;
+        const float sum = sum_f(sr, n);
+        float* ar = acc.p + r * D;
+        if (alpha != 1.f) {
+          for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+          for (int64_t b = 0; b < D / 16; ++b) zacc.p[r * (D / 16) + b] *= alpha;
+        }
+        l.p[r] = l.p[r] * alpha + sum;
+        m.p[r] = m_new;
+        acc_rows[i] = ar;
+        if (t.v_scale) {  // fold the values' per-token scales into the weights, their zeros into zacc
+          float* w = weights.p + r * kTileTokens * nb;
+          float* za = zacc.p + r * (D / 16);
+          for (int64_t j = 0; j < n; ++j)
+            for (int64_t b = 0; b < nb; ++b) {
+              w[j * nb + b] = sr[j] * t.v_scale[j * nb + b];
+              za[b] += sr[j] * t.v_zero[j * nb + b];
+            }
+          w_rows[i] = w;
+        } else {
+          w_rows[i] = sr;
+        }
+      }
+      if (vis_max > 0) pv_rows(R, acc_rows, w_rows, nb, G, t.v, vis_max, D);
     }
   }
 };
+
+// Folded keys: qk = q * scale and kbias = q . zero of key group g.
+void load_key_group(const CompressedView& c, int64_t bh, int64_t g, TaskState& st) {
+  const int64_t D = st.D, e0 = (bh * c.meta_a + g) * D;
+  load_floats(c.scale, c.meta_dtype, e0, D, st.s_buf.p);
+  load_floats(c.zero, c.meta_dtype, e0, D, st.z_buf.p);
+  for (int64_t r = 0; r < st.rows; ++r) {
+    const float* q = st.q.p + r * D;
+    float* qk = st.qk.p + r * D;
+    for (int64_t d = 0; d < D; ++d) qk[d] = q[d] * st.s_buf.p[d];
+    st.kbias.p[r] = dot_f(q, st.z_buf.p, D);
+  }
+}
+
+// Folded keys: scores saw code*scale+zero at outlier positions; add q * (exact - that).
+void correct_key_outliers(const CompressedView& c, int64_t bh, const GroupCursor& cur, int64_t t0, int64_t t1,
+                          TaskState& st) {
+  const int64_t k = c.dims.num_outliers, D = st.D;
+  if (k == 0) return;
+  const int64_t g = (bh * c.meta_a + cur.group()) * D;
+  for (int64_t ch = 0; ch < D; ++ch)
+    for (int64_t slot = 0; slot < k; ++slot) {
+      const int64_t e = (g + ch) * k + slot, t = cur.start() + c.outlier_idx[e];
+      if (t < t0 || t >= t1) continue;
+      const float approx = st.k_tile.p[(t - t0) * D + ch] * st.s_buf.p[ch] + st.z_buf.p[ch];
+      const float delta = load_float(c.outlier_val, c.val_dtype, e) - approx;
+      for (int64_t r = 0; r < st.rows; ++r) st.scores.p[r * kTileTokens + (t - t0)] += st.q.p[r * D + ch] * delta;
+    }
+}
+
+// Folded values: codes of tokens [t0, t1) into v_tile, their per-group scales and zeros into vs / vz.
+void load_value_rows(const CompressedView& c, int64_t bh, int64_t t0, int64_t t1, TaskState& st) {
+  const NQDims& d = c.dims;
+  const int64_t D = st.D, nb = d.meta_b(), rb = d.packed_row_bytes();
+  for (int64_t t = t0; t < t1; ++t) {
+    codes_row_bits(d.bits, c.codes + (bh * d.tokens + t) * rb, D, st.v_tile.p + (t - t0) * D);
+  }
+  // The tile's scales and zeros are contiguous: [t0, t1) x nb.
+  load_floats(c.scale, c.meta_dtype, (bh * c.meta_a + t0) * nb, (t1 - t0) * nb, st.vs.p);
+  load_floats(c.zero, c.meta_dtype, (bh * c.meta_a + t0) * nb, (t1 - t0) * nb, st.vz.p);
+}
+
+// Folded values: acc saw code*scale+zero at outlier positions; add p * (exact - that).
+void correct_value_outliers(const CompressedView& c, int64_t bh, int64_t t0, int64_t t1, TaskState& st) {
+  const NQDims& d = c.dims;
+  const int64_t k = d.num_outliers, D = st.D, nb = d.meta_b(), G = d.group_size;
+  if (k == 0) return;
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t slot = 0; slot < k; ++slot) {
+        const int64_t e = ((bh * c.meta_a + t) * nb + b) * k + slot, ch = b * G + c.outlier_idx[e];
+        if (ch >= D) continue;
+        const int64_t j = t - t0;
+        const float approx = st.v_tile.p[j * D + ch] * st.vs.p[j * nb + b] + st.vz.p[j * nb + b];
+        const float delta = load_float(c.outlier_val, c.val_dtype, e) - approx;
+        for (int64_t r = 0; r < st.rows; ++r) st.acc.p[r * D + ch] += st.scores.p[r * kTileTokens + j] * delta;
+      }
+}
 
 }  // namespace
 
@@ -304,6 +500,11 @@ void attention_tasks_impl(const AttentionProblem& p, int64_t splits, float* part
   const int64_t D = p.head_dim, group = p.q_heads / p.kv_heads, rows = p.rows_per_task();
   TaskState st(rows, D);
   FloatBuf rotated(2 * kTileTokens * D);
+  // Scales folded out of the inner loops: per-channel key scales into the
+  // queries (once per group), per-token value scales into the weights.
+  const bool fold_k = p.k.dims.axis == GroupAxis::kTokens;
+  const bool fold_v = p.v.dims.axis == GroupAxis::kChannels && p.v.dims.group_size % 16 == 0;
+  const int64_t k_rb = p.k.dims.packed_row_bytes();
   for (int64_t task = begin; task < end; ++task) {
     const int64_t s = task % splits, bh = task / splits, b = bh / p.kv_heads, h = bh % p.kv_heads;
     const int64_t L = p.seq_len(b), comp = p.compressed_lens[b];
@@ -311,6 +512,7 @@ void attention_tasks_impl(const AttentionProblem& p, int64_t splits, float* part
     const int64_t span = ceil_div(ceil_div(L, splits), kTileTokens) * kTileTokens;
     const int64_t lo = std::min(L, s * span), hi = std::min(L, lo + span);
     st.reset();
+    const uint8_t* k_codes = p.k.codes + bh * p.k.dims.tokens * k_rb;
     for (int64_t gq = 0; gq < group; ++gq)
       for (int64_t i = 0; i < p.q_len; ++i) {
         const int64_t r = gq * p.q_len + i;
@@ -322,12 +524,37 @@ void attention_tasks_impl(const AttentionProblem& p, int64_t splits, float* part
       }
     // Compressed keys [lo, min(hi, comp)), in tiles that never straddle a group.
     GroupCursor kc(p.k, bh), vc(p.v, bh);
+    int64_t k_group_loaded = -1;
     for (int64_t t = lo; t < std::min(hi, comp);) {
       kc.seek(t), vc.seek(t);
       const int64_t te = std::min({t + kTileTokens, std::min(hi, comp), kc.end(), vc.end()});
-      dequant_tile(p.k, bh, kc, t, te, st.k_tile.p, st.s_buf.p, st.z_buf.p);
-      dequant_tile(p.v, bh, vc, t, te, st.v_tile.p, st.s_buf.p, st.z_buf.p);
-      st.attend(st.k_tile.p, st.v_tile.p, te - t, t);
+      const int64_t n = te - t;
+      Tile tile;
+      if (fold_k) {
+        if (kc.group() != k_group_loaded) {
+          load_key_group(p.k, bh, kc.group(), st);
+          k_group_loaded = kc.group();
+        }
+        for (int64_t j = 0; j < n; ++j) codes_row_bits(p.k.dims.bits, k_codes + (t + j) * k_rb, D, st.k_tile.p + j * D);
+        tile.k = st.k_tile.p, tile.k_query = st.qk.p, tile.k_bias = st.kbias.p;
+        st.compute_scores(tile, n);
+        correct_key_outliers(p.k, bh, kc, t, te, st);
+      } else {
+        dequant_tile(p.k, bh, kc, t, te, st.k_tile.p, st.s_buf.p, st.z_buf.p);
+        tile.k = st.k_tile.p, tile.k_query = st.q.p;
+        st.compute_scores(tile, n);
+      }
+      if (fold_v) {
+        load_value_rows(p.v, bh, t, te, st);
+        tile.v = st.v_tile.p, tile.v_scale = st.vs.p, tile.v_zero = st.vz.p;
+        tile.nb = p.v.dims.meta_b(), tile.group = p.v.dims.group_size;
+        st.update(tile, n, t);
+        correct_value_outliers(p.v, bh, t, te, st);
+      } else {
+        dequant_tile(p.v, bh, vc, t, te, st.v_tile.p, st.s_buf.p, st.z_buf.p);
+        tile.v = st.v_tile.p;
+        st.update(tile, n, t);
+      }
       t = te;
     }
     // Full-precision tail: positions comp + j, rotated on the fly when the cache is.
@@ -341,10 +568,15 @@ void attention_tasks_impl(const AttentionProblem& p, int64_t splits, float* part
         hadamard_rotate_rows(v, rotated.p + kTileTokens * D, n, D, p.rotation_signs, false);
         k = rotated.p, v = rotated.p + kTileTokens * D;
       }
-      st.attend(k, v, n, t);
+      Tile tile;
+      tile.k = k, tile.k_query = st.q.p, tile.v = v;
+      st.compute_scores(tile, n);
+      st.update(tile, n, t);
     }
     float* out = partials + task * partial_floats(p);
     for (int64_t r = 0; r < rows; ++r) {
+      if (fold_v)  // the values' zeros, summed per channel group
+        for (int64_t d = 0; d < D; ++d) st.acc.p[r * D + d] += st.zacc.p[r * (D / 16) + d / p.v.dims.group_size];
       std::memcpy(out + r * (D + 2), st.acc.p + r * D, size_t(D) * sizeof(float));
       out[r * (D + 2) + D] = st.m.p[r];
       out[r * (D + 2) + D + 1] = st.l.p[r];

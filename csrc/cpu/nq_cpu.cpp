@@ -8,6 +8,7 @@
 
 #include "../aten/core_dispatch.h"
 #include "../aten/nq_args.h"
+#include "nq_cpu.h"
 #include "nexuskv/core/nq_kernels.h"
 
 namespace nexuskv {
@@ -50,25 +51,33 @@ NQTensors nq_compress_cpu(const at::Tensor& x, int64_t bits, int64_t group_size,
   return out;
 }
 
-at::Tensor nq_decompress_cpu(const at::Tensor& codes_in, const at::Tensor& scale_in, const at::Tensor& zero_in,
-                             const at::Tensor& idx_in, const at::Tensor& val_in, int64_t bits, int64_t group_size,
+at::Tensor nq_decompress_cpu(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zero,
+                             const at::Tensor& idx, const at::Tensor& val, int64_t bits, int64_t group_size,
                              int64_t axis, int64_t head_dim, std::optional<at::ScalarType> out_dtype) {
   const core::NQDims d =
-      nq_decompress_dims("nq_decompress", codes_in, scale_in, zero_in, idx_in, val_in, bits, group_size, axis, head_dim);
+      nq_decompress_dims("nq_decompress", codes, scale, zero, idx, val, bits, group_size, axis, head_dim);
+  return nq_decompress_cpu_dims("nq_decompress", d, codes, scale, zero, idx, val, out_dtype);
+}
+
+}  // namespace
+
+at::Tensor nq_decompress_cpu_dims(const char* op, const core::NQDims& d, const at::Tensor& codes_in,
+                                  const at::Tensor& scale_in, const at::Tensor& zero_in, const at::Tensor& idx_in,
+                                  const at::Tensor& val_in, std::optional<at::ScalarType> out_dtype) {
   // The compressed tensors are ours and contiguous; views of them are copied.
   const at::Tensor codes = codes_in.contiguous(), scale = scale_in.contiguous(), zero = zero_in.contiguous();
   const at::Tensor idx = idx_in.contiguous(), val = val_in.contiguous();
   const at::ScalarType out_type = out_dtype.value_or(val.scalar_type());
-  TORCH_CHECK(out_type == at::kFloat || out_type == at::kHalf || out_type == at::kBFloat16,
-              "nq_decompress: out_dtype must be float32, float16 or bfloat16, got ", out_type);
-  at::Tensor out = at::empty(nq_decompressed_sizes(codes, head_dim), codes.options().dtype(out_type));
+  TORCH_CHECK(out_type == at::kFloat || out_type == at::kHalf || out_type == at::kBFloat16, op,
+              ": out_dtype must be float32, float16 or bfloat16, got ", out_type);
+  at::Tensor out = at::empty(nq_decompressed_sizes(codes, d.head_dim), codes.options().dtype(out_type));
   const int64_t tasks = core::nq_num_tasks(d);
   const int64_t per_task = d.axis == core::GroupAxis::kTokens ? int64_t(d.group_size) * d.head_dim : d.head_dim;
   std::atomic<bool> bad_index{false};
 
-  dispatch_core_float(out_type, "nq_decompress", [&](auto out_tag) {
+  dispatch_core_float(out_type, op, [&](auto out_tag) {
     using Out = decltype(out_tag);
-    dispatch_core_float(scale.scalar_type(), "nq_decompress", [&](auto meta_tag) {
+    dispatch_core_float(scale.scalar_type(), op, [&](auto meta_tag) {
       using Meta = decltype(meta_tag);
       at::parallel_for(0, tasks, grain_for(per_task), [&](int64_t begin, int64_t end) {
         core::nq_decompress_tasks<Meta, Out>(d, codes.data_ptr<uint8_t>(), core_ptr<const Meta>(scale),
@@ -76,7 +85,7 @@ at::Tensor nq_decompress_cpu(const at::Tensor& codes_in, const at::Tensor& scale
       });
     });
     if (d.num_outliers == 0) return;
-    dispatch_core_float(val.scalar_type(), "nq_decompress", [&](auto val_tag) {
+    dispatch_core_float(val.scalar_type(), op, [&](auto val_tag) {
       using Val = decltype(val_tag);
       const int64_t groups = d.rows * d.groups_per_row();
       at::parallel_for(0, groups, grain_for(d.num_outliers), [&](int64_t begin, int64_t end) {
@@ -86,11 +95,12 @@ at::Tensor nq_decompress_cpu(const at::Tensor& codes_in, const at::Tensor& scale
       });
     });
   });
-  TORCH_CHECK(!bad_index, "nq_decompress: outlier_idx holds a position outside its group (group_size ",
-              group_size, "); the compressed tensors are corrupt or were made with other parameters");
+  TORCH_CHECK(!bad_index, op, ": outlier_idx holds a position outside its group (group_size ", d.group_size,
+              "); the compressed tensors are corrupt or were made with other parameters");
   return out;
 }
 
+namespace {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(nexuskv, CPU, m) {

@@ -4,12 +4,17 @@
     c = nexuskv.NQ.for_keys(bits=4).compress(k)      # k: [..., tokens, head_dim]
     k_hat = nexuskv.NQ.for_keys(bits=4).decompress(c)
     c.effective_bits                                  # every byte counted
+    out = nexuskv.fused_attention(q, ck, cv, lens)    # attention straight from the compressed cache
 """
 
-from .compressors import DEFAULT_KEY_PER, DEFAULT_VALUE_PER, NQ, KVCompressor, NQTensor, effective_bits
-from .ops import NQParts, nq_compress, nq_decompress
+from .attention import fused_attention
+from .compressors import (DEFAULT_KEY_PER, DEFAULT_VALUE_PER, DGQ, NQ, KVCompressor, NQTensor, effective_bits,
+                          rotation_signs)
+from .ops import (DGQParts, NQParts, dgq_compress, dgq_decompress, dgq_fused_attention, hadamard_rotate, nq_compress,
+                  nq_decompress)
 
 __version__ = "0.1.0"
 
-__all__ = ["NQ", "NQTensor", "NQParts", "KVCompressor", "effective_bits", "nq_compress", "nq_decompress",
-           "DEFAULT_KEY_PER", "DEFAULT_VALUE_PER"]
+__all__ = ["NQ", "DGQ", "NQTensor", "NQParts", "DGQParts", "KVCompressor", "effective_bits", "rotation_signs",
+           "nq_compress", "nq_decompress", "dgq_compress", "dgq_decompress", "dgq_fused_attention",
+           "hadamard_rotate", "fused_attention", "DEFAULT_KEY_PER", "DEFAULT_VALUE_PER"]

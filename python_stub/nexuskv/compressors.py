@@ -1,18 +1,21 @@
-"""KV compressors: the KVCompressor protocol and NQ, block quantization with
-exact outliers.  A compressor turns a K or V tensor [..., tokens, head_dim]
-into a compressed object and back, and reports the bytes it really takes."""
+"""KV compressors: the KVCompressor protocol, NQ (block quantization with exact
+outliers) and DGQ (the same with data-chosen token groups), each optionally in
+a randomized Hadamard basis.  A compressor turns a K or V tensor
+[..., tokens, head_dim] into a compressed object and back, and reports the
+bytes it really takes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Protocol, runtime_checkable
+from typing import Any, List, Literal, Optional, Protocol, runtime_checkable
 
 import torch
 
 from . import _format
-from .ops import NQParts, nq_compress, nq_decompress
+from .ops import dgq_compress, dgq_decompress, hadamard_rotate, nq_compress, nq_decompress
 
-__all__ = ["KVCompressor", "NQ", "NQTensor", "tensor_nbytes", "DEFAULT_KEY_PER", "DEFAULT_VALUE_PER"]
+__all__ = ["KVCompressor", "NQ", "DGQ", "NQTensor", "tensor_nbytes", "effective_bits", "rotation_signs",
+           "DEFAULT_KEY_PER", "DEFAULT_VALUE_PER"]
 
 # Measured by `python -m nexuskv report` on SmolLM2-135M (see README): per-channel
 # keys give lower attention-output error than per-token keys at 4 and 2 bits,
@@ -25,6 +28,12 @@ _AXIS_OF_PER = {"channel": _format.AXIS_TOKENS, "token": _format.AXIS_CHANNELS}
 
 def tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def rotation_signs(head_dim: int, seed: int) -> torch.Tensor:
+    """The +-1 signs of the randomized Hadamard rotation, reproducible from the seed."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, (head_dim,), generator=g).float().mul_(2).sub_(1)
 
 
 @runtime_checkable
@@ -47,14 +56,20 @@ def effective_bits(compressor: KVCompressor, c: Any, numel: int) -> float:
 
 @dataclass
 class NQTensor:
-    """One NQ-compressed tensor: the five buffers plus what is needed to read them."""
+    """One NQ- or DGQ-compressed tensor: the buffers plus what is needed to read them."""
 
-    parts: NQParts
+    parts: tuple  # NQParts, or DGQParts (+ segment_starts)
     bits: int
     group_size: int
     axis: int
     shape: torch.Size  # of the original tensor
     dtype: torch.dtype  # of the original tensor
+    signs: Optional[torch.Tensor] = None  # [head_dim] when stored in the rotated basis
+
+    @property
+    def format(self) -> List[int]:
+        """[bits, group_size, axis], as dgq_fused_attention takes it."""
+        return [self.bits, self.group_size, self.axis]
 
     @property
     def numel(self) -> int:
@@ -62,7 +77,8 @@ class NQTensor:
 
     @property
     def nbytes(self) -> int:
-        return sum(tensor_nbytes(t) for t in self.parts)
+        extra = tensor_nbytes(self.signs) if self.signs is not None else 0
+        return sum(tensor_nbytes(t) for t in self.parts) + extra
 
     @property
     def effective_bits(self) -> float:
@@ -74,20 +90,43 @@ class NQTensor:
         return self.numel * torch.empty((), dtype=self.dtype).element_size() / self.nbytes
 
 
+class _Quantizer:
+    """What NQ and DGQ share (their fields: bits, group_size, num_outliers, meta_dtype,
+    rotate = randomized Hadamard rotation of head_dim before quantization, seed of its signs)."""
+
+    def _rotate(self, x: torch.Tensor):
+        if not self.rotate:
+            return x, None
+        signs = rotation_signs(x.shape[-1], self.seed)
+        return hadamard_rotate(x, signs), signs
+
+    def _unrotate(self, x: torch.Tensor, c: NQTensor) -> torch.Tensor:
+        return hadamard_rotate(x, c.signs, inverse=True) if c.signs is not None else x
+
+    def nbytes(self, c: NQTensor) -> int:
+        return c.nbytes
+
+    def _suffix(self) -> str:
+        return (f" k{self.num_outliers}" if self.num_outliers else "") + (" rot" if self.rotate else "")
+
+
 @dataclass(frozen=True)
-class NQ:
+class NQ(_Quantizer):
     """Block quantization: ``bits``-bit asymmetric codes per group of ``group_size``,
     ``num_outliers`` exact outliers per group.
 
     ``per="channel"``: each channel gets its own scale/zero over groups of consecutive
     tokens (KIVI's key quantization).  ``per="token"``: each token gets its own
-    scale/zero over groups of consecutive channels (value quantization)."""
+    scale/zero over groups of consecutive channels (value quantization).
+    ``rotate=True`` quantizes in a randomized Hadamard basis (spreads outlier channels)."""
 
     bits: int = 4
     group_size: int = 64
     per: Literal["channel", "token"] = "token"
     num_outliers: int = 0
     meta_dtype: Optional[torch.dtype] = field(default=None)
+    rotate: bool = False
+    seed: int = 0
 
     def __post_init__(self):
         if self.per not in _AXIS_OF_PER:
@@ -106,14 +145,12 @@ class NQ:
         return _AXIS_OF_PER[self.per]
 
     def compress(self, x: torch.Tensor) -> NQTensor:
-        parts = nq_compress(x, self.bits, self.group_size, self.axis, self.num_outliers, self.meta_dtype)
-        return NQTensor(parts, self.bits, self.group_size, self.axis, x.shape, x.dtype)
+        xr, signs = self._rotate(x)
+        parts = nq_compress(xr, self.bits, self.group_size, self.axis, self.num_outliers, self.meta_dtype)
+        return NQTensor(parts, self.bits, self.group_size, self.axis, x.shape, x.dtype, signs)
 
     def decompress(self, c: NQTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        return nq_decompress(*c.parts, c.bits, c.group_size, c.axis, c.shape[-1], dtype)
-
-    def nbytes(self, c: NQTensor) -> int:
-        return c.nbytes
+        return self._unrotate(nq_decompress(*c.parts, c.bits, c.group_size, c.axis, c.shape[-1], dtype), c)
 
     def expected_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
         """Bytes of compress(x) for x of this shape and dtype, from the format alone
@@ -123,9 +160,42 @@ class NQ:
         a, b = _format.meta_shape(tokens, head_dim, self.group_size, self.axis)
         x_bytes = torch.empty((), dtype=dtype).element_size()
         meta_bytes = torch.empty((), dtype=self.meta_dtype or dtype).element_size()
+        signs = 4 * head_dim if self.rotate else 0
         return rows * (tokens * _format.row_bytes(self.bits, head_dim)
-                       + a * b * (2 * meta_bytes + self.num_outliers * (1 + x_bytes)))
+                       + a * b * (2 * meta_bytes + self.num_outliers * (1 + x_bytes))) + signs
 
     def describe(self) -> str:
-        s = f"NQ{self.bits} g{self.group_size} per-{self.per}"
-        return s + (f" k{self.num_outliers}" if self.num_outliers else "")
+        return f"NQ{self.bits} g{self.group_size} per-{self.per}" + self._suffix()
+
+
+@dataclass(frozen=True)
+class DGQ(_Quantizer):
+    """Per-channel quantization over token groups chosen from the data (dynamic groups):
+    as many groups as fixed groups of ``group_size`` would make, each a whole number of
+    ``granule`` tokens and at most ``max_len`` (default 2 * group_size), boundaries where
+    the data's per-channel range changes.  For keys (or per-channel values)."""
+
+    bits: int = 4
+    group_size: int = 64
+    num_outliers: int = 0
+    meta_dtype: Optional[torch.dtype] = field(default=None)
+    rotate: bool = False
+    seed: int = 0
+    granule: int = 16
+    max_len: Optional[int] = None
+
+    @property
+    def axis(self) -> int:
+        return _format.AXIS_TOKENS
+
+    def compress(self, x: torch.Tensor) -> NQTensor:
+        xr, signs = self._rotate(x)
+        parts = dgq_compress(xr, self.bits, self.group_size, self.granule, self.max_len, self.num_outliers,
+                             self.meta_dtype)
+        return NQTensor(parts, self.bits, self.group_size, self.axis, x.shape, x.dtype, signs)
+
+    def decompress(self, c: NQTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        return self._unrotate(dgq_decompress(*c.parts, c.bits, c.group_size, c.shape[-1], dtype), c)
+
+    def describe(self) -> str:
+        return f"DGQ{self.bits} g{self.group_size}/{self.granule}" + self._suffix()

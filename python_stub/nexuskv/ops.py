@@ -13,7 +13,8 @@ from . import _format, _loader
 
 _loader.load()
 
-__all__ = ["NQParts", "nq_compress", "nq_decompress", "dgq_fused_attention", "hadamard_rotate"]
+__all__ = ["NQParts", "DGQParts", "nq_compress", "nq_decompress", "dgq_compress", "dgq_decompress",
+           "dgq_fused_attention", "hadamard_rotate"]
 
 
 class NQParts(NamedTuple):
@@ -24,6 +25,17 @@ class NQParts(NamedTuple):
     zero: torch.Tensor  # meta  [..., A, B]           per-group zero (the group minimum)
     outlier_idx: torch.Tensor  # uint8 [..., A, B, k]  position of each outlier in its group
     outlier_val: torch.Tensor  # x.dtype [..., A, B, k] exact outlier values
+
+
+class DGQParts(NamedTuple):
+    """The six tensors of one DGQ-compressed tensor: NQParts with data-chosen token groups."""
+
+    codes: torch.Tensor  # uint8 [..., T, row_bytes]
+    scale: torch.Tensor  # meta  [..., S, D]            per segment and channel
+    zero: torch.Tensor  # meta  [..., S, D]
+    outlier_idx: torch.Tensor  # uint8 [..., S, D, k]    position inside the segment
+    outlier_val: torch.Tensor  # x.dtype [..., S, D, k]
+    segment_starts: torch.Tensor  # int32 [..., S]     first token of each segment (unused: T)
 
 
 def nq_compress(x: torch.Tensor, bits: int, group_size: int, axis: int, num_outliers: int = 0,
@@ -52,6 +64,24 @@ def nq_decompress(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, 
     non-outlier element is within scale/2 of the original; outliers are exact."""
     return torch.ops.nexuskv.nq_decompress(codes, scale, zero, outlier_idx, outlier_val, bits, group_size, axis,
                                            head_dim, out_dtype)
+
+
+def dgq_compress(x: torch.Tensor, bits: int, group_size: int, granule: int = 16, max_len: Optional[int] = None,
+                 num_outliers: int = 0, meta_dtype: Optional[torch.dtype] = None) -> DGQParts:
+    """Per-channel quantization of x[..., tokens, head_dim] over token groups that follow the
+    data (DGQ): S = ceil(tokens / group_size) segments per row, each a whole number of
+    ``granule`` tokens and at most ``max_len`` (default 2 * group_size, <= 256) tokens, cut
+    where merging would raise the quantization error most (changes of per-channel range).
+    Same bits per element as nq_compress(x, bits, group_size, -2) plus one int32 per segment."""
+    return DGQParts(*torch.ops.nexuskv.dgq_compress(x, bits, group_size, granule, max_len, num_outliers, meta_dtype))
+
+
+def dgq_decompress(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, outlier_idx: torch.Tensor,
+                   outlier_val: torch.Tensor, segment_starts: torch.Tensor, bits: int, group_size: int,
+                   head_dim: int, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Inverse of dgq_compress."""
+    return torch.ops.nexuskv.dgq_decompress(codes, scale, zero, outlier_idx, outlier_val, segment_starts, bits,
+                                            group_size, head_dim, out_dtype)
 
 
 def dgq_fused_attention(q: torch.Tensor, k_cache: Sequence[torch.Tensor], v_cache: Sequence[torch.Tensor],
@@ -124,6 +154,20 @@ def _nq_decompress_fake(codes, scale, zero, outlier_idx, outlier_val, bits, grou
                  lambda: "nq_decompress: codes row bytes do not match bits and head_dim")
     *lead, tokens, _ = codes.shape
     return codes.new_empty((*lead, tokens, head_dim), dtype=out_dtype or outlier_val.dtype)
+
+
+@torch.library.register_fake("nexuskv::dgq_compress")
+def _dgq_compress_fake(x, bits, group_size, granule=16, max_len=None, num_outliers=0, meta_dtype=None):
+    parts = _nq_compress_fake(x, bits, group_size, -2, num_outliers, meta_dtype)
+    *lead, tokens, _ = x.shape
+    return (*parts, x.new_empty((*lead, _format.ceil_div(tokens, group_size)), dtype=torch.int32))
+
+
+@torch.library.register_fake("nexuskv::dgq_decompress")
+def _dgq_decompress_fake(codes, scale, zero, outlier_idx, outlier_val, segment_starts, bits, group_size, head_dim,
+                         out_dtype=None):
+    return _nq_decompress_fake(codes, scale, zero, outlier_idx, outlier_val, bits, group_size, -2, head_dim,
+                               out_dtype)
 
 
 @torch.library.register_fake("nexuskv::dgq_fused_attention")

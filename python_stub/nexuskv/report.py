@@ -17,13 +17,13 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .compressors import NQ, effective_bits
+from .compressors import DGQ, NQ
 from .models import LayerQKV
 
 
 @dataclass(frozen=True)
 class Setting:
-    keys: NQ
+    keys: object  # NQ or DGQ
     values: NQ
 
     @property
@@ -33,12 +33,21 @@ class Setting:
 
 def default_settings(group_size: int = 64, num_outliers: int = 1,
                      bits: Sequence[int] = (8, 4, 3, 2)) -> List[Setting]:
-    """bits x (no outliers, k outliers) x keys per channel / per token; values per token."""
+    """bits x (no outliers, k outliers) x keys per channel / per token, values per token;
+    then at 4 and 2 bits: DGQ keys (dynamic groups, equal group count), and the
+    Hadamard-rotated variants of per-channel and per-token keys."""
     out = []
     for b in bits:
         for k in (0, num_outliers):
             for key_per in ("channel", "token"):
                 out.append(Setting(NQ(b, group_size, key_per, k), NQ(b, group_size, "token", k)))
+    for b in (4, 2):
+        if b not in bits:
+            continue
+        values = NQ(b, group_size, "token")
+        out.append(Setting(DGQ(b, group_size), values))
+        out.append(Setting(NQ(b, group_size, "channel", rotate=True), NQ(b, group_size, "token", rotate=True)))
+        out.append(Setting(NQ(b, group_size, "token", rotate=True), NQ(b, group_size, "token", rotate=True)))
     return out
 
 
@@ -81,7 +90,9 @@ def evaluate_setting(layers: List[LayerQKV], setting: Setting, num_queries: int)
     kv_bits = 8.0 * (k_bytes + v_bytes) / (2 * numel)
     return {
         "setting": setting.name,
-        "key_bits": setting.keys.bits, "key_per": setting.keys.per, "value_bits": setting.values.bits,
+        "key_bits": setting.keys.bits, "key_per": getattr(setting.keys, "per", "channel"),
+        "key_dgq": isinstance(setting.keys, DGQ), "rotated": setting.values.rotate,
+        "value_bits": setting.values.bits,
         "group_size": setting.keys.group_size, "num_outliers": setting.keys.num_outliers,
         "k_effective_bits": 8.0 * k_bytes / numel, "v_effective_bits": 8.0 * v_bytes / numel,
         "kv_effective_bits": kv_bits, "ratio_vs_model_dtype": elem_bits / kv_bits,
@@ -94,19 +105,43 @@ def evaluate_setting(layers: List[LayerQKV], setting: Setting, num_queries: int)
 def key_grouping_verdict(rows: List[Dict], bits: int) -> Optional[Dict]:
     """Per-channel vs per-token keys at `bits`, no outliers: which gives the lower
     mean attention-output error."""
-    pick = {r["key_per"]: r for r in rows if r["key_bits"] == bits and r["num_outliers"] == 0}
+    pick = {r["key_per"]: r for r in rows
+            if r["key_bits"] == bits and r["num_outliers"] == 0 and not r["key_dgq"] and not r["rotated"]}
     if set(pick) != {"channel", "token"}:
         return None
     errs = {per: pick[per]["attn_rel_err_mean"] for per in pick}
     return {"bits": bits, "attn_rel_err_mean": errs, "better": min(errs, key=errs.get)}
 
 
+def variant_verdicts(rows: List[Dict], bits: int) -> Dict:
+    """At `bits`, no outliers: DGQ keys vs fixed per-channel groups, and rotation vs none
+    (for per-channel and per-token keys), by mean attention-output error and bits."""
+    def find(**want):
+        for r in rows:
+            if r["key_bits"] == bits and r["num_outliers"] == 0 and all(r[k] == v for k, v in want.items()):
+                return r
+        return None
+
+    out = {"bits": bits}
+    fixed = find(key_per="channel", key_dgq=False, rotated=False)
+    pairs = {"dgq_vs_fixed_keys": (find(key_dgq=True, rotated=False), fixed),
+             "rotation_per_channel_keys": (find(key_per="channel", key_dgq=False, rotated=True), fixed),
+             "rotation_per_token_keys": (find(key_per="token", key_dgq=False, rotated=True),
+                                         find(key_per="token", key_dgq=False, rotated=False))}
+    for name, (a, b) in pairs.items():
+        if a and b:
+            out[name] = {"with": {"attn": a["attn_rel_err_mean"], "k": a["k_rel_err"], "bits": a["kv_effective_bits"]},
+                         "without": {"attn": b["attn_rel_err_mean"], "k": b["k_rel_err"],
+                                     "bits": b["kv_effective_bits"]}}
+    return out
+
+
 def format_table(rows: List[Dict], dtype_name: str) -> str:
-    head = (f"{'setting':<50} {'K bits':>7} {'V bits':>7} {'KV bits':>8} {'x vs ' + dtype_name:>11} "
+    head = (f"{'setting':<56} {'K bits':>7} {'V bits':>7} {'KV bits':>8} {'x vs ' + dtype_name:>11} "
             f"{'K relerr':>9} {'V relerr':>9} {'attn mean':>10} {'attn max':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['setting']:<50} {r['k_effective_bits']:>7.3f} {r['v_effective_bits']:>7.3f} "
+        lines.append(f"{r['setting']:<56} {r['k_effective_bits']:>7.3f} {r['v_effective_bits']:>7.3f} "
                      f"{r['kv_effective_bits']:>8.3f} {r['ratio_vs_model_dtype']:>10.2f}x "
                      f"{r['k_rel_err']:>9.4f} {r['v_rel_err']:>9.4f} {r['attn_rel_err_mean']:>10.4f} "
                      f"{r['attn_rel_err_max']:>9.4f}")
@@ -144,11 +179,21 @@ def main(args) -> int:
         e = v["attn_rel_err_mean"]
         print(f"keys at {v['bits']}-bit: per-channel {e['channel']:.4f} vs per-token {e['token']:.4f} "
               f"attention error -> per-{v['better']} is better")
+    variants = [variant_verdicts(rows, b) for b in (4, 2)]
+    labels = {"dgq_vs_fixed_keys": "DGQ keys vs fixed per-channel groups",
+              "rotation_per_channel_keys": "Hadamard rotation, per-channel keys",
+              "rotation_per_token_keys": "Hadamard rotation, per-token keys"}
+    for v in variants:
+        for name, label in labels.items():
+            if name in v:
+                w, wo = v[name]["with"], v[name]["without"]
+                print(f"{v['bits']}-bit {label}: attention error {w['attn']:.4f} ({w['bits']:.3f} bits) with vs "
+                      f"{wo['attn']:.4f} ({wo['bits']:.3f} bits) without")
     if args.json:
         doc = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)", "dtype": args.dtype,
                "text": args.text or "debian-reference-en", "tokens": args.tokens, "queries": args.queries,
                "date": datetime.date.today().isoformat(), "machine": platform.platform(),
-               "torch": torch.__version__, "rows": rows, "key_grouping": verdicts}
+               "torch": torch.__version__, "rows": rows, "key_grouping": verdicts, "variants": variants}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"wrote {args.json}")

@@ -13,6 +13,7 @@ import torch
 
 import nexuskv
 from nexuskv.ops import dgq_fused_attention, hadamard_rotate
+from nexuskv.profiling import peak_allocated_bytes
 from nq_reference import F64, reference_dequantize
 
 KEY_AXIS, VALUE_AXIS = -2, -1
@@ -267,24 +268,11 @@ def test_torchscript():
                                case.run(tail_lens=None, scale=None), rtol=0, atol=0)
 
 
-def allocated_bytes(fn) -> int:
-    """Peak bytes allocated through torch's CPU allocator while fn runs."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    live = peak = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += e.cpu_memory_usage
-        peak = max(peak, live)
-    return peak
-
-
 def test_extra_memory_does_not_grow_with_context():
     # Scratch is per task (a tile, the query rows) and the partials are per split; the number
     # of splits is capped by the thread count, so from 8K on nothing grows with the context.
     short, long = (Case(comp_lens=(n,), kv_heads=2, head_dim=128, seed=1) for n in (8192, 32768))
-    a, b = allocated_bytes(short.run), allocated_bytes(long.run)
+    a, b = peak_allocated_bytes(short.run), peak_allocated_bytes(long.run)
     dense_long = 2 * long.k.numel() * 4
     assert b <= a and b < dense_long / 1000, (a, b, dense_long)
 

@@ -54,7 +54,7 @@ def test_report_cli_writes_json(tmp_path, capsys):
     out = tmp_path / "report.json"
     assert main(["report", "--tokens", "256", "--queries", "8", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert len(doc["rows"]) == 16
+    assert len(doc["rows"]) == 22  # 16 + (DGQ, 2 rotated) at 4 and 2 bits
     assert {v["bits"] for v in doc["key_grouping"]} == {4, 2}
     printed = capsys.readouterr().out
     assert "attn mean" in printed and "per-channel" in printed

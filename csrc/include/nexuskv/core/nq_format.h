@@ -126,6 +126,20 @@ struct NQDims {
   // B: channels (or channel groups) along the second meta dim.
   int64_t meta_b() const { return axis == GroupAxis::kTokens ? head_dim : ceil_div(head_dim, group_size); }
   int64_t groups_per_row() const { return meta_a() * meta_b(); }
+
+  // DGQ: [rows, meta_a()] first token of each token group, or null for fixed
+  // groups of group_size.  Only with axis kTokens.
+  const int32_t* segment_starts = nullptr;
+  // Token group a of row n (kTokens) covers [group_start, group_end).
+  int64_t group_start(int64_t n, int64_t a) const {
+    return segment_starts ? segment_starts[n * meta_a() + a] : a * group_size;
+  }
+  int64_t group_end(int64_t n, int64_t a) const {
+    if (!segment_starts) return (a + 1) * group_size < tokens ? (a + 1) * group_size : tokens;
+    return a + 1 < meta_a() ? segment_starts[n * meta_a() + a + 1] : tokens;
+  }
+  // Longest token group: what per-group scratch must hold.
+  int64_t max_group_tokens() const { return segment_starts ? kMaxGroupSize : group_size; }
 };
 
 // Total bytes of the five buffers; effective bits = 8 * bytes / (N*T*D).
