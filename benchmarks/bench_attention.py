@@ -40,10 +40,7 @@ before the call and are not counted, the output is.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -53,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 import nexuskv
+from nexuskv import profiling
 from nexuskv.profiling import peak_allocated_bytes
 from nexuskv.ops import dgq_fused_attention
 
@@ -206,21 +204,7 @@ def load_1min() -> float | None:
         return None
 
 
-def machine_info(threads: int) -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {"cpu_model": cpu, "cpu_count": os.cpu_count(), "threads": threads, "torch": torch.__version__,
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "nexuskv": nexuskv.__version__,
-            "python": platform.python_version(), "platform": platform.platform(),
-            "load_1min_at_start": load_1min(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+machine_info = profiling.machine_info
 
 
 def ctx_label(n: int) -> str:

@@ -27,10 +27,8 @@ dtype's rounding) and against each other, so that the comparison is honest.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -38,6 +36,7 @@ from pathlib import Path
 import torch
 
 import nexuskv
+from nexuskv import profiling
 
 REPO = Path(__file__).resolve().parent.parent
 AXES = {-2: "tok", -1: "chan"}  # -2: groups of tokens per channel (keys); -1: groups of channels per token (values)
@@ -160,21 +159,7 @@ def bench_config(x, bits, group_size, axis, num_outliers, warmup, reps, with_bas
     return row
 
 
-def machine_info(threads: int) -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {"cpu_model": cpu, "cpu_count": os.cpu_count(), "threads": threads, "torch": torch.__version__,
-            "loadavg_1min_at_start": os.getloadavg()[0],
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "nexuskv": nexuskv.__version__,
-            "python": platform.python_version(), "platform": platform.platform(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+machine_info = profiling.machine_info
 
 
 def print_table(rows) -> None:
@@ -224,10 +209,10 @@ def main(argv=None) -> int:
     info = machine_info(args.threads)
     print(f"nexuskv NQ vs plain PyTorch on {info['cpu_model']} ({info['cpu_count']} cores), "
           f"torch {info['torch']} ({info['torch_cpu_capability']}), torch.set_num_threads({args.threads})")
-    if info["loadavg_1min_at_start"] > 1.0:
+    if info["load_1min_at_start"] > 1.0:
         # Other processes on the cores slow the OpenMP baseline far more than they slow a
         # single-threaded kernel (threads wait at barriers for a descheduled peer).
-        print(f"WARNING: load average {info['loadavg_1min_at_start']:.2f} before the run: other processes "
+        print(f"WARNING: load average {info['load_1min_at_start']:.2f} before the run: other processes "
               "share the cores and the timings (the multi-threaded baseline most) are not reliable")
     print(f"shape {list(shape)}, GB/s of the uncompressed tensor in its dtype, median of {reps} runs "
           f"after {warmup} warmup; k = num_outliers (torch baseline has none, so k=1 rows compare "
@@ -262,7 +247,7 @@ def main(argv=None) -> int:
 
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    info["loadavg_1min_at_end"] = os.getloadavg()[0]
+    info["load_1min_at_end"] = os.getloadavg()[0]
     out.write_text(json.dumps({"machine": info, "shape": list(shape), "reps": reps, "warmup": warmup,
                                "units": "GB/s = 1e9 bytes of the uncompressed tensor (input dtype) per second",
                                "summary": summary, "rows": rows}, indent=1) + "\n")

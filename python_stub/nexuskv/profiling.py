@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
 import os
+import platform
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # keep torch.profiler's start/stop log lines off stderr
 
@@ -28,3 +30,25 @@ def peak_allocated_bytes(fn) -> int:
         live += n
         peak = max(peak, live)
     return peak
+
+
+def machine_info(threads: int) -> dict:
+    """What a benchmark ran on: CPU model, cores, threads, torch and nexuskv versions, load."""
+    import torch
+
+    from . import __version__
+
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cpu_model": cpu, "cpu_count": os.cpu_count(), "threads": threads, "torch": torch.__version__,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "nexuskv": __version__,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "load_1min_at_start": os.getloadavg()[0],
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

@@ -113,3 +113,21 @@ def test_nq_is_a_kv_compressor():
     assert isinstance(NQ(), nexuskv.KVCompressor)
     with pytest.raises(ValueError, match="per must be"):
         NQ(per="head")
+
+
+def test_loader_names_a_missing_library(monkeypatch, tmp_path):
+    from nexuskv import _loader
+
+    monkeypatch.setattr(_loader, "_loaded", False)
+    monkeypatch.setattr(_loader, "library_path", lambda: str(tmp_path / "libnexuskv.so"))
+    with pytest.raises(_loader.NativeLibraryError, match="is missing.*pip install --no-build-isolation"):
+        _loader.load()
+
+
+def test_loader_names_a_torch_mismatch(monkeypatch):
+    from nexuskv import _build_info, _loader
+
+    monkeypatch.setattr(_loader, "_loaded", False)
+    monkeypatch.setattr(_build_info, "TORCH_VERSION", "1.0.0")
+    with pytest.raises(_loader.NativeLibraryError, match="built against torch 1.0.0"):
+        _loader.load()
