@@ -3,9 +3,14 @@
 // picked at run time by attention.cpp.  Per task (batch, kv head, key split):
 //   for each tile of <= kTileTokens keys that stays inside one quantization
 //   group/segment of K and of V:
-//     dequantize the K and V rows into float scratch (codes -> code*scale+zero,
-//     then the exact outliers), scores = q . K for every query row of the GQA
-//     group, causal mask, online softmax, acc += p . V.
+//     keys: per-channel groups -> the codes are converted to float and the
+//       group's scales are folded into the queries (q * scale, once per group)
+//       and its zeros into a per-row bias; other groupings are dequantized;
+//     scores = q . K for 4 query rows x 4 keys at a time, outliers corrected;
+//     causal mask, online softmax (float32);
+//     values: per-token groups -> codes as float, the scales folded into the
+//       softmax weights and the zeros summed per channel group; otherwise
+//       dequantized; acc += p . V, 4 query rows per value load.
 // Layout and math of the compressed rows: nq_format.h.
 #include <algorithm>
 #include <cmath>
