@@ -110,8 +110,11 @@ void dequant_row(const uint8_t* __restrict packed, int64_t D, const float* __res
   constexpr int kPlanes = 8 / kLowBits;
   constexpr uint8_t kMask = uint8_t((1u << kLowBits) - 1u);
   for (int64_t base = 0; base < D; base += kChunk, packed += kChunkBytes) {
-    const int planes = int(std::min<int64_t>(kPlanes, (D - base) / 16));
-    for (int j = 0; j < planes; ++j) {
+    // Full chunks unroll over a constant number of planes (constant shifts).
+    const int planes = base + kChunk <= D ? kPlanes : int((D - base) / 16);
+#pragma GCC unroll 8
+    for (int j = 0; j < kPlanes; ++j) {
+      if (j >= planes) break;
       const int64_t c0 = base + 16 * j;
       for (int l = 0; l < 16; ++l) {
         uint32_t code = (packed[l] >> (kLowBits * j)) & kMask;
@@ -264,20 +267,21 @@ inline void dot4x4(const float* const* q, const float* __restrict k, int64_t D, 
 #endif
 }
 
-// acc_i[d] += sum_j w_i[j * nb + d / G] * v[j * D + d] for R query rows at once
-// (each V load serves all R rows); nb weights per token, one per channel group
-// of G channels (G % 16 == 0), nb = 1 and G = D for plain probabilities.
+// acc_i[d] += sum_j w_i[(d / G) * bstride + j] * v[j * D + d] for R query rows
+// at once (each V load serves all R rows): one weight per token and channel
+// group of G channels (G % 16 == 0), groups bstride apart; bstride = 0 and
+// G = D for plain probabilities.
 template <int R>
-void pv_block(float* const* acc, const float* const* w, int64_t nb, int64_t G, const float* __restrict v, int64_t n,
-              int64_t D) {
+void pv_block(float* const* acc, const float* const* w, int64_t bstride, int64_t G, const float* __restrict v,
+              int64_t n, int64_t D) {
   for (int64_t d0 = 0; d0 < D; d0 += 16) {
-    const int64_t b = d0 / G;
+    const int64_t b = (d0 / G) * bstride;
 #if defined(__AVX512F__)
     __m512 a[R];
     for (int i = 0; i < R; ++i) a[i] = _mm512_loadu_ps(acc[i] + d0);
     for (int64_t j = 0; j < n; ++j) {
       const __m512 vj = _mm512_loadu_ps(v + j * D + d0);
-      for (int i = 0; i < R; ++i) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i][j * nb + b]), vj, a[i]);
+      for (int i = 0; i < R; ++i) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i][b + j]), vj, a[i]);
     }
     for (int i = 0; i < R; ++i) _mm512_storeu_ps(acc[i] + d0, a[i]);
 #elif defined(__AVX2__)
@@ -286,7 +290,7 @@ void pv_block(float* const* acc, const float* const* w, int64_t nb, int64_t G, c
     for (int64_t j = 0; j < n; ++j) {
       const __m256 v0 = _mm256_loadu_ps(v + j * D + d0), v1 = _mm256_loadu_ps(v + j * D + d0 + 8);
       for (int i = 0; i < R; ++i) {
-        const __m256 wj = _mm256_set1_ps(w[i][j * nb + b]);
+        const __m256 wj = _mm256_set1_ps(w[i][b + j]);
         a[i][0] = _mm256_fmadd_ps(wj, v0, a[i][0]);
         a[i][1] = _mm256_fmadd_ps(wj, v1, a[i][1]);
       }
@@ -297,20 +301,20 @@ void pv_block(float* const* acc, const float* const* w, int64_t nb, int64_t G, c
       float a[16];
       std::memcpy(a, acc[i] + d0, sizeof(a));
       for (int64_t j = 0; j < n; ++j)
-        for (int l = 0; l < 16; ++l) a[l] += w[i][j * nb + b] * v[j * D + d0 + l];
+        for (int l = 0; l < 16; ++l) a[l] += w[i][b + j] * v[j * D + d0 + l];
       std::memcpy(acc[i] + d0, a, sizeof(a));
     }
 #endif
   }
 }
 
-void pv_rows(int R, float* const* acc, const float* const* w, int64_t nb, int64_t G, const float* v, int64_t n,
-             int64_t D) {
+void pv_rows(int R, float* const* acc, const float* const* w, int64_t bstride, int64_t G, const float* v,
+             int64_t n, int64_t D) {
   switch (R) {
-    case 1: pv_block<1>(acc, w, nb, G, v, n, D); break;
-    case 2: pv_block<2>(acc, w, nb, G, v, n, D); break;
-    case 3: pv_block<3>(acc, w, nb, G, v, n, D); break;
-    default: pv_block<4>(acc, w, nb, G, v, n, D); break;
+    case 1: pv_block<1>(acc, w, bstride, G, v, n, D); break;
+    case 2: pv_block<2>(acc, w, bstride, G, v, n, D); break;
+    case 3: pv_block<3>(acc, w, bstride, G, v, n, D); break;
+    default: pv_block<4>(acc, w, bstride, G, v, n, D); break;
   }
 }
 
@@ -338,8 +342,8 @@ struct Tile {
   const float* k_query = nullptr;  // [rows, D] queries to dot with k (scaled by the key group's scales)
   const float* k_bias = nullptr;   // [rows] added to every score (q . key zeros), or null
   const float* v = nullptr;        // [n, D] values, or raw codes when v_scale is set
-  const float* v_scale = nullptr;  // [n, nb] per-token channel-group scales of folded values, or null
-  const float* v_zero = nullptr;   // [n, nb]
+  const float* v_scale = nullptr;  // [nb, kTileTokens] per-token channel-group scales of folded values, or null
+  const float* v_zero = nullptr;   // [nb, kTileTokens]
   int64_t nb = 1, group = 0;       // channel groups per token and their width (folded values)
 };
 
@@ -353,7 +357,7 @@ struct TaskState {
   FloatBuf zacc;     // [rows, D / 16] sum of p * zero per channel group (folded values)
   FloatBuf m, l;     // [rows] running max and sum
   FloatBuf scores;   // [rows, kTileTokens]
-  FloatBuf weights;  // [rows, kTileTokens * D / 16] p * value scale per token and channel group
+  FloatBuf weights;  // [rows, D / 16, kTileTokens] p * value scale per channel group and token
   FloatBuf k_tile, v_tile, s_buf, z_buf, vs, vz;
   FloatBuf spare;    // [4, D] keys of a partial block of four
   int64_t* pos;      // [rows] position of each query row
@@ -424,19 +428,20 @@ struct TaskState {
         m.p[r] = m_new;
         acc_rows[i] = ar;
         if (t.v_scale) {  // fold the values' per-token scales into the weights, their zeros into zacc
-          float* w = weights.p + r * kTileTokens * nb;
+          float* w = weights.p + r * kTileTokens * (D / 16);
           float* za = zacc.p + r * (D / 16);
-          for (int64_t j = 0; j < n; ++j)
-            for (int64_t b = 0; b < nb; ++b) {
-              w[j * nb + b] = sr[j] * t.v_scale[j * nb + b];
-              za[b] += sr[j] * t.v_zero[j * nb + b];
-            }
+          for (int64_t b = 0; b < nb; ++b) {
+            const float* vs_b = t.v_scale + b * kTileTokens;
+            float* w_b = w + b * kTileTokens;
+            for (int64_t j = 0; j < n; ++j) w_b[j] = sr[j] * vs_b[j];
+            za[b] += dot_f(sr, t.v_zero + b * kTileTokens, n);
+          }
           w_rows[i] = w;
         } else {
           w_rows[i] = sr;
         }
       }
-      if (vis_max > 0) pv_rows(R, acc_rows, w_rows, nb, G, t.v, vis_max, D);
+      if (vis_max > 0) pv_rows(R, acc_rows, w_rows, t.v_scale ? kTileTokens : 0, G, t.v, vis_max, D);
     }
   }
 };
@@ -477,9 +482,13 @@ void load_value_rows(const CompressedView& c, int64_t bh, int64_t t0, int64_t t1
   for (int64_t t = t0; t < t1; ++t) {
     codes_row_bits(d.bits, c.codes + (bh * d.tokens + t) * rb, D, st.v_tile.p + (t - t0) * D);
   }
-  // The tile's scales and zeros are contiguous: [t0, t1) x nb.
-  load_floats(c.scale, c.meta_dtype, (bh * c.meta_a + t0) * nb, (t1 - t0) * nb, st.vs.p);
-  load_floats(c.zero, c.meta_dtype, (bh * c.meta_a + t0) * nb, (t1 - t0) * nb, st.vz.p);
+  // The tile's scales and zeros, [t0, t1) x nb in memory, into [nb, kTileTokens].
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t e = (bh * c.meta_a + t) * nb + b;
+      st.vs.p[b * kTileTokens + (t - t0)] = load_float(c.scale, c.meta_dtype, e);
+      st.vz.p[b * kTileTokens + (t - t0)] = load_float(c.zero, c.meta_dtype, e);
+    }
 }
 
 // Folded values: acc saw code*scale+zero at outlier positions; add p * (exact - that).
@@ -493,7 +502,7 @@ void correct_value_outliers(const CompressedView& c, int64_t bh, int64_t t0, int
         const int64_t e = ((bh * c.meta_a + t) * nb + b) * k + slot, ch = b * G + c.outlier_idx[e];
         if (ch >= D) continue;
         const int64_t j = t - t0;
-        const float approx = st.v_tile.p[j * D + ch] * st.vs.p[j * nb + b] + st.vz.p[j * nb + b];
+        const float approx = st.v_tile.p[j * D + ch] * st.vs.p[b * kTileTokens + j] + st.vz.p[b * kTileTokens + j];
         const float delta = load_float(c.outlier_val, c.val_dtype, e) - approx;
         for (int64_t r = 0; r < st.rows; ++r) st.acc.p[r * D + ch] += st.scores.p[r * kTileTokens + j] * delta;
       }
