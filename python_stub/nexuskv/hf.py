@@ -52,6 +52,11 @@ class NexusKVLayer(CacheLayerMixin):
             self.lazy_initialization(key_states)
         self.seen += key_states.shape[-2]
         if self.fused:
+            if self.pending is not None:
+                raise RuntimeError(
+                    "nexuskv: this cache was made for attn_implementation='nexuskv', but the model's attention "
+                    "did not consume the previous K/V (it runs another implementation); make the cache with "
+                    "nexuskv.hf.cache_for(model) after choosing the model's attention implementation")
             # Appended by nexuskv_attention, which sees the mask and drops left padding.  It gets
             # these very tensors; the tag leads it back to this layer.
             self.pending = (key_states, value_states)
@@ -77,6 +82,7 @@ class NexusKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.cache.reset()
+        self.pending = None
         self.seen = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

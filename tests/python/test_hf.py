@@ -93,3 +93,18 @@ def test_batched_left_padding_matches_the_dense_cache(loaded):
         assert agreement(ours[i], dense[i]) == 16, i
     real = batch.attention_mask.sum(1)
     assert cache.layers[0].cache.lengths().tolist() == (real + 15).tolist()  # pads are not cached
+
+
+def test_fused_cache_with_another_attention_is_a_clear_error(loaded):
+    import nexuskv.hf as nhf
+
+    model, tok = loaded
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    cache = nhf.cache_for(model, bits=8)  # made for the fused path
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.no_grad(), pytest.raises(RuntimeError, match="did not consume the previous K/V"):
+            model(ids, past_key_values=cache)
+            model(ids[:, -1:], past_key_values=cache)
+    finally:
+        model.set_attn_implementation("nexuskv")
