@@ -1,4 +1,4 @@
-"""Command line: `python -m nexuskv report` (or the `nexuskv` console script)."""
+"""Command line: `python -m nexuskv report|eval` (or the `nexuskv` console script)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--outliers", type=int, default=1, help="outliers per group in the 'with outliers' rows")
     r.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     r.add_argument("--json", default=None, help="also write the table as JSON to this path")
+    e = sub.add_parser("eval", help="perplexity of the real model with a compressed KV cache vs the dense cache")
+    from .evaluate import add_arguments
+
+    add_arguments(e)
     return p
 
 
@@ -26,6 +30,10 @@ def main(argv=None) -> int:
         from . import report
 
         return report.main(args)
+    if args.command == "eval":
+        from . import evaluate
+
+        return evaluate.main(args)
     return 2
 
 

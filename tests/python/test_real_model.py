@@ -58,3 +58,16 @@ def test_report_cli_writes_json(tmp_path, capsys):
     assert {v["bits"] for v in doc["key_grouping"]} == {4, 2}
     printed = capsys.readouterr().out
     assert "attn mean" in printed and "per-channel" in printed
+
+
+def test_eval_cli_perplexity_through_the_cache(tmp_path):
+    from nexuskv.__main__ import main
+
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--tokens", "256", "--window", "128", "--chunk", "32", "--quick", "--json", str(out),
+                 "--markdown", str(tmp_path / "eval.md")]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    dense, four = rows
+    assert dense["tokens"] == four["tokens"] == 254  # 2 windows of 128, first token of each unpredicted
+    assert 1 < dense["ppl"] < 100 and abs(four["delta_ppl_pct"]) < 10
+    assert four["cache_bytes"] > 0
