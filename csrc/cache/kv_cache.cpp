@@ -7,6 +7,7 @@
 
 #include <numeric>
 
+#include "../aten/nq_args.h"
 #include "nexuskv/ops.h"
 
 namespace nexuskv {
@@ -47,16 +48,13 @@ void KVCache::ensure_capacity(int64_t tokens) {
   const int64_t want = std::max(tokens, capacity_ + capacity_ / 4);
   const int64_t cap = (want + chunk_ - 1) / chunk_ * chunk_;
   auto grow = [&](Store& s, const QuantSpec& spec) {
-    // Shapes of an empty compressed tensor of `cap` tokens, from the operator itself.
-    const at::Tensor probe = at::zeros({batch_, heads_, cap, head_dim_}, at::TensorOptions().dtype(dtype_));
-    std::vector<at::Tensor> fresh;
-    if (spec.dynamic) {
-      auto t = dgq_compress(probe, spec.bits, spec.group_size, spec.granule, std::nullopt, spec.num_outliers);
-      fresh = {std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t), std::get<4>(t), std::get<5>(t)};
-    } else {
-      auto t = nq_compress(probe, spec.bits, spec.group_size, spec.axis, spec.num_outliers);
-      fresh = {std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t), std::get<4>(t)};
-    }
+    // Buffers of a compressed [B, H, cap, D] tensor, sized by the format (a
+    // broadcast view carries the shape and dtype without allocating it).
+    const at::Tensor shape = at::empty({1}, at::TensorOptions().dtype(dtype_)).expand({batch_, heads_, cap, head_dim_});
+    const core::NQDims d = nq_compress_dims(shape, spec.bits, spec.group_size, spec.axis, spec.num_outliers);
+    auto [codes, scale, zero, idx, val] = nq_allocate_outputs(d, shape, dtype_);
+    std::vector<at::Tensor> fresh = {codes, scale, zero, idx, val};
+    if (spec.dynamic) fresh.push_back(at::empty({batch_, heads_, d.meta_a()}, at::TensorOptions().dtype(at::kInt)));
     for (size_t i = 0; i < fresh.size(); ++i) {
       fresh[i].zero_();
       if (!s.parts.empty()) {
