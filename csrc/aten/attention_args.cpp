@@ -90,6 +90,7 @@ AttentionInputs attention_inputs(const at::Tensor& q, at::TensorList k_cache, at
   AttentionInputs in;
   auto& keep = in.keep_alive;
   core::AttentionProblem& p = in.problem;
+  p.query_bits = q.scalar_type() == at::kFloat ? 32 : 16;
   p.k = cache_view("k_cache", "k_format", k_cache, k_format, B, D, keep);
   p.v = cache_view("v_cache", "v_format", v_cache, v_format, B, D, keep);
   const int64_t Hkv = k_cache[0].size(1);

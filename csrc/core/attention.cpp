@@ -38,7 +38,8 @@ Isa pick_isa() {
 #if defined(NEXUSKV_HAVE_X86_ISAS)
   __builtin_cpu_init();
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                      __builtin_cpu_supports("avx512vnni");
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (avx512 && (want.empty() || want == "avx512")) return {"avx512", &avx512::attention_tasks_impl};
   if (avx2 && (want.empty() || want == "avx512" || want == "avx2")) return {"avx2", &avx2::attention_tasks_impl};
@@ -78,10 +79,15 @@ void attention_merge(const AttentionProblem& p, int64_t splits, const float* par
     const float* part = partials + bh * splits * stride;
     for (int64_t r = 0; r < rows; ++r) {
       float m = -std::numeric_limits<float>::infinity();
-      for (int64_t s = 0; s < splits; ++s) m = std::max(m, part[s * stride + r * (D + 2) + D]);
-      std::fill(row.begin(), row.end(), 0.f);
+      bool nan = false;  // a split saw a NaN/Inf score (attention_tasks marks it with a NaN max or sum)
+      for (int64_t s = 0; s < splits; ++s) {
+        const float* pr = part + s * stride + r * (D + 2);
+        m = std::max(m, pr[D]);
+        nan |= std::isnan(pr[D]) || std::isnan(pr[D + 1]);
+      }
+      std::fill(row.begin(), row.end(), nan ? std::numeric_limits<float>::quiet_NaN() : 0.f);
       float l = 0.f;
-      if (m != -std::numeric_limits<float>::infinity()) {
+      if (!nan && m != -std::numeric_limits<float>::infinity()) {
         for (int64_t s = 0; s < splits; ++s) {
           const float* pr = part + s * stride + r * (D + 2);
           const float w = std::exp(pr[D] - m);  // exp(-inf) = 0 for empty splits

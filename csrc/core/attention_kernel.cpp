@@ -3,14 +3,19 @@
 // picked at run time by attention.cpp.  Per task (batch, kv head, key split):
 //   for each tile of <= kTileTokens keys that stays inside one quantization
 //   group/segment of K and of V:
-//     keys: per-channel groups -> the codes are converted to float and the
-//       group's scales are folded into the queries (q * scale, once per group)
-//       and its zeros into a per-row bias; other groupings are dequantized;
+//     keys: per-channel groups -> the group's scales are folded into the
+//       queries (q * scale, once per group) and its zeros into a per-row
+//       bias; with AVX512-VNNI and 2/4/8 bits the scores are integer dot
+//       products of int8 query limbs with the packed codes
+//       (attention_int_keys.h), otherwise the codes are converted to float;
+//       other groupings are dequantized;
 //     scores = q . K for 4 query rows x 4 keys at a time, outliers corrected;
-//     causal mask, online softmax (float32);
-//     values: per-token groups -> codes as float, the scales folded into the
-//       softmax weights and the zeros summed per channel group; otherwise
-//       dequantized; acc += p . V, 4 query rows per value load.
+//     causal mask, online softmax (float32); a NaN/Inf score marks its row NaN;
+//     values: per-token groups -> the scales folded into the softmax weights
+//       and the zeros summed per channel group, the codes widened to float in
+//       registers straight from the packed rows (AVX-512, 2/4/8 bits) or
+//       through a float tile; otherwise dequantized; acc += p . V, 4 query
+//       rows per value load.
 // Layout and math of the compressed rows: nq_format.h.
 #include <algorithm>
 #include <cmath>
@@ -89,6 +94,18 @@ inline float dot_f(const float* __restrict a, const float* __restrict b, int64_t
   float s = 0.f;
   for (int l = 0; l < 16; ++l) s += part[l];
   return s;
+}
+
+// False if v[0..n) holds a NaN or an Inf (v * 0 is NaN exactly then).
+inline bool all_finite(const float* __restrict v, int64_t n) {
+  float part[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) part[l] += v[i + l] * 0.f;
+  for (; i < n; ++i) part[0] += v[i] * 0.f;
+  float s = 0.f;
+  for (int l = 0; l < 16; ++l) s += part[l];
+  return s == 0.f;
 }
 
 inline float load_float(const void* p, DType t, int64_t i) {
@@ -308,6 +325,56 @@ void pv_block(float* const* acc, const float* const* w, int64_t bstride, int64_t
   }
 }
 
+#if defined(__AVX512F__)
+// pv_block for folded values read straight from their packed rows (bits 2, 4,
+// 8): each 16-channel block of a token's codes is masked out of its chunk and
+// widened to float in registers, once for the R rows, instead of going
+// through a float tile.  codes: [n, row_bytes] packed rows of the tile's tokens.
+template <int R, int kBits>
+void pv_codes_block(float* const* acc, const float* const* w, int64_t bstride, int64_t G,
+                    const uint8_t* __restrict codes, int64_t row_bytes, int64_t n, int64_t D) {
+  constexpr int kPlanes = 8 / kBits;
+  const __m128i mask = _mm_set1_epi8(char((1u << kBits) - 1u));
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    const int64_t b = (d0 / G) * bstride, block = d0 / 16;
+    const uint8_t* src = codes + 16 * (block / kPlanes);  // the chunk holding channels [d0, d0 + 16)
+    const int shift = kBits * int(block % kPlanes);
+    __m512 a[R];
+    for (int i = 0; i < R; ++i) a[i] = _mm512_loadu_ps(acc[i] + d0);
+    for (int64_t j = 0; j < n; ++j, src += row_bytes) {
+      __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+      if constexpr (kBits != 8) c = _mm_and_si128(_mm_srl_epi16(c, _mm_cvtsi32_si128(shift)), mask);
+      const __m512 vj = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c));
+      for (int i = 0; i < R; ++i) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i][b + j]), vj, a[i]);
+    }
+    for (int i = 0; i < R; ++i) _mm512_storeu_ps(acc[i] + d0, a[i]);
+  }
+}
+
+template <int R>
+void pv_codes_bits(int bits, float* const* acc, const float* const* w, int64_t bstride, int64_t G,
+                   const uint8_t* codes, int64_t row_bytes, int64_t n, int64_t D) {
+  switch (bits) {
+    case 2: pv_codes_block<R, 2>(acc, w, bstride, G, codes, row_bytes, n, D); break;
+    case 4: pv_codes_block<R, 4>(acc, w, bstride, G, codes, row_bytes, n, D); break;
+    default: pv_codes_block<R, 8>(acc, w, bstride, G, codes, row_bytes, n, D); break;
+  }
+}
+
+void pv_codes_rows(int R, int bits, float* const* acc, const float* const* w, int64_t bstride, int64_t G,
+                   const uint8_t* codes, int64_t row_bytes, int64_t n, int64_t D) {
+  switch (R) {
+    case 1: pv_codes_bits<1>(bits, acc, w, bstride, G, codes, row_bytes, n, D); break;
+    case 2: pv_codes_bits<2>(bits, acc, w, bstride, G, codes, row_bytes, n, D); break;
+    case 3: pv_codes_bits<3>(bits, acc, w, bstride, G, codes, row_bytes, n, D); break;
+    default: pv_codes_bits<4>(bits, acc, w, bstride, G, codes, row_bytes, n, D); break;
+  }
+}
+constexpr bool kPackedValues = true;
+#else
+constexpr bool kPackedValues = false;
+#endif
+
 void pv_rows(int R, float* const* acc, const float* const* w, int64_t bstride, int64_t G, const float* v,
              int64_t n, int64_t D) {
   switch (R) {
@@ -336,12 +403,29 @@ inline void fill_f(float* p, int64_t n, float v) {
   for (int64_t i = 0; i < n; ++i) p[i] = v;
 }
 
+// Code of channel ch in one packed row (nq_format.h), for the few reads that
+// need a single code (outlier corrections).
+inline uint32_t code_at(const uint8_t* row, int bits, int64_t ch) {
+  if (bits == 3) {
+    const uint8_t* chunk = row + (ch / 64) * 24;
+    const int64_t i = ch % 64;
+    return ((chunk[i % 16] >> (2 * (i / 16))) & 3u) | (((chunk[16 + i % 8] >> (i / 8)) & 1u) << 2);
+  }
+  const int64_t C = chunk_channels(bits), i = ch % C;
+  return (row[(ch / C) * 16 + i % 16] >> (bits * (i / 16))) & ((1u << bits) - 1u);
+}
+
+#include "attention_int_keys.h"
+
 // A tile of keys/values ready for attend(): float rows plus how to read them.
 struct Tile {
   const float* k = nullptr;        // [n, D] keys, or raw codes when k_query is the folded one
   const float* k_query = nullptr;  // [rows, D] queries to dot with k (scaled by the key group's scales)
   const float* k_bias = nullptr;   // [rows] added to every score (q . key zeros), or null
   const float* v = nullptr;        // [n, D] values, or raw codes when v_scale is set
+  const uint8_t* v_codes = nullptr;  // [n, v_row_bytes] packed value codes, read in place (instead of v), or null
+  int64_t v_row_bytes = 0;
+  int v_bits = 0;
   const float* v_scale = nullptr;  // [nb, kTileTokens] per-token channel-group scales of folded values, or null
   const float* v_zero = nullptr;   // [nb, kTileTokens]
   int64_t nb = 1, group = 0;       // channel groups per token and their width (folded values)
@@ -415,6 +499,7 @@ struct TaskState {
         vis_max = std::max(vis_max, visible[i]);
         float tile_max = kNegInf;
         for (int64_t j = 0; j < visible[i]; ++j) tile_max = max_f(tile_max, sr[j]);
+        const bool finite = all_finite(sr, visible[i]);
         const float m_new = max_f(m.p[r], tile_max);
         const float alpha = m_new == kNegInf ? 1.f : exp_nonpos(m.p[r] - m_new);
         for (int64_t j = 0; j < n; ++j) sr[j] = j < visible[i] ? exp_nonpos(sr[j] - m_new) : 0.f;
@@ -424,7 +509,9 @@ struct TaskState {
           for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
           for (int64_t b = 0; b < D / 16; ++b) zacc.p[r * (D / 16) + b] *= alpha;
         }
-        l.p[r] = l.p[r] * alpha + sum;
+        // A NaN/Inf score (NaN/Inf in q or in the tail) makes the row NaN, as
+        // plain attention would, instead of a silently ignored key.
+        l.p[r] = finite ? l.p[r] * alpha + sum : std::numeric_limits<float>::quiet_NaN();
         m.p[r] = m_new;
         acc_rows[i] = ar;
         if (t.v_scale) {  // fold the values' per-token scales into the weights, their zeros into zacc
@@ -441,7 +528,14 @@ struct TaskState {
           w_rows[i] = sr;
         }
       }
-      if (vis_max > 0) pv_rows(R, acc_rows, w_rows, t.v_scale ? kTileTokens : 0, G, t.v, vis_max, D);
+      if (vis_max == 0) continue;
+#if defined(__AVX512F__)
+      if (t.v_codes) {
+        pv_codes_rows(R, t.v_bits, acc_rows, w_rows, kTileTokens, G, t.v_codes, t.v_row_bytes, vis_max, D);
+        continue;
+      }
+#endif
+      pv_rows(R, acc_rows, w_rows, t.v_scale ? kTileTokens : 0, G, t.v, vis_max, D);
     }
   }
 };
@@ -469,17 +563,19 @@ void correct_key_outliers(const CompressedView& c, int64_t bh, const GroupCursor
     for (int64_t slot = 0; slot < k; ++slot) {
       const int64_t e = (g + ch) * k + slot, t = cur.start() + c.outlier_idx[e];
       if (t < t0 || t >= t1) continue;
-      const float approx = st.k_tile.p[(t - t0) * D + ch] * st.s_buf.p[ch] + st.z_buf.p[ch];
+      const uint8_t* row = c.codes + (bh * c.dims.tokens + t) * c.dims.packed_row_bytes();
+      const float approx = float(code_at(row, c.dims.bits, ch)) * st.s_buf.p[ch] + st.z_buf.p[ch];
       const float delta = load_float(c.outlier_val, c.val_dtype, e) - approx;
       for (int64_t r = 0; r < st.rows; ++r) st.scores.p[r * kTileTokens + (t - t0)] += st.q.p[r * D + ch] * delta;
     }
 }
 
-// Folded values: codes of tokens [t0, t1) into v_tile, their per-group scales and zeros into vs / vz.
-void load_value_rows(const CompressedView& c, int64_t bh, int64_t t0, int64_t t1, TaskState& st) {
+// Folded values: the per-group scales and zeros of tokens [t0, t1) into vs / vz,
+// and their codes as floats into v_tile unless the kernel reads them packed.
+void load_value_rows(const CompressedView& c, int64_t bh, int64_t t0, int64_t t1, bool packed, TaskState& st) {
   const NQDims& d = c.dims;
   const int64_t D = st.D, nb = d.meta_b(), rb = d.packed_row_bytes();
-  for (int64_t t = t0; t < t1; ++t) {
+  for (int64_t t = t0; !packed && t < t1; ++t) {
     codes_row_bits(d.bits, c.codes + (bh * d.tokens + t) * rb, D, st.v_tile.p + (t - t0) * D);
   }
   // The tile's scales and zeros, [t0, t1) x nb in memory, into [nb, kTileTokens].
@@ -502,7 +598,8 @@ void correct_value_outliers(const CompressedView& c, int64_t bh, int64_t t0, int
         const int64_t e = ((bh * c.meta_a + t) * nb + b) * k + slot, ch = b * G + c.outlier_idx[e];
         if (ch >= D) continue;
         const int64_t j = t - t0;
-        const float approx = st.v_tile.p[j * D + ch] * st.vs.p[b * kTileTokens + j] + st.vz.p[b * kTileTokens + j];
+        const float code = float(code_at(c.codes + (bh * d.tokens + t) * d.packed_row_bytes(), d.bits, ch));
+        const float approx = code * st.vs.p[b * kTileTokens + j] + st.vz.p[b * kTileTokens + j];
         const float delta = load_float(c.outlier_val, c.val_dtype, e) - approx;
         for (int64_t r = 0; r < st.rows; ++r) st.acc.p[r * D + ch] += st.scores.p[r * kTileTokens + j] * delta;
       }
@@ -517,8 +614,16 @@ void attention_tasks_impl(const AttentionProblem& p, int64_t splits, float* part
   // Scales folded out of the inner loops: per-channel key scales into the
   // queries (once per group), per-token value scales into the weights.
   const bool fold_k = p.k.dims.axis == GroupAxis::kTokens;
+#if defined(__AVX512VNNI__)
+  // Per-channel keys of 2, 4 or 8 bits: integer scores on the packed codes.
+  const bool int_k = fold_k && p.k.dims.bits != 3;
+  QueryLimbs limbs(int_k ? rows : 0, D, p.k.dims.bits, p.query_bits <= 16 ? 2 : 3);
+#else
+  const bool int_k = false;
+#endif
   const bool fold_v = p.v.dims.axis == GroupAxis::kChannels && p.v.dims.group_size % 16 == 0;
-  const int64_t k_rb = p.k.dims.packed_row_bytes();
+  const int64_t k_rb = p.k.dims.packed_row_bytes(), v_rb = p.v.dims.packed_row_bytes();
+  const bool packed_v = kPackedValues && fold_v && p.v.dims.bits != 3;
   for (int64_t task = begin; task < end; ++task) {
     const int64_t s = task % splits, bh = task / splits, b = bh / p.kv_heads, h = bh % p.kv_heads;
     const int64_t L = p.seq_len(b), comp = p.compressed_lens[b];
@@ -527,6 +632,7 @@ void attention_tasks_impl(const AttentionProblem& p, int64_t splits, float* part
     const int64_t lo = std::min(L, s * span), hi = std::min(L, lo + span);
     st.reset();
     const uint8_t* k_codes = p.k.codes + bh * p.k.dims.tokens * k_rb;
+    const uint8_t* v_codes = p.v.codes + bh * p.v.dims.tokens * v_rb;
     for (int64_t gq = 0; gq < group; ++gq)
       for (int64_t i = 0; i < p.q_len; ++i) {
         const int64_t r = gq * p.q_len + i;
@@ -547,11 +653,21 @@ void attention_tasks_impl(const AttentionProblem& p, int64_t splits, float* part
       if (fold_k) {
         if (kc.group() != k_group_loaded) {
           load_key_group(p.k, bh, kc.group(), st);
+#if defined(__AVX512VNNI__)
+          if (int_k) limbs.set(st.qk.p, D);
+#endif
           k_group_loaded = kc.group();
         }
-        for (int64_t j = 0; j < n; ++j) codes_row_bits(p.k.dims.bits, k_codes + (t + j) * k_rb, D, st.k_tile.p + j * D);
-        tile.k = st.k_tile.p, tile.k_query = st.qk.p, tile.k_bias = st.kbias.p;
-        st.compute_scores(tile, n);
+        if (int_k) {
+#if defined(__AVX512VNNI__)
+          int_scores(limbs, p.k.dims.bits, k_codes + t * k_rb, k_rb, n, st.kbias.p, st.scores.p);
+#endif
+        } else {
+          for (int64_t j = 0; j < n; ++j)
+            codes_row_bits(p.k.dims.bits, k_codes + (t + j) * k_rb, D, st.k_tile.p + j * D);
+          tile.k = st.k_tile.p, tile.k_query = st.qk.p, tile.k_bias = st.kbias.p;
+          st.compute_scores(tile, n);
+        }
         correct_key_outliers(p.k, bh, kc, t, te, st);
       } else {
         dequant_tile(p.k, bh, kc, t, te, st.k_tile.p, st.s_buf.p, st.z_buf.p);
@@ -559,8 +675,9 @@ void attention_tasks_impl(const AttentionProblem& p, int64_t splits, float* part
         st.compute_scores(tile, n);
       }
       if (fold_v) {
-        load_value_rows(p.v, bh, t, te, st);
+        load_value_rows(p.v, bh, t, te, packed_v, st);
         tile.v = st.v_tile.p, tile.v_scale = st.vs.p, tile.v_zero = st.vz.p;
+        if (packed_v) tile.v_codes = v_codes + t * v_rb, tile.v_row_bytes = v_rb, tile.v_bits = p.v.dims.bits;
         tile.nb = p.v.dims.meta_b(), tile.group = p.v.dims.group_size;
         st.update(tile, n, t);
         correct_value_outliers(p.v, bh, t, te, st);

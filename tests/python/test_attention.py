@@ -14,7 +14,7 @@ import torch
 import nexuskv
 from nexuskv.ops import dgq_fused_attention, hadamard_rotate
 from nexuskv.profiling import peak_allocated_bytes
-from nq_reference import F64, reference_dequantize
+from nq_reference import F64, reference_dequantize, reference_unpack
 
 KEY_AXIS, VALUE_AXIS = -2, -1
 
@@ -181,6 +181,69 @@ def test_every_instruction_set_agrees(isa, tmp_path):
     err = float(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                                check=True).stdout)
     assert err <= 1e-4
+
+
+# ---- integer key scores (16-bit queries) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_half_precision_queries_stay_within_the_limb_error_bound(bits, head_dim):
+    """With per-channel keys, the AVX512-VNNI kernel scores keys with the folded
+    queries x = q * scale * key_scale written as two int8 limbs (attention_int_keys.h):
+    |x_c - x'_c| <= a / 508 with a = max_c |x_c| / 127 per query row and key group.
+    So each score moves by at most eps = a / 508 * sum_c code_c, each softmax weight
+    by a factor within exp(+-2 eps), and the output by at most
+    (exp(2 eps) - 1) * max|v|.  Checked against float64 attention with the
+    exact (bf16) queries, plus the bf16 rounding of the output."""
+    G, T, Hkv, ratio = 32, 200, 2, 4
+    g = torch.Generator().manual_seed(bits * 1000 + head_dim)
+    k = torch.randn(1, Hkv, T, head_dim, generator=g)
+    k[..., 3] += 4.0
+    v = torch.randn(1, Hkv, T, head_dim, generator=g)
+    q = torch.randn(1, Hkv * ratio, 1, head_dim, generator=g).to(torch.bfloat16)
+    kc = nexuskv.nq_compress(k, bits, G, KEY_AXIS)
+    vc = nexuskv.nq_compress(v, bits, G, VALUE_AXIS)
+    lens = torch.tensor([T])
+    scale = head_dim ** -0.5
+    out = dgq_fused_attention(q, kc, vc, [bits, G, KEY_AXIS], [bits, G, VALUE_AXIS], lens, scale=scale)
+    kd = reference_dequantize(kc, bits, G, KEY_AXIS, head_dim)  # [1, Hkv, T, D] float64
+    vd = reference_dequantize(vc, bits, G, VALUE_AXIS, head_dim)
+    ref = reference_attention(q, kd, vd, lens, None, None, None, scale)
+    s = kc[1].to(F64)  # [1, Hkv, T/G, D] key scales
+    codes = reference_unpack(kc[0].reshape(Hkv * T, -1), bits, head_dim)[:, :head_dim].view(1, Hkv, T, head_dim)
+    qs = q.to(F64).view(Hkv, ratio, head_dim) * scale
+    x = qs[:, :, None, :] * s[0][:, None]  # [Hkv, ratio, groups, D]
+    a = x.abs().amax(-1) / 127  # [Hkv, ratio, groups]
+    code_sums = codes[0].sum(-1).view(Hkv, -1)  # [Hkv, T]
+    eps = (a.repeat_interleave(G, 2)[:, :, :T] / 508 * code_sums[:, None]).amax(-1)  # [Hkv, ratio]
+    bound = (torch.exp(2 * eps) - 1) * vd.abs().amax()
+    err = (out.to(F64) - ref).abs().amax(-1).view(Hkv, ratio)
+    slack = ref.abs().amax(-1).view(Hkv, ratio) * 2.0 ** -8 + 1e-5  # bf16 output rounding
+    assert torch.all(err <= bound + slack), (err, bound)
+    # Not vacuous (measured: bound 0.2-0.4 % of max|v|, error 10 % of the bound); one
+    # limb (a / 2 per channel) would move scores 254x more.
+    assert float(bound.max()) < 0.01 * float(vd.abs().amax())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_query_or_tail_gives_nan_rows(dtype, bad):
+    # Like plain attention: a NaN/Inf in a query row or in a tail key poisons exactly
+    # the rows that see it; everything else stays finite and exact.
+    case = Case(dtype=dtype, q_len=2, ratio=4, tail=8)
+    case.q[0, 1, 0, 5] = bad
+    case.k_tail[1, 0, 3, 2] = bad
+    out = case.run()
+    assert out[0, 1, 0].isnan().all()
+    assert out[1, :4].isnan().all()  # kv head 0 of sequence 1 serves query heads 0-3
+    ok = torch.ones(out.shape[:3], dtype=torch.bool)
+    ok[0, 1, 0] = False
+    ok[1, :4] = False
+    assert out[ok].isfinite().all()
+    ref = case.reference()
+    tol = 1e-4 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    assert rel_err(out[0, 0], ref[0, 0]) <= tol
 
 
 # ---- rotation -------------------------------------------------------------------------------

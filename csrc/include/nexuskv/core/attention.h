@@ -45,6 +45,9 @@ struct AttentionProblem {
   const int64_t* tail_lens = nullptr;     // [B] valid tail tokens per sequence, or null
   const float* rotation_signs = nullptr;  // [D] +-1: the cache is stored rotated, or null
   float scale = 1.f;
+  // Precision the caller's queries came in (16: fp16/bf16, 32: fp32); the
+  // integer key scores carry that much of q (attention_int_keys.h).
+  int query_bits = 32;
 
   int64_t rows_per_task() const { return (q_heads / kv_heads) * q_len; }
   int64_t tail_len(int64_t b) const { return k_tail ? (tail_lens ? tail_lens[b] : tail_capacity) : 0; }
@@ -64,7 +67,7 @@ void attention_tasks(const AttentionProblem& p, int64_t splits, float* partials,
 
 // Combines the splits of (b, h) pairs [begin, end) and writes
 // out [B, Hq, Lq, D] (float32), undoing the rotation.  A sequence of length
-// 0 gives zeros.
+// 0 gives zeros; a row that met a NaN/Inf score (NaN/Inf in q or the tail) gives NaN.
 void attention_merge(const AttentionProblem& p, int64_t splits, const float* partials, float* out,
                      int64_t begin, int64_t end);
 

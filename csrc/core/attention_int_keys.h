@@ -1,0 +1,165 @@
+// Integer scores for per-channel keys (AVX512-VNNI), included by
+// attention_kernel.cpp inside its per-ISA namespace; only the avx512 build
+// defines __AVX512VNNI__.
+//
+// Why: converting every 2/4/8-bit key code to float costs as much as the
+// float FMAs themselves.  With the key group's scales folded into the
+// queries, x = q * key_scale (per channel), a score is
+//
+//   q . key = sum_c x_c * code_c + q . zero,
+//
+// and the codes are already unsigned bytes once masked out of their packed
+// row.  So x is written as int8 limbs,
+//
+//   x_c ~= a * (l0_c + l1_c / 254 + l2_c / 254^2),  a = max_c |x_c| / 127,
+//
+// and sum_c x_c * code_c runs as u8 x s8 dot products (vpdpbusd, 64 per
+// instruction) straight on the packed codes.  Each limb is the rounded
+// remainder of the one before, so the limb error per channel is at most
+// a / (2 * 254^(L-1)): L = 2 for fp16/bf16 queries (max|x| * 2^-16, below
+// the queries' own rounding), L = 3 for fp32 queries (max|x| * 2^-23, the
+// size of float32 rounding).  Every integer sum is exact: |l| * code * D <=
+// 127 * 255 * 256 < 2^31.
+//
+// Layout of the limbs (QueryLimbs::data): [rows, limbs, padded D] in channel
+// order.  Plane j of packed chunk c (nq_format.h: channels c*C + 16j + [0, 16),
+// C = 16 * planes) is then the 16 bytes at block c * planes + j, which a
+// 128-bit broadcast spreads over four keys whose chunk c sit in the four
+// 128-bit lanes of one register.
+#pragma once
+
+#if defined(__AVX512VNNI__)
+
+// Limbs of the folded queries of one task (all its rows), for the current key group.
+struct QueryLimbs {
+  int64_t rows = 0, padded = 0, limbs = 0;
+  int8_t* data = nullptr;  // [rows, limbs, padded]
+  float* a = nullptr;      // [rows] limb unit (NaN when the row's x is not finite)
+
+  QueryLimbs(int64_t rows_, int64_t D, int bits, int limbs_)
+      : rows(rows_), padded(row_bytes(bits, D) * 8 / bits), limbs(limbs_),
+        data(new int8_t[size_t(rows_ * limbs_ * padded)]()), a(new float[size_t(rows_)]) {}
+  ~QueryLimbs() {
+    delete[] data;
+    delete[] a;
+  }
+  QueryLimbs(const QueryLimbs&) = delete;
+  QueryLimbs& operator=(const QueryLimbs&) = delete;
+
+  // The 16 limbs l of row r for packed block `block` (chunk * planes + plane).
+  __m512i block(int64_t r, int64_t l, int64_t block) const {
+    return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(data + (r * limbs + l) * padded + 16 * block)));
+  }
+
+  // Writes the limbs of x [rows, D], D % 16 == 0 (channels past D stay zero).
+  void set(const float* x, int64_t D) {
+    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * D;
+      __m512 vmax = _mm512_setzero_ps();
+      for (int64_t c = 0; c < D; c += 16) vmax = _mm512_max_ps(vmax, _mm512_and_ps(_mm512_loadu_ps(xr + c), abs_mask));
+      // max_ps drops a NaN operand, so check the row's sum too.
+      __m512 vsum = _mm512_setzero_ps();
+      for (int64_t c = 0; c < D; c += 16) vsum = _mm512_add_ps(vsum, _mm512_loadu_ps(xr + c));
+      const float amax = _mm512_reduce_max_ps(vmax);
+      if (!std::isfinite(_mm512_reduce_add_ps(vsum)) || !(amax <= std::numeric_limits<float>::max())) {
+        a[r] = std::numeric_limits<float>::quiet_NaN();  // NaN or Inf in q: its scores become NaN
+        continue;
+      }
+      a[r] = amax / 127.f;
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f), radix = _mm512_set1_ps(254.f);
+      for (int64_t c = 0; c < D; c += 16) {
+        __m512 rest = _mm512_mul_ps(_mm512_loadu_ps(xr + c), inv);  // in [-127, 127]
+        for (int64_t l = 0; l < limbs; ++l) {
+          const __m512 limb = _mm512_roundscale_ps(rest, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(data + (r * limbs + l) * padded + c),
+                           _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(limb)));
+          rest = _mm512_mul_ps(_mm512_sub_ps(rest, limb), radix);  // the remainder, in [-127, 127]
+        }
+      }
+    }
+  }
+};
+
+// scores[(r0 + i) * kTileTokens + j0 + k] = q_i . key_k for R rows (R <= 4)
+// and the keys [j0, j0 + 4) of a tile (a partial block repeats its last key),
+// from the packed codes and the limbs: a_i * sum_l 254^-l * (l_l . codes) + bias_i.
+template <int kBits, int R, int L>
+void int_scores_block(const QueryLimbs& ql, int64_t r0, const uint8_t* const* key_rows, const float* bias,
+                      float* scores, int64_t j0, int64_t n) {
+  constexpr int kPlanes = 8 / kBits;
+  const __m512i mask = _mm512_set1_epi8(char((1u << kBits) - 1u));
+  __m512i acc[R][L];
+  for (int i = 0; i < R; ++i)
+    for (int l = 0; l < L; ++l) acc[i][l] = _mm512_setzero_si512();
+  for (int64_t c = 0; c < ql.padded / (16 * kPlanes); ++c) {
+    // Chunk c of the four keys, one per 128-bit lane.
+    __m512i z = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(key_rows[0] + 16 * c)));
+    z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(key_rows[1] + 16 * c)), 1);
+    z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(key_rows[2] + 16 * c)), 2);
+    z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(key_rows[3] + 16 * c)), 3);
+#pragma GCC unroll 4
+    for (int j = 0; j < kPlanes; ++j) {
+      const __m512i plane = kBits == 8 ? z : _mm512_and_si512(_mm512_srli_epi16(z, kBits * j), mask);
+      for (int i = 0; i < R; ++i)
+        for (int l = 0; l < L; ++l)
+          acc[i][l] = _mm512_dpbusd_epi32(acc[i][l], plane, ql.block(r0 + i, l, c * kPlanes + j));
+    }
+  }
+  // Lane group k of acc[i][l] holds four partial sums of key k: add them up,
+  // four rows at once, so that lane 4k + i of sum[l] is row i's dot with key k.
+  __m512 f = _mm512_setzero_ps();
+  for (int l = L - 1; l >= 0; --l) {
+    __m512i a4[4];
+    for (int i = 0; i < 4; ++i) a4[i] = i < R ? acc[i][l] : _mm512_setzero_si512();
+    const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a4[0], a4[1]), _mm512_unpackhi_epi32(a4[0], a4[1]));
+    const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a4[2], a4[3]), _mm512_unpackhi_epi32(a4[2], a4[3]));
+    const __m512i sum = _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
+    // Horner over the limbs: f = sum_0 + (sum_1 + sum_2 / 254) / 254.
+    f = _mm512_fmadd_ps(f, _mm512_set1_ps(l == L - 1 ? 0.f : 1.f / 254.f), _mm512_cvtepi32_ps(sum));
+  }
+  alignas(64) float a4[4] = {}, b4[4] = {};
+  for (int i = 0; i < R; ++i) a4[i] = ql.a[r0 + i], b4[i] = bias[r0 + i];
+  f = _mm512_fmadd_ps(f, _mm512_broadcast_f32x4(_mm_load_ps(a4)), _mm512_broadcast_f32x4(_mm_load_ps(b4)));
+  // Lane 4k + i -> 4i + k: row i's four scores in the i-th 128-bit lane.
+  f = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
+  alignas(64) float out[16];
+  _mm512_store_ps(out, f);
+  const int64_t keys = n - j0 < 4 ? n - j0 : 4;
+  for (int i = 0; i < R; ++i)
+    for (int64_t k = 0; k < keys; ++k) scores[(r0 + i) * kTileTokens + j0 + k] = out[4 * i + k];
+}
+
+template <int kBits, int L>
+void int_scores_rows(const QueryLimbs& ql, const uint8_t* codes, int64_t row_bytes, int64_t n, const float* bias,
+                     float* scores) {
+  for (int64_t r0 = 0; r0 < ql.rows; r0 += 4) {
+    const int64_t R = ql.rows - r0 < 4 ? ql.rows - r0 : 4;
+    for (int64_t j0 = 0; j0 < n; j0 += 4) {
+      const uint8_t* key_rows[4];
+      for (int64_t k = 0; k < 4; ++k) key_rows[k] = codes + (j0 + k < n ? j0 + k : n - 1) * row_bytes;
+      switch (R) {
+        case 1: int_scores_block<kBits, 1, L>(ql, r0, key_rows, bias, scores, j0, n); break;
+        case 2: int_scores_block<kBits, 2, L>(ql, r0, key_rows, bias, scores, j0, n); break;
+        case 3: int_scores_block<kBits, 3, L>(ql, r0, key_rows, bias, scores, j0, n); break;
+        default: int_scores_block<kBits, 4, L>(ql, r0, key_rows, bias, scores, j0, n); break;
+      }
+    }
+  }
+}
+
+// Scores of the n keys whose packed rows start at codes (bits 2, 4 or 8).
+inline void int_scores(const QueryLimbs& ql, int bits, const uint8_t* codes, int64_t row_bytes, int64_t n,
+                       const float* bias, float* scores) {
+  const bool three = ql.limbs == 3;
+  switch (bits) {
+    case 2: three ? int_scores_rows<2, 3>(ql, codes, row_bytes, n, bias, scores)
+                  : int_scores_rows<2, 2>(ql, codes, row_bytes, n, bias, scores); break;
+    case 4: three ? int_scores_rows<4, 3>(ql, codes, row_bytes, n, bias, scores)
+                  : int_scores_rows<4, 2>(ql, codes, row_bytes, n, bias, scores); break;
+    default: three ? int_scores_rows<8, 3>(ql, codes, row_bytes, n, bias, scores)
+                   : int_scores_rows<8, 2>(ql, codes, row_bytes, n, bias, scores); break;
+  }
+}
+
+#endif  // __AVX512VNNI__
