@@ -333,21 +333,30 @@ void pv_block(float* const* acc, const float* const* w, int64_t bstride, int64_t
 template <int R, int kBits>
 void pv_codes_block(float* const* acc, const float* const* w, int64_t bstride, int64_t G,
                     const uint8_t* __restrict codes, int64_t row_bytes, int64_t n, int64_t D) {
-  constexpr int kPlanes = 8 / kBits;
+  constexpr int kPlanes = 8 / kBits, kChunk = 16 * kPlanes;
   const __m128i mask = _mm_set1_epi8(char((1u << kBits) - 1u));
-  for (int64_t d0 = 0; d0 < D; d0 += 16) {
-    const int64_t b = (d0 / G) * bstride, block = d0 / 16;
-    const uint8_t* src = codes + 16 * (block / kPlanes);  // the chunk holding channels [d0, d0 + 16)
-    const int shift = kBits * int(block % kPlanes);
-    __m512 a[R];
-    for (int i = 0; i < R; ++i) a[i] = _mm512_loadu_ps(acc[i] + d0);
-    for (int64_t j = 0; j < n; ++j, src += row_bytes) {
-      __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-      if constexpr (kBits != 8) c = _mm_and_si128(_mm_srl_epi16(c, _mm_cvtsi32_si128(shift)), mask);
-      const __m512 vj = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c));
-      for (int i = 0; i < R; ++i) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i][b + j]), vj, a[i]);
+  for (int64_t c0 = 0; c0 < D; c0 += kChunk) {  // one packed chunk: kPlanes blocks of 16 channels
+    const uint8_t* src = codes + 16 * (c0 / kChunk);
+    const int64_t planes = (D - c0) / 16 < kPlanes ? (D - c0) / 16 : kPlanes;  // a partial last chunk
+    int64_t woff[kPlanes];  // where the weights of block j's channel group start
+    __m512 a[kPlanes][R];
+    for (int j = 0; j < kPlanes; ++j) {
+      woff[j] = ((c0 + 16 * j) / G) * bstride;
+      for (int i = 0; i < R; ++i) a[j][i] = j < planes ? _mm512_loadu_ps(acc[i] + c0 + 16 * j) : _mm512_setzero_ps();
     }
-    for (int i = 0; i < R; ++i) _mm512_storeu_ps(acc[i] + d0, a[i]);
+    for (int64_t t = 0; t < n; ++t, src += row_bytes) {
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+#pragma GCC unroll 4
+      for (int j = 0; j < kPlanes; ++j) {
+        if (j >= planes) break;
+        __m128i code = c;
+        if constexpr (kBits != 8) code = _mm_and_si128(j == 0 ? c : _mm_srli_epi16(c, kBits * j), mask);
+        const __m512 vt = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(code));
+        for (int i = 0; i < R; ++i) a[j][i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i][woff[j] + t]), vt, a[j][i]);
+      }
+    }
+    for (int j = 0; j < planes; ++j)
+      for (int i = 0; i < R; ++i) _mm512_storeu_ps(acc[i] + c0 + 16 * j, a[j][i]);
   }
 }
 
