@@ -452,6 +452,7 @@ struct TaskState {
   FloatBuf scores;   // [rows, kTileTokens]
   FloatBuf weights;  // [rows, D / 16, kTileTokens] p * value scale per channel group and token
   FloatBuf k_tile, v_tile, s_buf, z_buf, vs, vz;
+  FloatBuf meta_tmp;  // [2, kTileTokens, D / 16] a value tile's scales and zeros as stored
   FloatBuf spare;    // [4, D] keys of a partial block of four
   int64_t* pos;      // [rows] position of each query row
 
@@ -459,7 +460,7 @@ struct TaskState {
       : rows(rows_), D(D_), q(rows_ * D_), qk(rows_ * D_), kbias(rows_), acc(rows_ * D_), zacc(rows_ * (D_ / 16)),
         m(rows_), l(rows_), scores(rows_ * kTileTokens), weights(rows_ * kTileTokens * (D_ / 16)),
         k_tile(kTileTokens * D_), v_tile(kTileTokens * D_), s_buf(D_), z_buf(D_), vs(kTileTokens * (D_ / 16)),
-        vz(kTileTokens * (D_ / 16)), spare(4 * D_), pos(new int64_t[size_t(rows_)]) {}
+        vz(kTileTokens * (D_ / 16)), meta_tmp(2 * kTileTokens * (D_ / 16)), spare(4 * D_), pos(new int64_t[size_t(rows_)]) {}
   ~TaskState() { delete[] pos; }
 
   void reset() {
@@ -587,12 +588,15 @@ void load_value_rows(const CompressedView& c, int64_t bh, int64_t t0, int64_t t1
   for (int64_t t = t0; !packed && t < t1; ++t) {
     codes_row_bits(d.bits, c.codes + (bh * d.tokens + t) * rb, D, st.v_tile.p + (t - t0) * D);
   }
-  // The tile's scales and zeros, [t0, t1) x nb in memory, into [nb, kTileTokens].
-  for (int64_t t = t0; t < t1; ++t)
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t e = (bh * c.meta_a + t) * nb + b;
-      st.vs.p[b * kTileTokens + (t - t0)] = load_float(c.scale, c.meta_dtype, e);
-      st.vz.p[b * kTileTokens + (t - t0)] = load_float(c.zero, c.meta_dtype, e);
+  // The tile's scales and zeros, [t0, t1) x nb in memory, into [nb, kTileTokens]
+  // (converted in one vectorized pass each, then transposed).
+  const int64_t e0 = (bh * c.meta_a + t0) * nb, n = t1 - t0;
+  load_floats(c.scale, c.meta_dtype, e0, n * nb, st.meta_tmp.p);
+  load_floats(c.zero, c.meta_dtype, e0, n * nb, st.meta_tmp.p + n * nb);
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t j = 0; j < n; ++j) {
+      st.vs.p[b * kTileTokens + j] = st.meta_tmp.p[j * nb + b];
+      st.vz.p[b * kTileTokens + j] = st.meta_tmp.p[n * nb + j * nb + b];
     }
 }
 
