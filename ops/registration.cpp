@@ -46,36 +46,59 @@ TORCH_LIBRARY(nexuskv, m) {
   // queries are the last q_len positions (causal among themselves).  With
   // rotation_signs the cache holds hadamard_rotate(K), hadamard_rotate(V) and the
   // output is in the original basis.  scale defaults to head_dim^-0.5.
-  // Allocates its output.
+  // Optional sinks: sink_lens[b] full-precision tokens of k_sink/v_sink
+  // [batch, kv_heads, sink_tokens, head_dim] come first, so that the positions
+  // of sequence b are sinks, compressed, tail (the tail and sinks are stored in
+  // the original basis even when rotated).  Allocates its output.
   m.def(
       "dgq_fused_attention(Tensor q, Tensor[] k_cache, Tensor[] v_cache, int[] k_format, int[] v_format, "
       "Tensor compressed_lens, Tensor? k_tail=None, Tensor? v_tail=None, Tensor? tail_lens=None, "
-      "Tensor? rotation_signs=None, float? scale=None) -> Tensor",
+      "Tensor? rotation_signs=None, float? scale=None, Tensor? k_sink=None, Tensor? v_sink=None, "
+      "Tensor? sink_lens=None) -> Tensor",
       {at::Tag::pt2_compliant_tag});
   // Randomized Hadamard rotation of the last dim (a power of two):
   // y = H (signs * x) / sqrt(n); inverse=True undoes it.  Allocates its output.
   m.def("hadamard_rotate(Tensor x, Tensor signs, bool inverse=False) -> Tensor", {at::Tag::pt2_compliant_tag});
 
   // The compressed KV cache of one attention layer (policy: nexuskv/cache.h),
-  // for Python and TorchScript as torch.classes.nexuskv.KVCache.
+  // for Python and TorchScript as torch.classes.nexuskv.KVCache.  sinks: first
+  // tokens per sequence kept in full precision.  external_chunk > 0: external
+  // storage with chunks of that many tokens (the quantization arguments are
+  // then unused): a front end compresses the chunks with its own compressor.
   m.class_<nexuskv::KVCache>("KVCache")
       .def(torch::init([](int64_t key_bits, int64_t key_group_size, int64_t key_axis, int64_t key_outliers,
                           bool key_dynamic, int64_t value_bits, int64_t value_group_size, int64_t value_axis,
-                          int64_t value_outliers, int64_t residual, bool rotate, int64_t seed) {
-        nexuskv::QuantSpec keys, values;
-        keys.bits = key_bits, keys.group_size = key_group_size, keys.axis = key_axis;
-        keys.num_outliers = key_outliers, keys.dynamic = key_dynamic;
-        values.bits = value_bits, values.group_size = value_group_size, values.axis = value_axis;
-        values.num_outliers = value_outliers;
-        return c10::make_intrusive<nexuskv::KVCache>(keys, values, residual, rotate, seed);
-      }))
+                          int64_t value_outliers, int64_t residual, bool rotate, int64_t seed, int64_t sinks,
+                          int64_t external_chunk) {
+             if (external_chunk > 0) {
+               TORCH_CHECK(!rotate, "KVCache: external storage does not rotate (the front end's compressor may)");
+               return nexuskv::KVCache::external(external_chunk, residual, sinks);
+             }
+             nexuskv::QuantSpec keys, values;
+             keys.bits = key_bits, keys.group_size = key_group_size, keys.axis = key_axis;
+             keys.num_outliers = key_outliers, keys.dynamic = key_dynamic;
+             values.bits = value_bits, values.group_size = value_group_size, values.axis = value_axis;
+             values.num_outliers = value_outliers;
+             return c10::make_intrusive<nexuskv::KVCache>(keys, values, residual, rotate, seed, sinks);
+           }),
+           "",
+           {torch::arg("key_bits"), torch::arg("key_group_size"), torch::arg("key_axis"), torch::arg("key_outliers"),
+            torch::arg("key_dynamic"), torch::arg("value_bits"), torch::arg("value_group_size"),
+            torch::arg("value_axis"), torch::arg("value_outliers"), torch::arg("residual"), torch::arg("rotate"),
+            torch::arg("seed"), torch::arg("sinks") = 0, torch::arg("external_chunk") = 0})
       .def("append", &nexuskv::KVCache::append)
       .def("attend", &nexuskv::KVCache::attend)
       .def("dense", &nexuskv::KVCache::dense)
+      .def("take_due_chunks", &nexuskv::KVCache::take_due_chunks)
+      .def("dense_with", &nexuskv::KVCache::dense_with)
+      .def("reorder", &nexuskv::KVCache::reorder)
       .def("lengths", &nexuskv::KVCache::lengths)
+      .def("compressed_lengths", &nexuskv::KVCache::compressed_lengths)
       .def("max_length", &nexuskv::KVCache::max_length)
       .def("nbytes", &nexuskv::KVCache::nbytes)
       .def("used_nbytes", &nexuskv::KVCache::used_nbytes)
       .def("chunk", &nexuskv::KVCache::chunk)
+      .def("sinks", &nexuskv::KVCache::sinks)
+      .def("is_external", &nexuskv::KVCache::is_external)
       .def("reset", &nexuskv::KVCache::reset);
 }

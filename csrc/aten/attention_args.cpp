@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <string>
 
 #include "core_dispatch.h"
 #include "nq_args.h"
@@ -63,6 +64,37 @@ at::Tensor lengths(const char* name, const at::Tensor& t, int64_t batch, int64_t
   return out;
 }
 
+// Optional full-precision K/V rows [B, Hkv, capacity, D] (the tail or the
+// sinks) with optional lengths [B]: checked, converted to float32, pointed to.
+void full_precision_rows(const std::string& what, const std::optional<at::Tensor>& k,
+                         const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& lens, int64_t B,
+                         int64_t Hkv, const at::Tensor& q, std::vector<at::Tensor>& keep, const float*& k_ptr,
+                         const float*& v_ptr, int64_t& capacity, const int64_t*& lens_ptr) {
+  const std::string kn = "k_" + what, vn = "v_" + what, ln = what + "_lens";
+  const int64_t D = q.size(3);
+  TORCH_CHECK(k.has_value() == v.has_value(), kOp, ": give both ", kn, " and ", vn, ", or neither");
+  TORCH_CHECK(k.has_value() || !lens.has_value(), kOp, ": ", ln, " given without ", kn, "/", vn);
+  if (!k) return;
+  for (const auto* t : {&*k, &*v}) {
+    TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == Hkv && t->size(3) == D, kOp, ": ", kn, " and ",
+                vn, " must have shape [", B, ", ", Hkv, ", ", what, "_tokens, ", D, "], got ", t->sizes());
+    TORCH_CHECK(is_float_type(t->scalar_type()), kOp, ": ", kn, " and ", vn, " must be float tensors, got ",
+                t->scalar_type());
+    TORCH_CHECK(t->device() == q.device(), kOp, ": ", kn, " is on ", t->device(), " but q is on ", q.device());
+  }
+  TORCH_CHECK(k->size(2) == v->size(2), kOp, ": ", kn, " holds ", k->size(2), " tokens, ", vn, " ", v->size(2));
+  capacity = k->size(2);
+  keep.push_back(k->to(at::kFloat).contiguous());
+  k_ptr = keep.back().data_ptr<float>();
+  keep.push_back(v->to(at::kFloat).contiguous());
+  v_ptr = keep.back().data_ptr<float>();
+  if (lens) {
+    const std::string limit = "tokens held by " + kn;
+    keep.push_back(lengths(ln.c_str(), *lens, B, capacity, limit.c_str()));
+    lens_ptr = keep.back().data_ptr<int64_t>();
+  }
+}
+
 }  // namespace
 
 void check_rotation_signs(const char* op, const at::Tensor& signs, int64_t n) {
@@ -78,7 +110,9 @@ AttentionInputs attention_inputs(const at::Tensor& q, at::TensorList k_cache, at
                                  at::IntArrayRef k_format, at::IntArrayRef v_format,
                                  const at::Tensor& compressed_lens, const std::optional<at::Tensor>& k_tail,
                                  const std::optional<at::Tensor>& v_tail, const std::optional<at::Tensor>& tail_lens,
-                                 const std::optional<at::Tensor>& rotation_signs, std::optional<double> scale) {
+                                 const std::optional<at::Tensor>& rotation_signs, std::optional<double> scale,
+                                 const std::optional<at::Tensor>& k_sink, const std::optional<at::Tensor>& v_sink,
+                                 const std::optional<at::Tensor>& sink_lens) {
   TORCH_CHECK(q.dim() == 4, kOp, ": q must have shape [batch, q_heads, q_len, head_dim], got ", q.sizes());
   TORCH_CHECK(is_float_type(q.scalar_type()), kOp, ": q must be float32, float16 or bfloat16, got ",
               q.scalar_type());
@@ -106,28 +140,10 @@ AttentionInputs attention_inputs(const at::Tensor& q, at::TensorList k_cache, at
   keep.push_back(lengths("compressed_lens", compressed_lens, B, capacity, "tokens held by k_cache and v_cache"));
   p.compressed_lens = keep.back().data_ptr<int64_t>();
 
-  TORCH_CHECK(k_tail.has_value() == v_tail.has_value(), kOp, ": give both k_tail and v_tail, or neither");
-  TORCH_CHECK(k_tail.has_value() || !tail_lens.has_value(), kOp, ": tail_lens given without k_tail/v_tail");
-  if (k_tail) {
-    for (const auto* t : {&*k_tail, &*v_tail}) {
-      TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == Hkv && t->size(3) == D, kOp,
-                  ": k_tail and v_tail must have shape [", B, ", ", Hkv, ", tail_tokens, ", D, "], got ", t->sizes());
-      TORCH_CHECK(is_float_type(t->scalar_type()), kOp, ": k_tail and v_tail must be float tensors, got ",
-                  t->scalar_type());
-      TORCH_CHECK(t->device() == q.device(), kOp, ": the tail is on ", t->device(), " but q is on ", q.device());
-    }
-    TORCH_CHECK(k_tail->size(2) == v_tail->size(2), kOp, ": k_tail holds ", k_tail->size(2), " tokens, v_tail ",
-                v_tail->size(2));
-    p.tail_capacity = k_tail->size(2);
-    keep.push_back(k_tail->to(at::kFloat).contiguous());
-    p.k_tail = keep.back().data_ptr<float>();
-    keep.push_back(v_tail->to(at::kFloat).contiguous());
-    p.v_tail = keep.back().data_ptr<float>();
-    if (tail_lens) {
-      keep.push_back(lengths("tail_lens", *tail_lens, B, p.tail_capacity, "tokens held by k_tail"));
-      p.tail_lens = keep.back().data_ptr<int64_t>();
-    }
-  }
+  full_precision_rows("tail", k_tail, v_tail, tail_lens, B, Hkv, q, keep, p.k_tail, p.v_tail, p.tail_capacity,
+                      p.tail_lens);
+  full_precision_rows("sink", k_sink, v_sink, sink_lens, B, Hkv, q, keep, p.k_sink, p.v_sink, p.sink_capacity,
+                      p.sink_lens);
   if (rotation_signs) {
     check_rotation_signs(kOp, *rotation_signs, D);
     keep.push_back(rotation_signs->to(at::kCPU, at::kFloat).contiguous());

@@ -20,7 +20,9 @@ AttentionInputs attention_inputs(const at::Tensor& q, at::TensorList k_cache, at
                                  at::IntArrayRef k_format, at::IntArrayRef v_format,
                                  const at::Tensor& compressed_lens, const std::optional<at::Tensor>& k_tail,
                                  const std::optional<at::Tensor>& v_tail, const std::optional<at::Tensor>& tail_lens,
-                                 const std::optional<at::Tensor>& rotation_signs, std::optional<double> scale);
+                                 const std::optional<at::Tensor>& rotation_signs, std::optional<double> scale,
+                                 const std::optional<at::Tensor>& k_sink, const std::optional<at::Tensor>& v_sink,
+                                 const std::optional<at::Tensor>& sink_lens);
 
 // Checks signs for a randomized Hadamard rotation of rows of length n.
 void check_rotation_signs(const char* op, const at::Tensor& signs, int64_t n);

@@ -639,7 +639,7 @@ void attention_tasks_impl(const AttentionProblem& p, int64_t splits, float* part
   const bool packed_v = kPackedValues && fold_v && p.v.dims.bits != 3;
   for (int64_t task = begin; task < end; ++task) {
     const int64_t s = task % splits, bh = task / splits, b = bh / p.kv_heads, h = bh % p.kv_heads;
-    const int64_t L = p.seq_len(b), comp = p.compressed_lens[b];
+    const int64_t L = p.seq_len(b), comp = p.compressed_lens[b], sink = p.sink_len(b);
     // Split s covers key positions [lo, hi), whole tiles.
     const int64_t span = ceil_div(ceil_div(L, splits), kTileTokens) * kTileTokens;
     const int64_t lo = std::min(L, s * span), hi = std::min(L, lo + span);
@@ -655,12 +655,34 @@ void attention_tasks_impl(const AttentionProblem& p, int64_t splits, float* part
         if (p.rotation_signs) hadamard_rotate_rows(dst, dst, 1, D, p.rotation_signs, false);
         st.pos[r] = L - p.q_len + i;
       }
-    // Compressed keys [lo, min(hi, comp)), in tiles that never straddle a group.
+    // Full-precision keys/values (sinks, tail) at positions [from, to): rows of a
+    // [B, Hkv, capacity, D] buffer whose row 0 is position `first`, rotated on the fly when the cache is.
+    auto attend_full_precision = [&](const float* k_rows, const float* v_rows, int64_t capacity, int64_t first,
+                                     int64_t from, int64_t to) {
+      for (int64_t t = from; t < to; t += kTileTokens) {
+        const int64_t n = std::min(kTileTokens, to - t);
+        const int64_t off = (bh * capacity + (t - first)) * D;
+        const float* k = k_rows + off;
+        const float* v = v_rows + off;
+        if (p.rotation_signs) {
+          hadamard_rotate_rows(k, rotated.p, n, D, p.rotation_signs, false);
+          hadamard_rotate_rows(v, rotated.p + kTileTokens * D, n, D, p.rotation_signs, false);
+          k = rotated.p, v = rotated.p + kTileTokens * D;
+        }
+        Tile tile;
+        tile.k = k, tile.k_query = st.q.p, tile.v = v;
+        st.compute_scores(tile, n);
+        st.update(tile, n, t);
+      }
+    };
+    attend_full_precision(p.k_sink, p.v_sink, p.sink_capacity, 0, lo, std::min(hi, sink));
+    // Compressed tokens [c_lo, c_hi) at positions sink + t, in tiles that never straddle a group.
+    const int64_t c_lo = std::max<int64_t>(lo - sink, 0), c_hi = std::min(hi - sink, comp);
     GroupCursor kc(p.k, bh), vc(p.v, bh);
     int64_t k_group_loaded = -1;
-    for (int64_t t = lo; t < std::min(hi, comp);) {
+    for (int64_t t = c_lo; t < c_hi;) {
       kc.seek(t), vc.seek(t);
-      const int64_t te = std::min({t + kTileTokens, std::min(hi, comp), kc.end(), vc.end()});
+      const int64_t te = std::min({t + kTileTokens, c_hi, kc.end(), vc.end()});
       const int64_t n = te - t;
       Tile tile;
       if (fold_k) {
@@ -692,31 +714,16 @@ void attention_tasks_impl(const AttentionProblem& p, int64_t splits, float* part
         tile.v = st.v_tile.p, tile.v_scale = st.vs.p, tile.v_zero = st.vz.p;
         if (packed_v) tile.v_codes = v_codes + t * v_rb, tile.v_row_bytes = v_rb, tile.v_bits = p.v.dims.bits;
         tile.nb = p.v.dims.meta_b(), tile.group = p.v.dims.group_size;
-        st.update(tile, n, t);
+        st.update(tile, n, sink + t);
         correct_value_outliers(p.v, bh, t, te, st);
       } else {
         dequant_tile(p.v, bh, vc, t, te, st.v_tile.p, st.s_buf.p, st.z_buf.p);
         tile.v = st.v_tile.p;
-        st.update(tile, n, t);
+        st.update(tile, n, sink + t);
       }
       t = te;
     }
-    // Full-precision tail: positions comp + j, rotated on the fly when the cache is.
-    for (int64_t t = std::max(lo, comp); t < hi; t += kTileTokens) {
-      const int64_t n = std::min(kTileTokens, hi - t);
-      const int64_t off = (bh * p.tail_capacity + (t - comp)) * D;
-      const float* k = p.k_tail + off;
-      const float* v = p.v_tail + off;
-      if (p.rotation_signs) {
-        hadamard_rotate_rows(k, rotated.p, n, D, p.rotation_signs, false);
-        hadamard_rotate_rows(v, rotated.p + kTileTokens * D, n, D, p.rotation_signs, false);
-        k = rotated.p, v = rotated.p + kTileTokens * D;
-      }
-      Tile tile;
-      tile.k = k, tile.k_query = st.q.p, tile.v = v;
-      st.compute_scores(tile, n);
-      st.update(tile, n, t);
-    }
+    attend_full_precision(p.k_tail, p.v_tail, p.tail_capacity, sink + comp, std::max(lo, sink + comp), hi);
     float* out = partials + task * partial_floats(p);
     for (int64_t r = 0; r < rows; ++r) {
       if (fold_v)  // the values' zeros, summed per channel group

@@ -10,8 +10,10 @@
 #include <torch/script.h>
 
 #include <iostream>
+#include <memory>
 
 #include "nexuskv/cache.h"
+#include "nexuskv/compressor.h"
 
 int main(int argc, char** argv) {
   if (argc != 3) {
@@ -25,11 +27,15 @@ int main(int argc, char** argv) {
   const at::Tensor expected = data.attr("expected").toTensor();
 
   // The same cache Python used: 4-bit keys per channel and values per token in
-  // groups of 32, 16 full-precision tokens, DGQ off, no rotation.
+  // groups of 32, 16 full-precision tokens, DGQ off, no rotation.  Configured by
+  // KVCompressor objects (nexuskv/compressor.h): NQ is stored in place and read
+  // by the fused kernel; a class of one's own would go through its decompress().
   nexuskv::QuantSpec keys, values;
   keys.bits = 4, keys.group_size = 32, keys.axis = -2;
   values.bits = 4, values.group_size = 32, values.axis = -1;
-  auto cache = c10::make_intrusive<nexuskv::KVCache>(keys, values, /*residual=*/16);
+  auto cache = c10::make_intrusive<nexuskv::KVCache>(std::make_shared<nexuskv::NQCompressor>(keys),
+                                                     std::make_shared<nexuskv::NQCompressor>(values),
+                                                     /*residual=*/16);
   cache->append(data.attr("prefill_k").toTensor(), data.attr("prefill_v").toTensor(), std::nullopt);
 
   double worst = 0;

@@ -40,7 +40,12 @@ def rotation_signs(head_dim: int, seed: int) -> torch.Tensor:
 class KVCompressor(Protocol):
     """What a KV cache needs from a compressor.  ``compress`` takes a float tensor
     [..., tokens, head_dim] and returns any object; ``decompress`` inverts it;
-    ``nbytes`` counts every byte that object holds (codes and all metadata)."""
+    ``nbytes`` counts every byte that object holds (codes and all metadata).
+
+    NQ and DGQ implement it; so can a class of your own, which then works through
+    the cache (``nexuskv.hf.cache_for(model, compressor=...)``: the C++ cache hands it
+    the chunks due for compression, attention runs over its ``decompress`` output).
+    The C++ counterpart is ``nexuskv::KVCompressor`` (csrc/include/nexuskv/compressor.h)."""
 
     def compress(self, x: torch.Tensor) -> Any: ...
 

@@ -88,7 +88,9 @@ def dgq_fused_attention(q: torch.Tensor, k_cache: Sequence[torch.Tensor], v_cach
                         k_format: Sequence[int], v_format: Sequence[int], compressed_lens: torch.Tensor,
                         k_tail: Optional[torch.Tensor] = None, v_tail: Optional[torch.Tensor] = None,
                         tail_lens: Optional[torch.Tensor] = None, rotation_signs: Optional[torch.Tensor] = None,
-                        scale: Optional[float] = None) -> torch.Tensor:
+                        scale: Optional[float] = None, k_sink: Optional[torch.Tensor] = None,
+                        v_sink: Optional[torch.Tensor] = None, sink_lens: Optional[torch.Tensor] = None
+                        ) -> torch.Tensor:
     """softmax(q . K^T * scale + causal mask) . V straight from the compressed cache.
 
     Args:
@@ -103,12 +105,16 @@ def dgq_fused_attention(q: torch.Tensor, k_cache: Sequence[torch.Tensor], v_cach
             tokens, positioned after the compressed ones; tail_lens [batch] how many are valid.
         rotation_signs: [head_dim] +-1 when the cache holds hadamard_rotate(K/V, signs).
         scale: softmax scale, default head_dim ** -0.5.
+        k_sink, v_sink: optional [batch, kv_heads, sink_tokens, head_dim] full-precision first tokens
+            (attention sinks), positioned before the compressed ones; sink_lens [batch] how many are
+            valid.  Positions of a sequence: sinks, compressed, tail.  Sinks and tail are in the
+            original basis also when the cache is rotated.
 
     Returns [batch, q_heads, q_len, head_dim] in q's dtype; zeros for a sequence of length 0.
     Never materializes the dequantized cache: it works tile by tile in float32."""
     return torch.ops.nexuskv.dgq_fused_attention(q, list(k_cache), list(v_cache), list(k_format),
                                                  list(v_format), compressed_lens, k_tail, v_tail, tail_lens,
-                                                 rotation_signs, scale)
+                                                 rotation_signs, scale, k_sink, v_sink, sink_lens)
 
 
 def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -172,7 +178,8 @@ def _dgq_decompress_fake(codes, scale, zero, outlier_idx, outlier_val, segment_s
 
 @torch.library.register_fake("nexuskv::dgq_fused_attention")
 def _dgq_fused_attention_fake(q, k_cache, v_cache, k_format, v_format, compressed_lens, k_tail=None, v_tail=None,
-                              tail_lens=None, rotation_signs=None, scale=None):
+                              tail_lens=None, rotation_signs=None, scale=None, k_sink=None, v_sink=None,
+                              sink_lens=None):
     torch._check(q.dim() == 4, lambda: "dgq_fused_attention: q must have shape [batch, q_heads, q_len, head_dim]")
     torch._check(len(k_cache) in (5, 6) and len(v_cache) in (5, 6),
                  lambda: "dgq_fused_attention: k_cache and v_cache must hold 5 or 6 tensors")

@@ -109,3 +109,59 @@ TEST_CASE("Hadamard rotation is orthonormal and inverted", "[attention]") {
   REQUIRE(std::fabs(nx - ny) < 1e-4 * nx);
   for (size_t i = 0; i < x.size(); ++i) REQUIRE(std::fabs(z[i] - x[i]) < 1e-5f);
 }
+
+TEST_CASE("full-precision sinks and tail sit before and after the compressed tokens", "[attention]") {
+  // Positions of sequence b: sinks [0, S_b), compressed [S_b, S_b + C_b), tail after them.
+  std::mt19937 rng(13);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int64_t B = 3, Hkv = 1, Hq = 2, Lq = 4, T = 96, D = 32, S = 5, Tt = 20;
+  const Cache k(B * Hkv, T, D, 4, 32, GroupAxis::kTokens, 0, rng);
+  const Cache v(B * Hkv, T, D, 4, 32, GroupAxis::kChannels, 0, rng);
+  std::vector<float> q(size_t(B * Hq * Lq * D)), ks(size_t(B * Hkv * S * D)), vs(ks.size()),
+      kt(size_t(B * Hkv * Tt * D)), vt(kt.size());
+  for (auto* buf : {&q, &ks, &vs, &kt, &vt})
+    for (auto& x : *buf) x = nd(rng);
+  // Ragged: all three parts; no compressed part; queries inside the sinks (nothing else).
+  const int64_t comp[3] = {96, 0, 0}, sinks[3] = {5, 3, 5}, tails[3] = {7, 20, 0};
+  AttentionProblem p;
+  p.batch = B, p.q_heads = Hq, p.kv_heads = Hkv, p.q_len = Lq, p.head_dim = D, p.scale = 0.2f;
+  p.q = q.data(), p.k = k.view(), p.v = v.view(), p.compressed_lens = comp;
+  p.k_sink = ks.data(), p.v_sink = vs.data(), p.sink_capacity = S, p.sink_lens = sinks;
+  p.k_tail = kt.data(), p.v_tail = vt.data(), p.tail_capacity = Tt, p.tail_lens = tails;
+  // Key / value row of position t of sequence b (head 0), from whichever part holds it.
+  auto row = [&](bool key, int64_t b, int64_t t) -> const float* {
+    if (t < sinks[b]) return (key ? ks : vs).data() + (b * S + t) * D;
+    t -= sinks[b];
+    if (t < comp[b]) return (key ? k.dense : v.dense).data() + (b * T + t) * D;
+    return (key ? kt : vt).data() + (b * Tt + t - comp[b]) * D;
+  };
+  for (int64_t splits : {int64_t(1), int64_t(2)}) {
+    std::vector<float> partials(size_t(B * Hkv * splits * partial_floats(p))), out(q.size());
+    attention_tasks(p, splits, partials.data(), 0, B * Hkv * splits);
+    attention_merge(p, splits, partials.data(), out.data(), 0, B * Hkv);
+    double num = 0, den = 0;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t hq = 0; hq < Hq; ++hq)
+        for (int64_t i = 0; i < Lq; ++i) {
+          const int64_t L = sinks[b] + comp[b] + tails[b], P = L - Lq + i;
+          const float* qr = q.data() + ((b * Hq + hq) * Lq + i) * D;
+          std::vector<double> w(size_t(P + 1));
+          double mx = -INFINITY, sum = 0;
+          for (int64_t t = 0; t <= P; ++t) {
+            double s = 0;
+            for (int64_t c = 0; c < D; ++c) s += double(qr[c]) * row(true, b, t)[c];
+            w[size_t(t)] = s * p.scale, mx = std::max(mx, w[size_t(t)]);
+          }
+          for (auto& x : w) x = std::exp(x - mx), sum += x;
+          for (int64_t c = 0; c < D; ++c) {
+            double o = 0;
+            for (int64_t t = 0; t <= P; ++t) o += w[size_t(t)] * row(false, b, t)[c];
+            o /= sum;
+            const double got = out[size_t(((b * Hq + hq) * Lq + i) * D + c)];
+            num += (got - o) * (got - o), den += o * o;
+          }
+        }
+    INFO("splits=" << splits << " isa=" << attention_isa());
+    REQUIRE(std::sqrt(num / den) < 1e-5);
+  }
+}

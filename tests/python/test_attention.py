@@ -37,19 +37,23 @@ def random_signs(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 2, (n,), generator=g).float() * 2 - 1
 
 
-def reference_attention(q, k, v, comp_lens, k_tail, v_tail, tail_lens, scale):
-    """float64 causal attention; k, v [B, Hkv, Tc, D] dense float64 (original basis)."""
+def reference_attention(q, k, v, comp_lens, k_tail, v_tail, tail_lens, scale, k_sink=None, v_sink=None,
+                        sink_lens=None):
+    """float64 causal attention; k, v [B, Hkv, Tc, D] dense float64 (original basis); positions:
+    sinks, compressed, tail."""
     B, Hq, Lq, D = q.shape
     group = Hq // k.shape[1]
     out = torch.zeros(B, Hq, Lq, D, dtype=F64)
     for b in range(B):
         c = int(comp_lens[b])
         t = int(tail_lens[b]) if k_tail is not None else 0
-        K, V = k[b, :, :c], v[b, :, :c]
+        s = int(sink_lens[b]) if k_sink is not None else 0
+        K = torch.cat([k_sink[b, :, :s].to(F64), k[b, :, :c]], 1) if s else k[b, :, :c]
+        V = torch.cat([v_sink[b, :, :s].to(F64), v[b, :, :c]], 1) if s else v[b, :, :c]
         if t:
             K = torch.cat([K, k_tail[b, :, :t].to(F64)], 1)
             V = torch.cat([V, v_tail[b, :, :t].to(F64)], 1)
-        L = c + t
+        L = s + c + t
         if L == 0:
             continue
         K, V = K.repeat_interleave(group, 0), V.repeat_interleave(group, 0)
@@ -64,7 +68,8 @@ class Case:
     """A random cache: compressed K/V (optionally rotated, optionally DGQ keys) and a tail."""
 
     def __init__(self, *, bits=4, group=32, ratio=4, kv_heads=2, q_len=1, head_dim=64, comp_lens=(70, 33),
-                 tail=0, tail_lens=None, rotate=False, dgq=False, k_outliers=1, dtype=torch.float32, seed=0):
+                 tail=0, tail_lens=None, rotate=False, dgq=False, k_outliers=1, dtype=torch.float32, seed=0,
+                 sinks=0, sink_lens=None):
         g = torch.Generator().manual_seed(seed)
         B = len(comp_lens)
         self.capacity = max(max(comp_lens), 1)
@@ -90,11 +95,19 @@ class Case:
             self.k_tail = torch.randn(B, kv_heads, tail, D, generator=g).to(dtype)
             self.v_tail = torch.randn(B, kv_heads, tail, D, generator=g).to(dtype)
             self.tail_lens = torch.tensor(tail_lens if tail_lens is not None else [tail] * B)
+        self.k_sink = self.v_sink = self.sink_lens = None
+        if sinks:
+            self.k_sink = torch.randn(B, kv_heads, sinks, D, generator=g).to(dtype)
+            self.v_sink = torch.randn(B, kv_heads, sinks, D, generator=g).to(dtype)
+            self.k_sink[..., 3] += 4.0
+            self.sink_lens = torch.tensor(sink_lens if sink_lens is not None else [sinks] * B)
         self.scale = D ** -0.5
 
     def run(self, **overrides):
         kw = dict(k_tail=self.k_tail, v_tail=self.v_tail, tail_lens=self.tail_lens, rotation_signs=self.signs,
                   scale=self.scale)
+        if self.k_sink is not None:
+            kw.update(k_sink=self.k_sink, v_sink=self.v_sink, sink_lens=self.sink_lens)
         kw.update(overrides)
         return dgq_fused_attention(self.q, self.k_cache, self.v_cache, self.k_format, self.v_format, self.comp_lens,
                                    **kw)
@@ -107,7 +120,7 @@ class Case:
             R = rotation_matrix(self.signs)
             k, v = k @ R, v @ R  # rotate(x) = x R^T, so x = rotate(x) R
         return reference_attention(self.q, k, v, self.comp_lens, self.k_tail, self.v_tail, self.tail_lens,
-                                   self.scale)
+                                   self.scale, self.k_sink, self.v_sink, self.sink_lens)
 
 
 def rel_err(a, b):
@@ -137,6 +150,29 @@ def test_matches_float64_reference(bits, ratio, q_len, tail, rotate, dgq):
     case = Case(bits=bits, ratio=ratio, q_len=q_len, tail=tail, tail_lens=[tail, 5, tail] if tail else None,
                 comp_lens=comp_lens, rotate=rotate, dgq=dgq, seed=bits * 100 + ratio * 10 + q_len)
     assert rel_err(case.run(), case.reference()) <= 1e-4
+
+
+@pytest.mark.parametrize("bits,q_len,tail,rotate,dgq", [(4, 1, 0, False, False), (4, 5, 24, False, False),
+                                                        (2, 17, 24, True, False), (3, 4, 24, False, True),
+                                                        (8, 3, 0, True, True)])
+def test_sinks_match_float64_reference(bits, q_len, tail, rotate, dgq):
+    # Ragged sinks before ragged compressed parts and tails (positions: sinks, compressed, tail);
+    # the last sequence has no compressed part, and without a tail its queries sit in the sinks.
+    case = Case(bits=bits, ratio=3, q_len=q_len, tail=tail, tail_lens=[tail, 5, tail] if tail else None,
+                comp_lens=(100, 45, 0), rotate=rotate, dgq=dgq, sinks=4, sink_lens=[4, 2, 4],
+                seed=bits * 10 + q_len)
+    assert rel_err(case.run(), case.reference()) <= 1e-4
+
+
+def test_sinks_shift_positions_and_long_split_context():
+    # With the sinks dropped the output must change (they are attended); a long context is split.
+    case = Case(comp_lens=(64, 40), tail=8, q_len=2, sinks=4)
+    without = case.run(k_sink=None, v_sink=None, sink_lens=None)
+    assert rel_err(without, case.reference()) > 1e-3
+    long = Case(comp_lens=(3000,), kv_heads=1, ratio=4, q_len=3, sinks=5, tail=20, seed=8)
+    assert rel_err(long.run(), long.reference()) <= 1e-4
+    only = Case(comp_lens=(0,), q_len=4, sinks=6)  # nothing but sinks
+    assert rel_err(only.run(), only.reference()) <= 1e-4
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 80, 256])
@@ -300,10 +336,12 @@ def attention_args(case: Case):
             case.v_tail, case.tail_lens, case.signs, case.scale)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(tail=8, q_len=3, rotate=True), dict(dtype=torch.bfloat16, ratio=3)])
+@pytest.mark.parametrize("kw", [dict(), dict(tail=8, q_len=3, rotate=True), dict(dtype=torch.bfloat16, ratio=3),
+                                dict(tail=8, q_len=2, sinks=4, sink_lens=[4, 1])])
 def test_opcheck(kw):
     case = Case(**kw)
-    torch.library.opcheck(torch.ops.nexuskv.dgq_fused_attention.default, attention_args(case))
+    args = attention_args(case) + ((case.k_sink, case.v_sink, case.sink_lens) if case.k_sink is not None else ())
+    torch.library.opcheck(torch.ops.nexuskv.dgq_fused_attention.default, args)
     torch.library.opcheck(torch.ops.nexuskv.hadamard_rotate.default, (case.q, random_signs(64, 0), True))
 
 
@@ -379,6 +417,14 @@ def bad(case: Case, **kw):
     (lambda c: bad(c, k_tail=torch.randn(2, 4, 3, 64), v_tail=torch.randn(2, 4, 3, 32)), "must have shape"),
     (lambda c: bad(c, k_tail=torch.randn(2, 4, 3, 64), v_tail=torch.randn(2, 4, 3, 64),
                    tail_lens=torch.tensor([4, 0])), r"tail_lens\[0\] = 4 is outside \[0, 3\]"),
+    (lambda c: bad(c, k_sink=torch.randn(2, 4, 3, 64)), "give both k_sink and v_sink"),
+    (lambda c: bad(c, k_sink=torch.randn(2, 4, 3, 64), v_sink=torch.randn(2, 2, 3, 64)),
+     r"k_sink and v_sink must have shape \[2, 4, sink_tokens, 64\]"),
+    (lambda c: bad(c, k_sink=torch.randn(2, 4, 3, 64), v_sink=torch.randn(2, 4, 3, 64),
+                   sink_lens=torch.tensor([1, 4])), r"sink_lens\[1\] = 4 is outside \[0, 3\]"),
+    (lambda c: bad(c, sink_lens=torch.tensor([1, 1])), "sink_lens given without k_sink/v_sink"),
+    (lambda c: bad(c, k_sink=torch.randn(2, 4, 3, 64).long(), v_sink=torch.randn(2, 4, 3, 64).long()),
+     "k_sink and v_sink must be float tensors"),
     (lambda c: bad(c, rotation_signs=torch.ones(32)), r"rotation signs must have shape \[64\]"),
     (lambda c: bad(c, rotation_signs=torch.full((64,), 0.5)), "must all be \\+1 or -1"),
 ])

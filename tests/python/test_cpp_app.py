@@ -5,6 +5,7 @@ must reproduce the outputs Python computed step by step."""
 import os
 import subprocess
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -29,8 +30,10 @@ class Data(torch.nn.Module):
             self.register_buffer(name, t)
 
 
-@pytest.mark.skipif(not APP.exists(), reason=f"{APP} not built (needs NEXUSKV_BUILD_TESTS=ON)")
-def test_cpp_app_reproduces_python(tmp_path):
+def run_decode_app(app: Path, tmp_path: Path, nexuskv_lib_dir: Optional[Path] = None) -> str:
+    """Saves a scripted decoder and its inputs/expected outputs from Python, runs the app on
+    them (libnexuskv from nexuskv_lib_dir, default the Python package's), and returns its
+    output (it exits non-zero on a mismatch)."""
     torch.manual_seed(0)
     steps, B, H, D = 12, 2, 2, 64
     # A prefill of 40 tokens, then single-token decode steps.
@@ -46,9 +49,15 @@ def test_cpp_app_reproduces_python(tmp_path):
     ref = torch.jit.script(Data(q=q, k=k, v=v, expected=expected, prefill_k=prefill[0], prefill_v=prefill[1]))
     torch.jit.save(ref, str(tmp_path / "data.pt"))
     env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(
-        [str(Path(torch.__file__).parent / "lib"), str(Path(nexuskv.__file__).parent),
+        [str(nexuskv_lib_dir or Path(nexuskv.__file__).parent), str(Path(torch.__file__).parent / "lib"),
          os.environ.get("LD_LIBRARY_PATH", "")]))
-    run = subprocess.run([str(APP), str(tmp_path / "decoder.pt"), str(tmp_path / "data.pt")], env=env,
+    run = subprocess.run([str(app), str(tmp_path / "decoder.pt"), str(tmp_path / "data.pt")], env=env,
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "OK" in run.stdout
+    return run.stdout
+
+
+@pytest.mark.skipif(not APP.exists(), reason=f"{APP} not built (needs NEXUSKV_BUILD_TESTS=ON)")
+def test_cpp_app_reproduces_python(tmp_path):
+    run_decode_app(APP, tmp_path)

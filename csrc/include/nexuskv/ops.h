@@ -35,7 +35,8 @@ at::Tensor dgq_decompress(const at::Tensor& codes, const at::Tensor& scale, cons
                           const at::Tensor& segment_starts, int64_t bits, int64_t group_size, int64_t head_dim,
                           std::optional<at::ScalarType> out_dtype = std::nullopt);
 
-// softmax(q K^T * scale + causal) V read straight from the compressed cache
+// softmax(q K^T * scale + causal) V read straight from the compressed cache,
+// with optional full-precision sinks (first tokens) and tail (newest tokens)
 // (see the schema comment in ops/registration.cpp).
 at::Tensor dgq_fused_attention(const at::Tensor& q, at::TensorList k_cache, at::TensorList v_cache,
                                at::IntArrayRef k_format, at::IntArrayRef v_format, const at::Tensor& compressed_lens,
@@ -43,7 +44,10 @@ at::Tensor dgq_fused_attention(const at::Tensor& q, at::TensorList k_cache, at::
                                const std::optional<at::Tensor>& v_tail = std::nullopt,
                                const std::optional<at::Tensor>& tail_lens = std::nullopt,
                                const std::optional<at::Tensor>& rotation_signs = std::nullopt,
-                               std::optional<double> scale = std::nullopt);
+                               std::optional<double> scale = std::nullopt,
+                               const std::optional<at::Tensor>& k_sink = std::nullopt,
+                               const std::optional<at::Tensor>& v_sink = std::nullopt,
+                               const std::optional<at::Tensor>& sink_lens = std::nullopt);
 
 // Randomized Hadamard rotation of the last dim (a power of two).
 at::Tensor hadamard_rotate(const at::Tensor& x, const at::Tensor& signs, bool inverse = false);

@@ -1,5 +1,7 @@
 // Torch-free fused attention over the compressed cache (NQ / DGQ format,
-// nq_format.h) plus a full-precision tail of the newest tokens:
+// nq_format.h) plus full-precision sink tokens (the first of each sequence)
+// and a full-precision tail of the newest tokens.  Key positions of sequence
+// b: sinks [0, S), compressed [S, S + C), tail [S + C, S + C + T).
 //
 //   out = softmax(q . K^T * scale + causal mask) . V
 //
@@ -43,6 +45,10 @@ struct AttentionProblem {
   const float* v_tail = nullptr;          // [B, Hkv, tail_capacity, D] float32 or null
   int64_t tail_capacity = 0;
   const int64_t* tail_lens = nullptr;     // [B] valid tail tokens per sequence, or null
+  const float* k_sink = nullptr;          // [B, Hkv, sink_capacity, D] float32 or null
+  const float* v_sink = nullptr;          // [B, Hkv, sink_capacity, D] float32 or null
+  int64_t sink_capacity = 0;
+  const int64_t* sink_lens = nullptr;     // [B] valid sink tokens per sequence, or null
   const float* rotation_signs = nullptr;  // [D] +-1: the cache is stored rotated, or null
   float scale = 1.f;
   // Precision the caller's queries came in (16: fp16/bf16, 32: fp32); the
@@ -51,7 +57,8 @@ struct AttentionProblem {
 
   int64_t rows_per_task() const { return (q_heads / kv_heads) * q_len; }
   int64_t tail_len(int64_t b) const { return k_tail ? (tail_lens ? tail_lens[b] : tail_capacity) : 0; }
-  int64_t seq_len(int64_t b) const { return compressed_lens[b] + tail_len(b); }
+  int64_t sink_len(int64_t b) const { return k_sink ? (sink_lens ? sink_lens[b] : sink_capacity) : 0; }
+  int64_t seq_len(int64_t b) const { return sink_len(b) + compressed_lens[b] + tail_len(b); }
 };
 
 // Floats of one task's partial result: per query row, acc[D] then max, sum.

@@ -1,0 +1,127 @@
+// LibTorch test of the C++ cache API: KVCompressor (NQ, DGQ, a user's own
+// class) and KVCache configured by compressors, as C++ inference code uses them.
+#include <ATen/ATen.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <string>
+
+#include "catch_compat.h"
+#include "nexuskv/cache.h"
+#include "nexuskv/compressor.h"
+
+namespace {
+
+using nexuskv::CompressedTensor;
+using nexuskv::KVCache;
+using nexuskv::KVCompressor;
+using nexuskv::QuantSpec;
+
+QuantSpec spec(int64_t bits, int64_t group, int64_t axis, bool dynamic = false) {
+  QuantSpec s;
+  s.bits = bits, s.group_size = group, s.axis = axis, s.dynamic = dynamic;
+  return s;
+}
+
+// A user's compressor: float16 copies (2 bytes an element, nothing else).
+class HalfCompressor final : public KVCompressor {
+ public:
+  CompressedTensor compress(const at::Tensor& x) const override {
+    return {{x.to(at::kHalf)}, x.sizes().vec(), x.scalar_type()};
+  }
+  at::Tensor decompress(const CompressedTensor& c, std::optional<at::ScalarType> dtype) const override {
+    return c.parts.at(0).to(dtype.value_or(c.dtype));
+  }
+  std::string describe() const override { return "fp16"; }
+};
+
+// float64 causal attention of the last Lq positions over K, V [H, L, D] (one sequence).
+at::Tensor attention_f64(const at::Tensor& q, const at::Tensor& K, const at::Tensor& V, double scale) {
+  const int64_t Hq = q.size(0), Lq = q.size(1), L = K.size(1);
+  const at::Tensor Kd = K.to(at::kDouble).repeat_interleave(Hq / K.size(0), 0);
+  const at::Tensor Vd = V.to(at::kDouble).repeat_interleave(Hq / V.size(0), 0);
+  at::Tensor s = at::matmul(q.to(at::kDouble), Kd.transpose(-1, -2)) * scale;
+  const at::Tensor mask = at::arange(L).unsqueeze(0) > at::arange(L - Lq, L).unsqueeze(1);
+  s.masked_fill_(mask, -std::numeric_limits<double>::infinity());
+  return at::matmul(at::softmax(s, -1), Vd);
+}
+
+double rel(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kDouble) - b).norm().item<double>() / b.norm().item<double>();
+}
+
+}  // namespace
+
+TEST_CASE("NQ and DGQ compressors report their exact bytes and effective bits") {
+  torch::manual_seed(0);
+  torch::NoGradGuard no_grad;
+  const at::Tensor x = torch::randn({2, 128, 64}, at::kHalf);
+  const nexuskv::NQCompressor keys(spec(4, 32, -2)), values(spec(4, 32, -1));
+  for (const KVCompressor* c : {static_cast<const KVCompressor*>(&keys), static_cast<const KVCompressor*>(&values)}) {
+    const CompressedTensor ct = c->compress(x);
+    // 4-bit codes + an fp16 scale and zero per 32 elements = 5 bits; fp16 / 5 bits = 3.2x.
+    REQUIRE(ct.nbytes() == 2 * 128 * 64 / 2 + 2 * 2 * (2 * 128 * 64 / 32));
+    REQUIRE(std::fabs(ct.effective_bits() - 5.0) < 1e-12);
+    REQUIRE(std::fabs(ct.bytes_ratio() - 3.2) < 1e-12);
+    const at::Tensor xh = c->decompress(ct);
+    REQUIRE(xh.scalar_type() == at::kHalf);
+    REQUIRE((xh.to(at::kFloat) - x.to(at::kFloat)).abs().max().item<double>() < 0.6);
+    REQUIRE(c->fused_spec().has_value());
+  }
+  const auto dgq = nexuskv::make_compressor(spec(4, 32, -2, true));
+  const CompressedTensor ct = dgq->compress(x);
+  REQUIRE(ct.parts.size() == 6);  // + segment_starts, counted in the bytes
+  REQUIRE(ct.nbytes() == 2 * 128 * 64 / 2 + 2 * 2 * (2 * 128 * 64 / 32) + 4 * 2 * 4);
+  REQUIRE(dgq->describe().rfind("DGQ4", 0) == 0);
+}
+
+TEST_CASE("a KVCache configured by NQ compressors is the fused cache") {
+  torch::manual_seed(1);
+  torch::NoGradGuard no_grad;
+  KVCache a(std::make_shared<nexuskv::NQCompressor>(spec(4, 32, -2)),
+            std::make_shared<nexuskv::NQCompressor>(spec(4, 32, -1)), 16, /*sinks=*/4);
+  KVCache b(spec(4, 32, -2), spec(4, 32, -1), 16, false, 0, /*sinks=*/4);
+  const at::Tensor k = torch::randn({2, 2, 90, 64}), v = torch::randn({2, 2, 90, 64}), q = torch::randn({2, 4, 2, 64});
+  a.append(k, v, std::nullopt), b.append(k, v, std::nullopt);
+  REQUIRE(at::equal(a.attend(q, std::nullopt), b.attend(q, std::nullopt)));
+  REQUIRE(a.nbytes() == b.nbytes());
+}
+
+TEST_CASE("a user's own C++ compressor works through the cache") {
+  torch::manual_seed(2);
+  torch::NoGradGuard no_grad;
+  const int64_t B = 2, H = 2, D = 64, residual = 8, sinks = 3;
+  auto half = std::make_shared<HalfCompressor>();
+  KVCache cache(half, half, residual, sinks);
+  REQUIRE(cache.chunk() == 1);
+  const at::Tensor k = torch::randn({B, H, 40, D}), v = torch::randn({B, H, 40, D});
+  at::Tensor valid = torch::ones({B, 40}, at::kBool);
+  valid.select(0, 1).slice(0, 0, 10).fill_(false);  // left padding of sequence 1
+  cache.append(k, v, valid);
+  REQUIRE(cache.lengths().equal(torch::tensor({40, 30}, at::kLong)));
+  REQUIRE(cache.compressed_lengths().equal(torch::tensor({29, 19}, at::kLong)));
+  auto [kd, vd, lens] = cache.dense(at::kFloat);
+  // Sinks and tail exact, compressed tokens the fp16 copies.
+  REQUIRE(at::equal(kd.select(0, 0).slice(1, 0, 3), k.select(0, 0).slice(1, 0, 3)));
+  REQUIRE(at::equal(kd.select(0, 0).slice(1, 3, 32), k.select(0, 0).slice(1, 3, 32).to(at::kHalf).to(at::kFloat)));
+  REQUIRE(at::equal(vd.select(0, 1).slice(1, 22, 30), v.select(0, 1).slice(1, 32, 40)));
+  // Attention over the decompressed cache, against float64.
+  const at::Tensor q = torch::randn({B, 4, 3, D});
+  const at::Tensor out = cache.attend(q, std::nullopt);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t L = lens[b].item<int64_t>();
+    const at::Tensor ref = attention_f64(q.select(0, b), kd.select(0, b).slice(1, 0, L),
+                                         vd.select(0, b).slice(1, 0, L), 1.0 / 8);
+    REQUIRE(rel(out.select(0, b), ref) < 1e-5);
+  }
+  // Bytes: the fp16 chunks plus the sinks and tail buffers, all exact.
+  const int64_t chunk_bytes = 2 * (29 + 19) * H * D * 2;
+  const int64_t full = 2 * B * H * D * 4;  // one token of K and V per sequence, float32
+  // The tail buffer holds residual + chunk tokens, grown to the largest tail seen (residual + 1 here).
+  REQUIRE(cache.nbytes() == chunk_bytes + full * sinks + full * (residual + 1));
+  REQUIRE(cache.used_nbytes() == chunk_bytes + 2 * (3 + 3 + 8 + 8) * H * D * 4);
+  cache.reorder(torch::tensor({1, 1}, at::kLong));
+  REQUIRE(cache.lengths().equal(torch::tensor({30, 30}, at::kLong)));
+}

@@ -1,0 +1,46 @@
+"""The installed C++ package: `cmake --install` of this build's cxx component into a
+temporary prefix, then an outside CMake project (examples/cpp, configured on its own)
+that says find_package(nexuskv) with nothing but that prefix and the Python that has
+torch, built and run against Python's outputs."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_cpp_app import run_decode_app
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = ROOT / "build" / "py"
+
+
+def cmake(*args, cwd=None):
+    run = subprocess.run(["cmake", *map(str, args)], cwd=cwd, capture_output=True, text=True)
+    assert run.returncode == 0, f"cmake {' '.join(map(str, args))}\n{run.stdout}\n{run.stderr}"
+    return run.stdout
+
+
+@pytest.mark.skipif(not (BUILD / "cmake_install.cmake").exists() or shutil.which("cmake") is None,
+                    reason=f"needs cmake and the native build in {BUILD}")
+def test_outside_app_with_find_package(tmp_path):
+    prefix = tmp_path / "prefix"
+    cmake("--install", BUILD, "--prefix", prefix, "--component", "cxx")
+    config = prefix / "lib" / "cmake" / "nexuskv"
+    assert (config / "nexuskvConfig.cmake").exists() and (prefix / "include" / "nexuskv" / "cache.h").exists()
+    assert (prefix / "lib" / "libnexuskv.so").exists()
+    app_build = tmp_path / "app"
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    # No torch path, CUDA path or architecture list: the package config finds them itself.
+    out = cmake("-S", ROOT / "examples" / "cpp", "-B", app_build, *generator, "-DCMAKE_BUILD_TYPE=Release",
+                f"-DCMAKE_PREFIX_PATH={prefix}", f"-DPython_EXECUTABLE={sys.executable}")
+    assert "Configuring done" in out
+    cmake("--build", app_build)
+    app = app_build / "nexuskv_decode"
+    # The app must load the installed library (not the build's or the Python package's).
+    env = dict(os.environ, LD_LIBRARY_PATH=str(prefix / "lib"))
+    ldd = subprocess.run(["ldd", str(app)], capture_output=True, text=True, env=env).stdout
+    assert str(prefix / "lib" / "libnexuskv.so") in ldd, ldd
+    assert "OK" in run_decode_app(app, tmp_path, nexuskv_lib_dir=prefix / "lib")
