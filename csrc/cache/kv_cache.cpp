@@ -52,7 +52,7 @@ void KVCache::ensure_capacity(int64_t tokens) {
     // broadcast view carries the shape and dtype without allocating it).
     const at::Tensor shape = at::empty({1}, at::TensorOptions().dtype(dtype_)).expand({batch_, heads_, cap, head_dim_});
     const core::NQDims d = nq_compress_dims(shape, spec.bits, spec.group_size, spec.axis, spec.num_outliers);
-    auto [codes, scale, zero, idx, val] = nq_allocate_outputs(d, shape, dtype_);
+    auto [codes, scale, zero, idx, val] = nq_allocate_outputs(d, shape, nq_meta_dtype(dtype_, spec.meta_dtype));
     std::vector<at::Tensor> fresh = {codes, scale, zero, idx, val};
     if (spec.dynamic) fresh.push_back(at::empty({batch_, heads_, d.meta_a()}, at::TensorOptions().dtype(at::kInt)));
     for (size_t i = 0; i < fresh.size(); ++i) {
@@ -87,11 +87,12 @@ void KVCache::write_compressed(Store& s, const QuantSpec& spec, int64_t b, int64
   const int64_t n = x.size(1);
   std::vector<at::Tensor> parts;
   if (spec.dynamic) {
-    auto t = dgq_compress(x, spec.bits, spec.group_size, spec.granule, std::nullopt, spec.num_outliers);
+    auto t = dgq_compress(x, spec.bits, spec.group_size, spec.granule, std::nullopt, spec.num_outliers,
+                          spec.meta_dtype);
     parts = {std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t), std::get<4>(t), std::get<5>(t)};
     parts[5] = parts[5] + int32_t(offset);  // segment starts are absolute tokens
   } else {
-    auto t = nq_compress(x, spec.bits, spec.group_size, spec.axis, spec.num_outliers);
+    auto t = nq_compress(x, spec.bits, spec.group_size, spec.axis, spec.num_outliers, spec.meta_dtype);
     parts = {std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t), std::get<4>(t)};
   }
   // codes are per token; metadata per token group (axis -2) or per token (axis -1).
@@ -213,21 +214,25 @@ int64_t KVCache::max_length() const {
 }
 
 int64_t KVCache::nbytes() const {
+  int64_t n = compressed_nbytes();
+  for (const at::Tensor* t : {&k_tail_, &v_tail_, &signs_})
+    if (t->defined()) n += t->numel() * t->element_size();
+  return n;
+}
+
+int64_t KVCache::compressed_nbytes() const {
   int64_t n = 0;
   for (const Store* s : {&k_, &v_})
     for (const at::Tensor& t : s->parts) n += t.numel() * t.element_size();
-  for (const at::Tensor* t : {&k_tail_, &v_tail_, &signs_})
-    if (t->defined()) n += t->numel() * t->element_size();
   return n;
 }
 
 int64_t KVCache::used_nbytes() const {
   if (batch_ == 0) return 0;
   // Compressed bytes scale with the used fraction of the capacity; the tail counts its live tokens.
-  int64_t comp = 0, used = 0, tail = 0;
+  int64_t used = 0, tail = 0;
   for (int64_t b = 0; b < batch_; ++b) used += compressed_len_[size_t(b)], tail += tail_len_[size_t(b)];
-  for (const Store* s : {&k_, &v_})
-    for (const at::Tensor& t : s->parts) comp += t.numel() * t.element_size();
+  const int64_t comp = compressed_nbytes();
   const int64_t comp_used = capacity_ ? comp * used / (capacity_ * batch_) : 0;
   const int64_t elem = k_tail_.defined() ? k_tail_.element_size() : 0;
   return comp_used + 2 * tail * heads_ * head_dim_ * elem + (signs_.defined() ? signs_.numel() * 4 : 0);
