@@ -34,10 +34,11 @@ class NexusKVLayer(CacheLayerMixin):
     is_compileable = False
 
     def __init__(self, key_bits=4, value_bits=4, group_size=64, residual=128, key_outliers=0, value_outliers=0,
-                 dynamic_keys=False, rotate=False, seed=0, fused=True):
+                 dynamic_keys=False, rotate=False, seed=0, fused=True, value_group_size=None, meta_dtype=None):
         super().__init__()
         self.cache = torch.classes.nexuskv.KVCache(key_bits, group_size, -2, key_outliers, dynamic_keys, value_bits,
-                                                   group_size, -1, value_outliers, residual, rotate, seed)
+                                                   value_group_size or group_size, -1, value_outliers, residual,
+                                                   rotate, seed, meta_dtype)
         self.fused = fused
         self.pending = None  # (k, v) of the current forward, fused mode
         self.seen = 0  # positions seen by the model (its mask and rotary positions count them all)
@@ -106,15 +107,25 @@ class NexusKVCache(Cache):
 
 
 def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size: int = 64, residual: int = 128,
-              outliers: int = 0, dynamic_keys: bool = False, rotate: bool = False, seed: int = 0) -> NexusKVCache:
-    """A compressed cache sized for `model`: keys per channel, values per token, `residual`
-    newest tokens in full precision.  Attention runs fused when the model uses
-    attn_implementation="nexuskv", otherwise over transiently dequantized K/V."""
+              outliers: int = 0, dynamic_keys: bool = False, rotate: bool = False, seed: int = 0,
+              value_group_size: Optional[int] = None, value_outliers: Optional[int] = None,
+              meta_dtype: Optional[torch.dtype] = None) -> NexusKVCache:
+    """A compressed cache sized for `model`: keys per channel (groups of `group_size`
+    tokens), values per token (groups of `value_group_size` channels, default
+    `group_size`), `residual` newest tokens in full precision.  Scales and zeros are
+    16-bit by default (the model's dtype if it is 16-bit, else bfloat16), so that an
+    fp32 model's cache costs the same bits as a 16-bit one's.  Attention runs fused when
+    the model uses attn_implementation="nexuskv", otherwise over transiently
+    dequantized K/V."""
     register()
     fused = model.config._attn_implementation == ATTN_IMPLEMENTATION
+    if meta_dtype is None:
+        meta_dtype = model.dtype if model.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     return NexusKVCache(model.config.num_hidden_layers, key_bits=bits, value_bits=value_bits or bits,
-                        group_size=group_size, residual=residual, key_outliers=outliers, value_outliers=outliers,
-                        dynamic_keys=dynamic_keys, rotate=rotate, seed=seed, fused=fused)
+                        group_size=group_size, residual=residual, key_outliers=outliers,
+                        value_outliers=outliers if value_outliers is None else value_outliers,
+                        dynamic_keys=dynamic_keys, rotate=rotate, seed=seed, fused=fused,
+                        value_group_size=value_group_size, meta_dtype=meta_dtype)
 
 
 def _new_token_validity(attention_mask: Optional[torch.Tensor], q_len: int) -> Optional[torch.Tensor]:
