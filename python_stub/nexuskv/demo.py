@@ -38,7 +38,7 @@ def run(model, tokenizer, prompt_ids: torch.Tensor, setting: ec.Setting, new_tok
     for label, s in (("dense", ec.DENSE_SETTING), ("nexuskv", setting)):
         cache = ec.make_cache(model, s)
         g = greedy(model, prompt_ids, cache, new_tokens)
-        out["runs"][label] = {"setting": s.name, "tokens": g.tokens, "text": tokenizer.decode(g.tokens),
+        out["runs"][label] = {"setting": "transformers DynamicCache" if s.kind == ec.DENSE else s.name, "tokens": g.tokens, "text": tokenizer.decode(g.tokens),
                               "bytes": ec.cache_bytes(cache), "cached_tokens": int(cache.get_seq_length()),
                               "prefill_s": g.prefill_s, "decode_tokens_per_s": g.decode_tokens_per_s,
                               "cache": cache}

@@ -124,18 +124,20 @@ def markdown(rows: List[Dict]) -> str:
         g = r.get("greedy")
         leading = f"{g['leading']}/{g['new_tokens']}" if g else "-"
         equal = f"{100 * g['match']:.1f} %" if g else "-"
-        lines.append(f"| {r['name']} | {_fmt_bits(r['effective_bits'])} | {r['ppl']:.3f} | "
+        name = f"dense {r['model_dtype']} (DynamicCache)" if r["kind"] == ec.DENSE else r["name"]
+        lines.append(f"| {name} | {_fmt_bits(r['effective_bits'])} | {r['ppl']:.3f} | "
                      f"{r['delta_ppl_pct']:+.2f} | {leading} | {equal} |")
     measured = [r for r in rows if "bytes" in r]
     if measured:
         b0 = measured[0]["bytes"]
-        lines += ["", f"Cache bytes after {b0['tokens']} tokens, model in {b0['dtype']} (dense = {b0['dtype']} "
-                  "DynamicCache):", "",
+        lines += ["", f"Cache bytes holding the model's K/V of {b0['tokens']} tokens (model in {b0['dtype']}, one "
+                  "update per layer as in a prefill; every tensor's bytes, allocated capacity included):", "",
                   "| setting | total bytes | compressed part | full-precision tail (+ signs) | total / dense | "
                   "bits/element, all bytes |", "|---|---|---|---|---|---|"]
         for r in measured:
             b = r["bytes"]
-            lines.append(f"| {r['name']} | {b['total']:,} | {b['compressed']:,} | {b['full_precision']:,} | "
+            name = f"dense {b['dtype']} (DynamicCache)" if r["kind"] == ec.DENSE else r["name"]
+            lines.append(f"| {name} | {b['total']:,} | {b['compressed']:,} | {b['full_precision']:,} | "
                          f"{100 * b['ratio_to_dense']:.1f} % | {b['bits_per_element_all']:.2f} |")
     return "\n".join(lines)
 
@@ -148,11 +150,10 @@ def plot(rows: List[Dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        if r["kind"] == ec.DENSE:
-            continue
+    for i, r in enumerate(r for r in rows if r["kind"] != ec.DENSE):
         marker = "s" if r["kind"] == ec.QUANTO else ("o" if r["residual"] else "^")
-        ax.scatter(r["effective_bits"]["kv"], r["delta_ppl_pct"], marker=marker, label=r["name"])
+        ax.scatter(r["effective_bits"]["kv"], r["delta_ppl_pct"], marker=marker, label=r["name"],
+                   color=plt.cm.tab20(i % 20))
     ax.set_xlabel("effective bits per element of the compressed part (scales, zeros, outliers included)")
     ax.set_ylabel("ΔPPL vs dense cache (%)")
     ax.set_yscale("symlog", linthresh=1)

@@ -115,3 +115,26 @@ def test_agreement():
     assert agreement([5, 2], [1, 2]) == {"leading": 0, "match": 0.5}
     with pytest.raises(ValueError):
         agreement([], [])
+
+
+def test_float32_cache_with_bf16_metadata_attends_over_its_own_dequantized_kv():
+    """A float32 KVCache with bf16 scales/zeros: every element within one 4-bit step of
+    its group's range, and the fused attention equals float64 attention over dense()."""
+    tokens, residual = 320, 64
+    k, v = _kv(tokens, torch.float32, seed=3)
+    cache = torch.classes.nexuskv.KVCache(4, 64, -2, 0, False, 4, 64, -1, 0, residual, False, 0, torch.bfloat16)
+    cache.append(k, v, None)
+    K, V, lengths = cache.dense(None)
+    assert lengths.tolist() == [tokens] and cache.compressed_nbytes() > 0
+    # keys per channel over 64 tokens, values per token over 64 channels: one step = range / 15
+    kg = k[:, :, :256].reshape(1, H, 4, 64, D)
+    k_step = (kg.amax(3) - kg.amin(3)) / 15
+    assert ((K[:, :, :256] - k[:, :, :256]).reshape(1, H, 4, 64, D).abs() <= k_step.unsqueeze(3)).all()
+    v_step = (v.amax(-1, keepdim=True) - v.amin(-1, keepdim=True)) / 15
+    assert ((V - v).abs() <= v_step).all()
+    assert torch.equal(K[:, :, 256:], k[:, :, 256:])  # the tail is kept exactly
+    q = torch.randn(1, 3 * H, 2, D)
+    scores = q.double() @ K.double().repeat_interleave(3, 1).transpose(-1, -2) / D ** 0.5
+    scores[..., 0, -1] = float("-inf")  # causal: the first of the two queries does not see the last key
+    ref = scores.softmax(-1) @ V.double().repeat_interleave(3, 1)
+    torch.testing.assert_close(cache.attend(q, None).double(), ref, atol=1e-5, rtol=1e-4)
