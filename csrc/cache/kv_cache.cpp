@@ -115,7 +115,7 @@ void KVCache::ensure_capacity(int64_t tokens) {
     // broadcast view carries the shape and dtype without allocating it).
     const at::Tensor shape = at::empty({1}, at::TensorOptions().dtype(dtype_)).expand({batch_, heads_, cap, head_dim_});
     const core::NQDims d = nq_compress_dims(shape, spec.bits, spec.group_size, spec.axis, spec.num_outliers);
-    auto [codes, scale, zero, idx, val] = nq_allocate_outputs(d, shape, dtype_);
+    auto [codes, scale, zero, idx, val] = nq_allocate_outputs(d, shape, nq_meta_dtype(dtype_, spec.meta_dtype));
     std::vector<at::Tensor> fresh = {codes, scale, zero, idx, val};
     if (spec.dynamic) fresh.push_back(at::empty({batch_, heads_, d.meta_a()}, at::TensorOptions().dtype(at::kInt)));
     for (size_t i = 0; i < fresh.size(); ++i) {
@@ -150,11 +150,12 @@ void KVCache::write_compressed(Store& s, const QuantSpec& spec, int64_t b, int64
   const int64_t n = x.size(1);
   std::vector<at::Tensor> parts;
   if (spec.dynamic) {
-    auto t = dgq_compress(x, spec.bits, spec.group_size, spec.granule, std::nullopt, spec.num_outliers);
+    auto t = dgq_compress(x, spec.bits, spec.group_size, spec.granule, std::nullopt, spec.num_outliers,
+                          spec.meta_dtype);
     parts = {std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t), std::get<4>(t), std::get<5>(t)};
     parts[5] = parts[5] + int32_t(offset);  // segment starts are absolute tokens
   } else {
-    auto t = nq_compress(x, spec.bits, spec.group_size, spec.axis, spec.num_outliers);
+    auto t = nq_compress(x, spec.bits, spec.group_size, spec.axis, spec.num_outliers, spec.meta_dtype);
     parts = {std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t), std::get<4>(t)};
   }
   // codes are per token; metadata per token group (axis -2) or per token (axis -1).
@@ -418,13 +419,18 @@ int64_t bytes_of(const at::Tensor& t) { return t.defined() ? t.numel() * int64_t
 }  // namespace
 
 int64_t KVCache::nbytes() const {
+  int64_t n = compressed_nbytes();
+  for (const at::Tensor* t : {&k_tail_, &v_tail_, &k_sink_, &v_sink_, &signs_}) n += bytes_of(*t);
+  return n;
+}
+
+int64_t KVCache::compressed_nbytes() const {
   int64_t n = 0;
   for (const Store* s : {&k_, &v_})
     for (const at::Tensor& t : s->parts) n += bytes_of(t);
   for (const auto* chunks : {&k_chunks_, &v_chunks_})
     for (const auto& seq : *chunks)
       for (const CompressedTensor& c : seq) n += c.nbytes();
-  for (const at::Tensor* t : {&k_tail_, &v_tail_, &k_sink_, &v_sink_, &signs_}) n += bytes_of(*t);
   return n;
 }
 

@@ -1,4 +1,4 @@
-"""Command line: `python -m nexuskv report|eval` (or the `nexuskv` console script)."""
+"""Command line: `python -m nexuskv demo|report|eval` (or the `nexuskv` console script)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,10 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nexuskv", description="KV-cache compression for PyTorch")
     sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="generate with the dense and the nexuskv cache: texts, bytes, speed")
+    from .demo import add_arguments as demo_arguments
+
+    demo_arguments(d)
     r = sub.add_parser("report", help="compress a real model's K/V at every NQ setting and report bits and errors")
     r.add_argument("--text", default=None, help="text file (plain or .gz); default: Debian reference manual")
     r.add_argument("--tokens", type=int, default=1024, help="tokens of text to run through the model")
@@ -26,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        from . import demo
+
+        return demo.main(args)
     if args.command == "report":
         from . import report
 

@@ -78,13 +78,13 @@ class NexusKVLayer(CacheLayerMixin):
 
     def __init__(self, key_bits=4, value_bits=4, group_size=64, residual=128, key_outliers=0, value_outliers=0,
                  dynamic_keys=False, rotate=False, seed=0, fused=True, sinks=0, compressors=None, key_axis=-2,
-                 value_axis=-1, expected_shape=None):
+                 value_axis=-1, expected_shape=None, value_group_size=None, meta_dtype=None):
         super().__init__()
         self.external = None
         if compressors is None:
             self.cache = torch.classes.nexuskv.KVCache(key_bits, group_size, key_axis, key_outliers, dynamic_keys,
-                                                       value_bits, group_size, value_axis, value_outliers, residual,
-                                                       rotate, seed, sinks)
+                                                       value_bits, value_group_size or group_size, value_axis,
+                                                       value_outliers, residual, rotate, seed, sinks, 0, meta_dtype)
         else:
             self.cache = torch.classes.nexuskv.KVCache(0, 1, -2, 0, False, 0, 1, -1, 0, residual, False, 0, sinks,
                                                        group_size)
@@ -200,33 +200,38 @@ def _fused_kwargs(keys: KVCompressor, values: KVCompressor) -> Optional[dict]:
     read with the fused kernel); None for anything else, which then runs through the
     compressors' own compress / decompress."""
     def spec(c):
-        if type(c) not in (NQ, DGQ) or c.meta_dtype is not None:
+        if type(c) not in (NQ, DGQ):
             return None
         return dict(bits=c.bits, group_size=c.group_size, axis=c.axis, outliers=c.num_outliers,
-                    dynamic=isinstance(c, DGQ), rotate=c.rotate, seed=c.seed)
+                    dynamic=isinstance(c, DGQ), rotate=c.rotate, seed=c.seed, meta_dtype=c.meta_dtype)
 
     k, v = spec(keys), spec(values)
-    if k is None or v is None or v["dynamic"] or k["group_size"] != v["group_size"] or             (k["rotate"], k["seed"]) != (v["rotate"], v["seed"]):
+    same = ("group_size", "rotate", "seed", "meta_dtype")  # one value for both in the C++ cache
+    if k is None or v is None or v["dynamic"] or any(k[f] != v[f] for f in same):
         return None
     return dict(key_bits=k["bits"], value_bits=v["bits"], group_size=k["group_size"], key_axis=k["axis"],
                 value_axis=v["axis"], key_outliers=k["outliers"], value_outliers=v["outliers"],
-                dynamic_keys=k["dynamic"], rotate=k["rotate"], seed=k["seed"])
+                dynamic_keys=k["dynamic"], rotate=k["rotate"], seed=k["seed"], meta_dtype=k["meta_dtype"])
 
 
 def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size: int = 64, residual: int = 128,
               outliers: int = 0, dynamic_keys: bool = False, rotate: bool = False, seed: int = 0, sinks: int = 0,
-              compressor: Optional[KVCompressor] = None,
-              value_compressor: Optional[KVCompressor] = None) -> NexusKVCache:
-    """A compressed cache sized for `model`: keys per channel, values per token, `residual`
-    newest tokens and the first `sinks` tokens of each sequence in full precision.
-    Attention runs fused when the model uses attn_implementation="nexuskv", otherwise
-    over transiently dequantized K/V.
+              compressor: Optional[KVCompressor] = None, value_compressor: Optional[KVCompressor] = None,
+              value_group_size: Optional[int] = None, value_outliers: Optional[int] = None,
+              meta_dtype: Optional[torch.dtype] = None) -> NexusKVCache:
+    """A compressed cache sized for `model`: keys per channel (groups of `group_size`
+    tokens), values per token (groups of `value_group_size` channels, default
+    `group_size`), `residual` newest tokens and the first `sinks` tokens of each
+    sequence in full precision.  Scales and zeros are 16-bit by default (the model's
+    dtype if it is 16-bit, else bfloat16), so that an fp32 model's cache costs the same
+    bits as a 16-bit one's.  Attention runs fused when the model uses
+    attn_implementation="nexuskv", otherwise over transiently dequantized K/V.
 
     ``compressor`` (keys, and values unless ``value_compressor`` is given) replaces the
-    bits/group_size/outliers/dynamic_keys/rotate arguments: NQ and DGQ are held by the
-    C++ cache itself (fused attention); any other KVCompressor (a user's own class)
-    compresses chunks of ``group_size`` tokens and attention runs over its dequantized
-    output, whatever the attention implementation."""
+    bits/group_size/outliers/dynamic_keys/rotate/meta_dtype arguments: NQ and DGQ are
+    held by the C++ cache itself (fused attention); any other KVCompressor (a user's own
+    class) compresses chunks of ``group_size`` tokens and attention runs over its
+    dequantized output, whatever the attention implementation."""
     register()
     fused = model.config._attn_implementation == ATTN_IMPLEMENTATION
     cfg = model.config
@@ -244,9 +249,13 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
             return NexusKVCache(cfg.num_hidden_layers, group_size=group_size, compressors=(compressor, values),
                                 **common)
         return NexusKVCache(cfg.num_hidden_layers, **kw, **common)
+    if meta_dtype is None:
+        meta_dtype = model.dtype if model.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     return NexusKVCache(cfg.num_hidden_layers, key_bits=bits, value_bits=value_bits or bits,
-                        group_size=group_size, key_outliers=outliers, value_outliers=outliers,
-                        dynamic_keys=dynamic_keys, rotate=rotate, seed=seed, **common)
+                        group_size=group_size, key_outliers=outliers,
+                        value_outliers=outliers if value_outliers is None else value_outliers,
+                        dynamic_keys=dynamic_keys, rotate=rotate, seed=seed, value_group_size=value_group_size,
+                        meta_dtype=meta_dtype, **common)
 
 
 def _new_token_validity(attention_mask: Optional[torch.Tensor], q_len: int) -> Optional[torch.Tensor]:

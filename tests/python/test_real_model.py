@@ -60,14 +60,73 @@ def test_report_cli_writes_json(tmp_path, capsys):
     assert "attn mean" in printed and "per-channel" in printed
 
 
-def test_eval_cli_perplexity_through_the_cache(tmp_path):
+def test_eval_cli_small(tmp_path):
+    """eval end to end on a few hundred tokens: perplexity, greedy agreement and bytes for
+    dense, nexuskv and quanto rows; JSON, markdown and PNG written."""
     from nexuskv.__main__ import main
 
     out = tmp_path / "eval.json"
-    assert main(["eval", "--tokens", "256", "--window", "128", "--chunk", "32", "--quick", "--json", str(out),
-                 "--markdown", str(tmp_path / "eval.md")]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    dense, four = rows
-    assert dense["tokens"] == four["tokens"] == 254  # 2 windows of 128, first token of each unpredicted
-    assert 1 < dense["ppl"] < 100 and abs(four["delta_ppl_pct"]) < 10
-    assert four["cache_bytes"] > 0
+    # Tail 0 for the base row so that the 128-token windows compress (a 128-token tail would hold them).
+    assert main(["eval", "--tokens", "256", "--window", "128", "--chunk", "32", "--bits", "4", "--tails", "0",
+                 "--ablation-bits", "2", "--ablations", "rotate", "--no-best-2bit", "--quanto-bits", "4",
+                 "--new-tokens", "4", "--prompt-tokens", "32", "--bytes-tokens", "256", "--no-progress",
+                 "--json", str(out), "--markdown", str(tmp_path / "eval.md"), "--png", str(tmp_path / "eval.png")]) == 0
+    doc = json.loads(out.read_text())
+    rows = {r["name"]: r for r in doc["rows"]}
+    assert list(rows) == ["dense", "nexuskv 4-bit tail 0 K g64", "nexuskv 2-bit tail 128 K g64 rot",
+                          "quanto 4-bit g64 tail 128"]
+    dense, four, two, quanto = rows.values()
+    assert all(r["tokens"] == 254 for r in rows.values())  # 2 windows of 128, first token of each unpredicted
+    assert 1 < dense["ppl"] < 100 and dense["delta_ppl_pct"] == 0
+    assert abs(four["delta_ppl_pct"]) < 5 and abs(quanto["delta_ppl_pct"]) < 5
+    assert four["effective_bits"]["kv"] == 4.5 and two["effective_bits"]["kv"] == 2.5
+    assert quanto["effective_bits"]["kv"] == 4 + 64 / 64  # fp32 model: fp32 scale and shift per 64
+    assert dense["greedy"] == {"leading": 4, "match": 1.0, "new_tokens": 4}
+    assert 0 <= four["greedy"]["leading"] <= 4
+    # Bytes with the model in bf16: the dense cache holds 256 tokens of K and V in bf16.
+    assert dense["bytes"]["total"] == 256 * 2 * 30 * 3 * 64 * 2 and dense["bytes"]["dtype"] == "bfloat16"
+    for r in (four, two, quanto):
+        b = r["bytes"]
+        assert b["total"] == b["compressed"] + b["full_precision"] and b["compressed"] > 0
+        assert b["ratio_to_dense"] == pytest.approx(b["total"] / dense["bytes"]["total"])
+        assert b["ratio_to_dense"] < 1
+    assert quanto["bytes"]["effective_bits"]["kv"] == 4.5  # bf16 scale and shift
+    assert (tmp_path / "eval.png").stat().st_size > 0
+    assert "| quanto 4-bit g64 tail 128 |" in (tmp_path / "eval.md").read_text()
+
+
+def test_demo_cli_exit_code(capsys):
+    from nexuskv.__main__ import main
+
+    assert main(["demo", "--new-tokens", "2", "--context-tokens", "0", "--prompt", "Name a Debian tool."]) == 0
+    assert "decode tokens/s" in capsys.readouterr().out
+
+
+def test_demo_end_to_end(tmp_path, capsys):
+    """demo on a 200-token passage: dense vs nexuskv generation; the reported bytes are
+    the caches' own and follow from the shapes."""
+    from nexuskv import demo, hf
+    from nexuskv.__main__ import build_parser
+
+    model, tokenizer = models.load_model(torch.bfloat16, attn_implementation=hf.ATTN_IMPLEMENTATION)
+    out = tmp_path / "demo.json"
+    args = build_parser().parse_args(["demo", "--new-tokens", "4", "--context-tokens", "200", "--json", str(out)])
+    res = demo.execute(args, model, tokenizer)
+    printed = capsys.readouterr().out
+    r = json.loads(out.read_text())
+    dense, nkv = r["runs"]["dense"], r["runs"]["nexuskv"]
+    held = r["prompt_tokens"] + 4 - 1  # the last new token is never fed back
+    assert dense["cached_tokens"] == nkv["cached_tokens"] == held
+    assert dense["bytes"]["total"] == held * 2 * 30 * 3 * 64 * 2  # bf16 K and V, 30 layers, 3 heads, dim 64
+    cache = res["runs"]["nexuskv"]["cache"]
+    assert isinstance(cache, hf.NexusKVCache) and nkv["bytes"]["total"] == cache.nbytes
+    assert nkv["bytes"]["compressed"] == sum(layer.cache.compressed_nbytes() for layer in cache.layers)
+    # Keys in groups of 64 behind a 128-token tail: at least these tokens are compressed, at 4.5 bits.
+    compressed_tokens = (held - 128) // 64 * 64
+    assert nkv["bytes"]["compressed"] >= compressed_tokens * 2 * 30 * 3 * 64 * 4.5 / 8
+    assert nkv["bytes"]["full_precision"] >= (held - compressed_tokens) * 2 * 30 * 3 * 64 * 2
+    assert r["ratio_to_dense"] == pytest.approx(nkv["bytes"]["total"] / dense["bytes"]["total"])
+    assert r["ratio_to_dense"] < 1
+    assert f"{nkv['bytes']['total']:,}" in printed and f"{dense['bytes']['total']:,}" in printed
+    assert len(dense["tokens"]) == len(nkv["tokens"]) == 4
+    assert r["agreement"]["leading"] <= 4 and r["effective_bits"]["kv"] == 4.5

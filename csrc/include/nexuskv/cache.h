@@ -88,6 +88,7 @@ class KVCache : public torch::CustomClassHolder {
   // front end adds the bytes of the chunks it keeps).
   int64_t nbytes() const;
   int64_t used_nbytes() const;  // bytes of the cached tokens only
+  int64_t compressed_nbytes() const;  // bytes of the compressed K/V parts (capacity included; no sinks, tail)
   int64_t chunk() const { return chunk_; }
   int64_t sinks() const { return sinks_; }
   bool is_external() const { return mode_ == Mode::kExternal; }

@@ -23,6 +23,9 @@ struct QuantSpec {
   int64_t num_outliers = 0;
   bool dynamic = false;       // DGQ token groups (axis -2 only)
   int64_t granule = 16;       // DGQ segment granule
+  // dtype of scale/zero; unset: the input dtype.  A 16-bit meta keeps an fp32
+  // model's cache at bits + 32/group_size effective bits instead of + 64.
+  std::optional<at::ScalarType> meta_dtype;
   // Tokens that one compression step must cover: whole token groups.
   int64_t token_multiple() const { return axis == -2 ? group_size : 1; }
 };
