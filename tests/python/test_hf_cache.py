@@ -159,7 +159,8 @@ def test_nq_compressor_objects_take_the_fused_path(loaded):
     model, tok = loaded
     ids = tok(PROMPT, return_tensors="pt").input_ids
     a = nhf.cache_for(model, compressor=NQ.for_keys(8, 16), value_compressor=NQ.for_values(8, 16), residual=16)
-    b = nhf.cache_for(model, bits=8, group_size=16, residual=16)
+    # NQ objects keep scales/zeros in the input dtype unless told (cache_for's default is 16-bit).
+    b = nhf.cache_for(model, bits=8, group_size=16, residual=16, meta_dtype=model.dtype)
     assert not a.layers[0].cache.is_external() and a.layers[0].fused
     assert greedy(model, ids, 8, a).tolist() == greedy(model, ids, 8, b).tolist()
     assert a.nbytes == b.nbytes
