@@ -287,7 +287,7 @@ def add_arguments(p, text_default: Optional[str] = None) -> None:
     p.add_argument("--bits", default="8,4,3,2", help="bit widths of the base nexuskv rows")
     p.add_argument("--tails", default="0,128", help="full-precision tails of the base nexuskv rows")
     p.add_argument("--ablation-bits", default="4,2", help="bit widths at which each knob is switched on alone")
-    p.add_argument("--ablations", default="outliers,rotate,dgq", help="knobs: outliers, rotate, dgq")
+    p.add_argument("--ablations", default="outliers,rotate,dgq,sinks", help="knobs: outliers, rotate, dgq, sinks")
     p.add_argument("--no-best-2bit", action="store_true", help="leave out the best 2-bit setting")
     p.add_argument("--quanto-bits", default="4,2", help="transformers QuantizedCache (optimum-quanto) rows")
     p.add_argument("--no-quanto", action="store_true")

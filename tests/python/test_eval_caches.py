@@ -2,6 +2,7 @@
 bytes the caches really hold, byte accounting of each cache kind, the settings
 grid, greedy agreement.  No model needed (random K/V, small configs)."""
 
+import dataclasses
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, QuantizedCache
@@ -22,8 +23,8 @@ def _kv(tokens, dtype, seed=0):
 def _nexuskv_cache(s: ec.Setting, dtype):
     return hf.NexusKVCache(1, key_bits=s.bits, value_bits=s.bits, group_size=s.group_size,
                            value_group_size=s.value_group_size, residual=s.residual, key_outliers=s.key_outliers,
-                           value_outliers=s.value_outliers, dynamic_keys=s.dgq, rotate=s.rotate, fused=False,
-                           meta_dtype=ec.meta_dtype_for(dtype))
+                           value_outliers=s.value_outliers, dynamic_keys=s.dgq, rotate=s.rotate, sinks=s.sinks,
+                           fused=False, meta_dtype=ec.meta_dtype_for(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -88,6 +89,20 @@ def test_cache_bytes_rejects_other_objects():
         ec.cache_bytes(object())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sinks_stay_outside_the_compressed_bits(dtype):
+    # 4 sinks + 512 tokens, no tail: the compressed part is exactly 512 tokens at the
+    # formula's bits; the sinks are full-precision bytes, reported with the tail.
+    s = dataclasses.replace(ec.BEST_2BIT, residual=0)
+    assert s.sinks == 4
+    cache = _nexuskv_cache(s, dtype)
+    cache.update(*_kv(4 + 512, dtype), 0)
+    b = ec.cache_bytes(cache)
+    assert 8 * b["compressed"] / (2 * H * 512 * D) == pytest.approx(ec.effective_bits(s, D, dtype)["kv"], rel=1e-12)
+    assert b["full_precision"] >= 2 * H * 4 * D * dtype.itemsize
+    assert b["total"] == cache.nbytes == b["compressed"] + b["full_precision"]
+
+
 def test_grid():
     rows = ec.grid()
     assert rows[0] == ec.DENSE_SETTING and len(rows) == len(set(rows))
@@ -98,7 +113,7 @@ def test_grid():
     names = [r.name for r in rows]
     assert len(names) == len(set(names))
     with pytest.raises(ValueError, match="ablations must be among"):
-        ec.grid(ablations=["sinks"])
+        ec.grid(ablations=["bogus"])
 
 
 def test_parse_settings():
