@@ -57,7 +57,7 @@ def report(r: Dict) -> str:
         lines += [f"--- {label} ({run_['setting']}):", run_["text"].strip(), ""]
     lines += [f"agreement: the first {a['leading']} of {r['new_tokens']} tokens are equal; "
               f"{100 * a['match']:.1f} % of positions equal", "",
-              f"| cache | tokens held | bytes | compressed part | full-precision tail | vs dense | prefill s | "
+              f"| cache | tokens held | bytes | compressed part | full-precision tail + sinks | vs dense | prefill s | "
               f"decode tokens/s |", "|---|---|---|---|---|---|---|---|"]
     for label, run_ in (("dense " + r["dtype"], dense), ("nexuskv", nkv)):
         b = run_["bytes"]
@@ -67,7 +67,7 @@ def report(r: Dict) -> str:
     bits = r["effective_bits"]
     lines.append(f"\nnexuskv compressed part: {bits['kv']:.3f} effective bits per element (keys {bits['keys']:.3f}, "
                  f"values {bits['values']:.3f}; every scale, zero and outlier counted); the tail of recent tokens "
-                 f"stays in {r['dtype']}.")
+                 f"and the sink tokens stay in {r['dtype']} (the full-precision column).")
     return "\n".join(lines)
 
 
@@ -77,7 +77,7 @@ def execute(args, model, tokenizer) -> Dict:
     text = load_text(args.text) if args.context_tokens > 0 else ""
     prompt_ids = build_prompt(tokenizer, text, args.context_tokens, args.prompt)
     setting = ec.nexuskv(args.bits, args.residual, group_size=args.group_size, value_group_size=args.group_size,
-                         rotate=args.rotate)
+                         rotate=args.rotate, sinks=args.sinks)
     r = run(model, tokenizer, prompt_ids, setting, args.new_tokens)
     print(report(r))
     if args.json:
@@ -109,5 +109,7 @@ def add_arguments(p, text_default: Optional[str] = None) -> None:
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--residual", type=int, default=128, help="newest tokens kept in full precision")
     p.add_argument("--rotate", action="store_true", help="randomized Hadamard rotation before quantization")
+    p.add_argument("--sinks", type=int, default=4,
+                   help="first tokens kept in full precision (attention sinks; 4 measured best, RESULTS.md)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--json", default=None, help="also write the result as JSON")
