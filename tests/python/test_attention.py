@@ -175,6 +175,19 @@ def test_sinks_shift_positions_and_long_split_context():
     assert rel_err(only.run(), only.reference()) <= 1e-4
 
 
+def test_python_fused_attention_passes_sinks_and_tail():
+    # nexuskv.fused_attention over NQTensor objects is the operator with their parts.
+    case = Case(comp_lens=(64, 40), tail=8, q_len=2, sinks=4, sink_lens=[4, 2])
+    kq = nexuskv.NQ.for_keys(4, 32).compress(case.k)
+    vq = nexuskv.NQ.for_values(4, 32).compress(case.v)
+    extra = dict(k_tail=case.k_tail, v_tail=case.v_tail, tail_lens=case.tail_lens, scale=case.scale)
+    sinks = dict(k_sink=case.k_sink, v_sink=case.v_sink, sink_lens=case.sink_lens)
+    out = nexuskv.fused_attention(case.q, kq, vq, case.comp_lens, **extra, **sinks)
+    ref = dgq_fused_attention(case.q, kq.parts, vq.parts, kq.format, vq.format, case.comp_lens, **extra, **sinks)
+    assert torch.equal(out, ref)
+    assert not torch.equal(out, nexuskv.fused_attention(case.q, kq, vq, case.comp_lens, **extra))
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 80, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_head_dims_and_dtypes(head_dim, dtype):
