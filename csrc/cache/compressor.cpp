@@ -58,7 +58,8 @@ NQCompressor::NQCompressor(QuantSpec spec) : spec_(spec) {
 }
 
 CompressedTensor NQCompressor::compress(const at::Tensor& x) const {
-  auto [codes, scale, zero, idx, val] = nq_compress(x, spec_.bits, spec_.group_size, spec_.axis, spec_.num_outliers, spec_.meta_dtype);
+  auto [codes, scale, zero, idx, val] =
+      nq_compress(x, spec_.bits, spec_.group_size, spec_.axis, spec_.num_outliers, spec_.meta_dtype);
   return wrap({codes, scale, zero, idx, val}, x);
 }
 

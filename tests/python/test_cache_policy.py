@@ -10,7 +10,7 @@ import torch
 import nexuskv  # noqa: F401  (loads the library)
 from nexuskv.compressors import NQ
 from nq_reference import F64
-from test_cache import attention_f64
+from test_cache import Decoder, attention_f64
 
 
 def make(bits=4, group=32, residual=16, sinks=0, rotate=False, dynamic=False, external_chunk=0):
@@ -225,12 +225,6 @@ def test_misuse_after_reset_and_bad_input():
         cache.attend(torch.randn(1, 2, 1, 32), None)
     with pytest.raises(RuntimeError, match="q must be float32, float16 or bfloat16"):
         cache.attend(torch.ones(1, 2, 1, 64, dtype=torch.long), None)
-
-
-class Decoder(torch.nn.Module):
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.classes.nexuskv.KVCache):
-        cache.append(k, v, None)
-        return cache.attend(q, None)
 
 
 def test_torchscript_with_sinks():
