@@ -59,13 +59,15 @@ at::Tensor dgq_fused_attention(const at::Tensor& q, at::TensorList k_cache, at::
                                const std::optional<at::Tensor>& tail_lens,
                                const std::optional<at::Tensor>& rotation_signs, std::optional<double> scale,
                                const std::optional<at::Tensor>& k_sink, const std::optional<at::Tensor>& v_sink,
-                               const std::optional<at::Tensor>& sink_lens) {
+                               const std::optional<at::Tensor>& sink_lens, std::optional<int64_t> window,
+                               std::optional<double> softcap) {
   using OptT = const std::optional<at::Tensor>&;
   using Sig = at::Tensor(const at::Tensor&, at::TensorList, at::TensorList, at::IntArrayRef, at::IntArrayRef,
-                         const at::Tensor&, OptT, OptT, OptT, OptT, std::optional<double>, OptT, OptT, OptT);
+                         const at::Tensor&, OptT, OptT, OptT, OptT, std::optional<double>, OptT, OptT, OptT,
+                         std::optional<int64_t>, std::optional<double>);
   static const auto op = find_op<Sig>("nexuskv::dgq_fused_attention");
   return op.call(q, k_cache, v_cache, k_format, v_format, compressed_lens, k_tail, v_tail, tail_lens, rotation_signs,
-                 scale, k_sink, v_sink, sink_lens);
+                 scale, k_sink, v_sink, sink_lens, window, softcap);
 }
 
 at::Tensor hadamard_rotate(const at::Tensor& x, const at::Tensor& signs, bool inverse) {

@@ -49,12 +49,15 @@ TORCH_LIBRARY(nexuskv, m) {
   // Optional sinks: sink_lens[b] full-precision tokens of k_sink/v_sink
   // [batch, kv_heads, sink_tokens, head_dim] come first, so that the positions
   // of sequence b are sinks, compressed, tail (the tail and sinks are stored in
-  // the original basis even when rotated).  Allocates its output.
+  // the original basis even when rotated).  window: sliding window, the query
+  // at position p sees keys (p - window, p] (positions count sinks too).
+  // softcap: scores become softcap * tanh(score / softcap) (Gemma 2).
+  // Allocates its output.
   m.def(
       "dgq_fused_attention(Tensor q, Tensor[] k_cache, Tensor[] v_cache, int[] k_format, int[] v_format, "
       "Tensor compressed_lens, Tensor? k_tail=None, Tensor? v_tail=None, Tensor? tail_lens=None, "
       "Tensor? rotation_signs=None, float? scale=None, Tensor? k_sink=None, Tensor? v_sink=None, "
-      "Tensor? sink_lens=None) -> Tensor",
+      "Tensor? sink_lens=None, int? window=None, float? softcap=None) -> Tensor",
       {at::Tag::pt2_compliant_tag});
   // Randomized Hadamard rotation of the last dim (a power of two):
   // y = H (signs * x) / sqrt(n); inverse=True undoes it.  Allocates its output.

@@ -112,7 +112,8 @@ AttentionInputs attention_inputs(const at::Tensor& q, at::TensorList k_cache, at
                                  const std::optional<at::Tensor>& v_tail, const std::optional<at::Tensor>& tail_lens,
                                  const std::optional<at::Tensor>& rotation_signs, std::optional<double> scale,
                                  const std::optional<at::Tensor>& k_sink, const std::optional<at::Tensor>& v_sink,
-                                 const std::optional<at::Tensor>& sink_lens) {
+                                 const std::optional<at::Tensor>& sink_lens, std::optional<int64_t> window,
+                                 std::optional<double> softcap) {
   TORCH_CHECK(q.dim() == 4, kOp, ": q must have shape [batch, q_heads, q_len, head_dim], got ", q.sizes());
   TORCH_CHECK(is_float_type(q.scalar_type()), kOp, ": q must be float32, float16 or bfloat16, got ",
               q.scalar_type());
@@ -124,7 +125,7 @@ AttentionInputs attention_inputs(const at::Tensor& q, at::TensorList k_cache, at
   AttentionInputs in;
   auto& keep = in.keep_alive;
   core::AttentionProblem& p = in.problem;
-  p.query_bits = q.scalar_type() == at::kFloat ? 32 : 16;
+  p.query_mantissa_bits = q.scalar_type() == at::kFloat ? 24 : q.scalar_type() == at::kHalf ? 11 : 8;
   p.k = cache_view("k_cache", "k_format", k_cache, k_format, B, D, keep);
   p.v = cache_view("v_cache", "v_format", v_cache, v_format, B, D, keep);
   const int64_t Hkv = k_cache[0].size(1);
@@ -154,6 +155,12 @@ AttentionInputs attention_inputs(const at::Tensor& q, at::TensorList k_cache, at
   p.batch = B, p.q_heads = Hq, p.kv_heads = Hkv, p.q_len = Lq, p.head_dim = D;
   p.scale = float(scale.value_or(1.0 / std::sqrt(double(D))));
   TORCH_CHECK(std::isfinite(p.scale), kOp, ": scale must be finite, got ", p.scale);
+  TORCH_CHECK(!window || *window >= 1, kOp, ": window must be >= 1 (tokens a query sees, itself included), got ",
+              window.value_or(0));
+  p.window = window.value_or(0);
+  TORCH_CHECK(!softcap || (std::isfinite(*softcap) && *softcap > 0), kOp, ": softcap must be finite and > 0, got ",
+              softcap.value_or(0));
+  p.softcap = float(softcap.value_or(0));
   for (int64_t b = 0; b < B; ++b) {
     const int64_t L = p.seq_len(b);
     TORCH_CHECK(L == 0 || L >= Lq, kOp, ": q_len (", Lq, ") exceeds the length of sequence ", b, " (", L,

@@ -22,7 +22,8 @@ AttentionInputs attention_inputs(const at::Tensor& q, at::TensorList k_cache, at
                                  const std::optional<at::Tensor>& v_tail, const std::optional<at::Tensor>& tail_lens,
                                  const std::optional<at::Tensor>& rotation_signs, std::optional<double> scale,
                                  const std::optional<at::Tensor>& k_sink, const std::optional<at::Tensor>& v_sink,
-                                 const std::optional<at::Tensor>& sink_lens);
+                                 const std::optional<at::Tensor>& sink_lens, std::optional<int64_t> window,
+                                 std::optional<double> softcap);
 
 // Checks signs for a randomized Hadamard rotation of rows of length n.
 void check_rotation_signs(const char* op, const at::Tensor& signs, int64_t n);

@@ -58,7 +58,7 @@ const char* attention_isa() { return isa().name; }
 
 int64_t attention_num_splits(const AttentionProblem& p, int64_t min_tasks) {
   int64_t longest = 0;
-  for (int64_t b = 0; b < p.batch; ++b) longest = std::max(longest, p.seq_len(b));
+  for (int64_t b = 0; b < p.batch; ++b) longest = std::max(longest, p.seq_len(b) - p.first_visible(b));
   const int64_t pairs = p.batch * p.kv_heads;
   // A split of fewer than 16 tiles costs more in set-up and merge than it saves.
   const int64_t max_splits = std::max<int64_t>(1, longest / (16 * kTileTokens));

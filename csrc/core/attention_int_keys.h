@@ -16,10 +16,15 @@
 // and sum_c x_c * code_c runs as u8 x s8 dot products (vpdpbusd, 64 per
 // instruction) straight on the packed codes.  Each limb is the rounded
 // remainder of the one before, so the limb error per channel is at most
-// a / (2 * 254^(L-1)): L = 2 for fp16/bf16 queries (max|x| * 2^-16, below
-// the queries' own rounding), L = 3 for fp32 queries (max|x| * 2^-23, the
-// size of float32 rounding).  Every integer sum is exact: |l| * code * D <=
-// 127 * 255 * 256 < 2^31.
+// a / (2 * 254^(L-1)), i.e. max|x| * 2^-16 for L = 2 and max|x| * 2^-23 for
+// L = 3.  L = 2 for bf16 queries: 8 bits more than their own 8-bit
+// significand, so the limbs add less than the queries' own rounding unless a
+// channel is 256x below the row's largest.  L = 3 for fp16 (11 bits: two
+// limbs would leave only 5 bits of margin, and the error then showed at
+// large logit spreads) and fp32 queries (the size of float32 rounding).
+// The score moves by at most eps = sum_c |x_c - x'_c| * code_c, each output
+// element by at most (exp(2 eps) - 1) * max|v| (tested against float64).
+// Every integer sum is exact: |l| * code * D <= 127 * 255 * 256 < 2^31.
 //
 // Layout of the limbs (QueryLimbs::data): [rows, limbs, padded D] in channel
 // order.  Plane j of packed chunk c (nq_format.h: channels c*C + 16j + [0, 16),

@@ -452,15 +452,22 @@ struct TaskState {
   FloatBuf scores;   // [rows, kTileTokens]
   FloatBuf weights;  // [rows, D / 16, kTileTokens] p * value scale per channel group and token
   FloatBuf k_tile, v_tile, s_buf, z_buf, vs, vz;
+  // [D] the current key group's scales and zeros (folded keys).  Kept apart from
+  // s_buf / z_buf, which dequant_tile overwrites for values, because the key
+  // outlier correction of every later tile of the group still reads them.
+  FloatBuf ks, kz;
   FloatBuf meta_tmp;  // [2, kTileTokens, D / 16] a value tile's scales and zeros as stored
   FloatBuf spare;    // [4, D] keys of a partial block of four
   int64_t* pos;      // [rows] position of each query row
+  int64_t window;    // sliding window (0: none)
+  float softcap;     // logit soft-cap (0: none)
 
-  TaskState(int64_t rows_, int64_t D_)
+  TaskState(int64_t rows_, int64_t D_, int64_t window_, float softcap_)
       : rows(rows_), D(D_), q(rows_ * D_), qk(rows_ * D_), kbias(rows_), acc(rows_ * D_), zacc(rows_ * (D_ / 16)),
         m(rows_), l(rows_), scores(rows_ * kTileTokens), weights(rows_ * kTileTokens * (D_ / 16)),
         k_tile(kTileTokens * D_), v_tile(kTileTokens * D_), s_buf(D_), z_buf(D_), vs(kTileTokens * (D_ / 16)),
-        vz(kTileTokens * (D_ / 16)), meta_tmp(2 * kTileTokens * (D_ / 16)), spare(4 * D_), pos(new int64_t[size_t(rows_)]) {}
+        vz(kTileTokens * (D_ / 16)), ks(D_), kz(D_), meta_tmp(2 * kTileTokens * (D_ / 16)), spare(4 * D_),
+        pos(new int64_t[size_t(rows_)]), window(window_), softcap(softcap_) {}
   ~TaskState() { delete[] pos; }
 
   void reset() {
@@ -505,14 +512,18 @@ struct TaskState {
       for (int i = 0; i < R; ++i) {
         const int64_t r = r0 + i;
         float* sr = scores.p + r * kTileTokens;
-        visible[i] = std::clamp<int64_t>(pos[r] - first_pos + 1, 0, n);  // causal mask
+        visible[i] = std::clamp<int64_t>(pos[r] - first_pos + 1, 0, n);  // causal mask: keys [0, visible)
+        // Sliding window: keys [0, hidden) of the tile are older than the row's window.
+        const int64_t hidden = window > 0 ? std::clamp<int64_t>(pos[r] - window + 1 - first_pos, 0, visible[i]) : 0;
         vis_max = std::max(vis_max, visible[i]);
+        if (softcap > 0.f)
+          for (int64_t j = 0; j < visible[i]; ++j) sr[j] = softcap * std::tanh(sr[j] / softcap);
         float tile_max = kNegInf;
-        for (int64_t j = 0; j < visible[i]; ++j) tile_max = max_f(tile_max, sr[j]);
-        const bool finite = all_finite(sr, visible[i]);
+        for (int64_t j = hidden; j < visible[i]; ++j) tile_max = max_f(tile_max, sr[j]);
+        const bool finite = all_finite(sr + hidden, visible[i] - hidden);
         const float m_new = max_f(m.p[r], tile_max);
         const float alpha = m_new == kNegInf ? 1.f : exp_nonpos(m.p[r] - m_new);
-        for (int64_t j = 0; j < n; ++j) sr[j] = j < visible[i] ? exp_nonpos(sr[j] - m_new) : 0.f;
+        for (int64_t j = 0; j < n; ++j) sr[j] = j >= hidden && j < visible[i] ? exp_nonpos(sr[j] - m_new) : 0.f;
         const float sum = sum_f(sr, n);
         float* ar = acc.p + r * D;
         if (alpha != 1.f) {
@@ -553,13 +564,13 @@ struct TaskState {
 // Folded keys: qk = q * scale and kbias = q . zero of key group g.
 void load_key_group(const CompressedView& c, int64_t bh, int64_t g, TaskState& st) {
   const int64_t D = st.D, e0 = (bh * c.meta_a + g) * D;
-  load_floats(c.scale, c.meta_dtype, e0, D, st.s_buf.p);
-  load_floats(c.zero, c.meta_dtype, e0, D, st.z_buf.p);
+  load_floats(c.scale, c.meta_dtype, e0, D, st.ks.p);
+  load_floats(c.zero, c.meta_dtype, e0, D, st.kz.p);
   for (int64_t r = 0; r < st.rows; ++r) {
     const float* q = st.q.p + r * D;
     float* qk = st.qk.p + r * D;
-    for (int64_t d = 0; d < D; ++d) qk[d] = q[d] * st.s_buf.p[d];
-    st.kbias.p[r] = dot_f(q, st.z_buf.p, D);
+    for (int64_t d = 0; d < D; ++d) qk[d] = q[d] * st.ks.p[d];
+    st.kbias.p[r] = dot_f(q, st.kz.p, D);
   }
 }
 
@@ -572,9 +583,11 @@ void correct_key_outliers(const CompressedView& c, int64_t bh, const GroupCursor
   for (int64_t ch = 0; ch < D; ++ch)
     for (int64_t slot = 0; slot < k; ++slot) {
       const int64_t e = (g + ch) * k + slot, t = cur.start() + c.outlier_idx[e];
-      if (t < t0 || t >= t1) continue;
+      // A group with fewer entries than slots repeats its last slot (nq_format.h):
+      // correct each position once.
+      if (t < t0 || t >= t1 || (slot > 0 && c.outlier_idx[e] == c.outlier_idx[e - 1])) continue;
       const uint8_t* row = c.codes + (bh * c.dims.tokens + t) * c.dims.packed_row_bytes();
-      const float approx = float(code_at(row, c.dims.bits, ch)) * st.s_buf.p[ch] + st.z_buf.p[ch];
+      const float approx = float(code_at(row, c.dims.bits, ch)) * st.ks.p[ch] + st.kz.p[ch];
       const float delta = load_float(c.outlier_val, c.val_dtype, e) - approx;
       for (int64_t r = 0; r < st.rows; ++r) st.scores.p[r * kTileTokens + (t - t0)] += st.q.p[r * D + ch] * delta;
     }
@@ -609,7 +622,7 @@ void correct_value_outliers(const CompressedView& c, int64_t bh, int64_t t0, int
     for (int64_t b = 0; b < nb; ++b)
       for (int64_t slot = 0; slot < k; ++slot) {
         const int64_t e = ((bh * c.meta_a + t) * nb + b) * k + slot, ch = b * G + c.outlier_idx[e];
-        if (ch >= D) continue;
+        if (ch >= D || (slot > 0 && c.outlier_idx[e] == c.outlier_idx[e - 1])) continue;  // repeated slot
         const int64_t j = t - t0;
         const float code = float(code_at(c.codes + (bh * d.tokens + t) * d.packed_row_bytes(), d.bits, ch));
         const float approx = code * st.vs.p[b * kTileTokens + j] + st.vz.p[b * kTileTokens + j];
@@ -622,7 +635,7 @@ void correct_value_outliers(const CompressedView& c, int64_t bh, int64_t t0, int
 
 void attention_tasks_impl(const AttentionProblem& p, int64_t splits, float* partials, int64_t begin, int64_t end) {
   const int64_t D = p.head_dim, group = p.q_heads / p.kv_heads, rows = p.rows_per_task();
-  TaskState st(rows, D);
+  TaskState st(rows, D, p.window, p.softcap);
   FloatBuf rotated(2 * kTileTokens * D);
   // Scales folded out of the inner loops: per-channel key scales into the
   // queries (once per group), per-token value scales into the weights.
@@ -630,7 +643,7 @@ void attention_tasks_impl(const AttentionProblem& p, int64_t splits, float* part
 #if defined(__AVX512VNNI__)
   // Per-channel keys of 2, 4 or 8 bits: integer scores on the packed codes.
   const bool int_k = fold_k && p.k.dims.bits != 3;
-  QueryLimbs limbs(int_k ? rows : 0, D, p.k.dims.bits, p.query_bits <= 16 ? 2 : 3);
+  QueryLimbs limbs(int_k ? rows : 0, D, p.k.dims.bits, p.query_mantissa_bits <= 8 ? 2 : 3);
 #else
   const bool int_k = false;
 #endif
@@ -640,9 +653,11 @@ void attention_tasks_impl(const AttentionProblem& p, int64_t splits, float* part
   for (int64_t task = begin; task < end; ++task) {
     const int64_t s = task % splits, bh = task / splits, b = bh / p.kv_heads, h = bh % p.kv_heads;
     const int64_t L = p.seq_len(b), comp = p.compressed_lens[b], sink = p.sink_len(b);
-    // Split s covers key positions [lo, hi), whole tiles.
-    const int64_t span = ceil_div(ceil_div(L, splits), kTileTokens) * kTileTokens;
-    const int64_t lo = std::min(L, s * span), hi = std::min(L, lo + span);
+    // Split s covers key positions [lo, hi), whole tiles from the first position
+    // any query sees (keys before a sliding window are never read).
+    const int64_t first = p.first_visible(b);
+    const int64_t span = ceil_div(ceil_div(L - first, splits), kTileTokens) * kTileTokens;
+    const int64_t lo = std::min(L, first + s * span), hi = std::min(L, lo + span);
     st.reset();
     const uint8_t* k_codes = p.k.codes + bh * p.k.dims.tokens * k_rb;
     const uint8_t* v_codes = p.v.codes + bh * p.v.dims.tokens * v_rb;

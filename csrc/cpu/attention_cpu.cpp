@@ -19,9 +19,11 @@ at::Tensor dgq_fused_attention_cpu(const at::Tensor& q, at::TensorList k_cache, 
                                    const std::optional<at::Tensor>& v_tail, const std::optional<at::Tensor>& tail_lens,
                                    const std::optional<at::Tensor>& rotation_signs, std::optional<double> scale,
                                    const std::optional<at::Tensor>& k_sink, const std::optional<at::Tensor>& v_sink,
-                                   const std::optional<at::Tensor>& sink_lens) {
+                                   const std::optional<at::Tensor>& sink_lens, std::optional<int64_t> window,
+                                   std::optional<double> softcap) {
   const AttentionInputs in = attention_inputs(q, k_cache, v_cache, k_format, v_format, compressed_lens, k_tail,
-                                              v_tail, tail_lens, rotation_signs, scale, k_sink, v_sink, sink_lens);
+                                              v_tail, tail_lens, rotation_signs, scale, k_sink, v_sink, sink_lens,
+                                              window, softcap);
   const core::AttentionProblem& p = in.problem;
   const int64_t pairs = p.batch * p.kv_heads;
   const int64_t splits = core::attention_num_splits(p, 4 * at::get_num_threads());

@@ -89,9 +89,9 @@ def dgq_fused_attention(q: torch.Tensor, k_cache: Sequence[torch.Tensor], v_cach
                         k_tail: Optional[torch.Tensor] = None, v_tail: Optional[torch.Tensor] = None,
                         tail_lens: Optional[torch.Tensor] = None, rotation_signs: Optional[torch.Tensor] = None,
                         scale: Optional[float] = None, k_sink: Optional[torch.Tensor] = None,
-                        v_sink: Optional[torch.Tensor] = None, sink_lens: Optional[torch.Tensor] = None
-                        ) -> torch.Tensor:
-    """softmax(q . K^T * scale + causal mask) . V straight from the compressed cache.
+                        v_sink: Optional[torch.Tensor] = None, sink_lens: Optional[torch.Tensor] = None,
+                        window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
+    """softmax(softcap(q . K^T * scale) + causal mask) . V straight from the compressed cache.
 
     Args:
         q: [batch, q_heads, q_len, head_dim]; q_heads a multiple of kv_heads (GQA); head_dim a
@@ -109,12 +109,18 @@ def dgq_fused_attention(q: torch.Tensor, k_cache: Sequence[torch.Tensor], v_cach
             (attention sinks), positioned before the compressed ones; sink_lens [batch] how many are
             valid.  Positions of a sequence: sinks, compressed, tail.  Sinks and tail are in the
             original basis also when the cache is rotated.
+        window: sliding window: the query at position p sees the keys at positions
+            (p - window, p] (as transformers' sliding_window; positions count the sinks too).
+            Tiles before the oldest query's window are not read.
+        softcap: logit soft-capping, score -> softcap * tanh(score / softcap) after the scale
+            (Gemma 2's attn_logit_softcapping).
 
     Returns [batch, q_heads, q_len, head_dim] in q's dtype; zeros for a sequence of length 0.
     Never materializes the dequantized cache: it works tile by tile in float32."""
     return torch.ops.nexuskv.dgq_fused_attention(q, list(k_cache), list(v_cache), list(k_format),
                                                  list(v_format), compressed_lens, k_tail, v_tail, tail_lens,
-                                                 rotation_signs, scale, k_sink, v_sink, sink_lens)
+                                                 rotation_signs, scale, k_sink, v_sink, sink_lens, window,
+                                                 softcap)
 
 
 def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -179,7 +185,7 @@ def _dgq_decompress_fake(codes, scale, zero, outlier_idx, outlier_val, segment_s
 @torch.library.register_fake("nexuskv::dgq_fused_attention")
 def _dgq_fused_attention_fake(q, k_cache, v_cache, k_format, v_format, compressed_lens, k_tail=None, v_tail=None,
                               tail_lens=None, rotation_signs=None, scale=None, k_sink=None, v_sink=None,
-                              sink_lens=None):
+                              sink_lens=None, window=None, softcap=None):
     torch._check(q.dim() == 4, lambda: "dgq_fused_attention: q must have shape [batch, q_heads, q_len, head_dim]")
     torch._check(len(k_cache) in (5, 6) and len(v_cache) in (5, 6),
                  lambda: "dgq_fused_attention: k_cache and v_cache must hold 5 or 6 tensors")

@@ -36,7 +36,8 @@ at::Tensor dgq_decompress(const at::Tensor& codes, const at::Tensor& scale, cons
                           std::optional<at::ScalarType> out_dtype = std::nullopt);
 
 // softmax(q K^T * scale + causal) V read straight from the compressed cache,
-// with optional full-precision sinks (first tokens) and tail (newest tokens)
+// with optional full-precision sinks (first tokens) and tail (newest tokens),
+// an optional sliding window and logit soft-cap
 // (see the schema comment in ops/registration.cpp).
 at::Tensor dgq_fused_attention(const at::Tensor& q, at::TensorList k_cache, at::TensorList v_cache,
                                at::IntArrayRef k_format, at::IntArrayRef v_format, const at::Tensor& compressed_lens,
@@ -47,7 +48,9 @@ at::Tensor dgq_fused_attention(const at::Tensor& q, at::TensorList k_cache, at::
                                std::optional<double> scale = std::nullopt,
                                const std::optional<at::Tensor>& k_sink = std::nullopt,
                                const std::optional<at::Tensor>& v_sink = std::nullopt,
-                               const std::optional<at::Tensor>& sink_lens = std::nullopt);
+                               const std::optional<at::Tensor>& sink_lens = std::nullopt,
+                               std::optional<int64_t> window = std::nullopt,
+                               std::optional<double> softcap = std::nullopt);
 
 // Randomized Hadamard rotation of the last dim (a power of two).
 at::Tensor hadamard_rotate(const at::Tensor& x, const at::Tensor& signs, bool inverse = false);

@@ -3,7 +3,7 @@
 // and a full-precision tail of the newest tokens.  Key positions of sequence
 // b: sinks [0, S), compressed [S, S + C), tail [S + C, S + C + T).
 //
-//   out = softmax(q . K^T * scale + causal mask) . V
+//   out = softmax(softcap(q . K^T * scale) + causal / sliding-window mask) . V
 //
 // computed tile by tile (kTileTokens keys at a time, dequantized into a small
 // float scratch that stays in L1/L2), with an online softmax in float32.  No
@@ -51,14 +51,25 @@ struct AttentionProblem {
   const int64_t* sink_lens = nullptr;     // [B] valid sink tokens per sequence, or null
   const float* rotation_signs = nullptr;  // [D] +-1: the cache is stored rotated, or null
   float scale = 1.f;
-  // Precision the caller's queries came in (16: fp16/bf16, 32: fp32); the
-  // integer key scores carry that much of q (attention_int_keys.h).
-  int query_bits = 32;
+  // Sliding window: query position p sees key positions (p - window, p]
+  // (0: no window).  Positions count sinks, compressed and tail tokens.
+  int64_t window = 0;
+  // Logit soft-capping (Gemma 2): score -> softcap * tanh(score / softcap)
+  // after the scale, before the mask (0: none).
+  float softcap = 0.f;
+  // Significand bits of the caller's queries (8: bf16, 11: fp16, 24: fp32);
+  // the integer key scores carry q to at least 8 bits more (attention_int_keys.h).
+  int query_mantissa_bits = 24;
 
   int64_t rows_per_task() const { return (q_heads / kv_heads) * q_len; }
   int64_t tail_len(int64_t b) const { return k_tail ? (tail_lens ? tail_lens[b] : tail_capacity) : 0; }
   int64_t sink_len(int64_t b) const { return k_sink ? (sink_lens ? sink_lens[b] : sink_capacity) : 0; }
   int64_t seq_len(int64_t b) const { return sink_len(b) + compressed_lens[b] + tail_len(b); }
+  // First key position any query of sequence b can see (the window's start for the oldest query).
+  int64_t first_visible(int64_t b) const {
+    const int64_t first = seq_len(b) - q_len - window + 1;
+    return window > 0 && first > 0 ? first : 0;
+  }
 };
 
 // Floats of one task's partial result: per query row, acc[D] then max, sum.
