@@ -300,9 +300,15 @@ class NexusKVLayer(CacheLayerMixin):
 
 
 class NexusKVCache(Cache):
-    """A transformers Cache with one NexusKVLayer per decoder layer (cache_for builds it)."""
+    """A transformers Cache with one NexusKVLayer per decoder layer.  cache_for(model)
+    builds it for a model; ``NexusKVCache(num_layers, key_bits=4, ...)`` builds
+    ``num_layers`` identical full-attention layers without one (K/V fed by update())."""
 
-    def __init__(self, layers: list[NexusKVLayer]):
+    def __init__(self, layers: list[NexusKVLayer] | int, fused: Optional[bool] = None, **settings):
+        if isinstance(layers, int):
+            layers = [NexusKVLayer(_layer_settings(**settings), fused=fused, layer_idx=i) for i in range(layers)]
+        elif settings or fused is not None:
+            raise TypeError("nexuskv: NexusKVCache(layers) takes no settings (they are the layers')")
         super().__init__(layers=layers)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -316,6 +322,16 @@ class NexusKVCache(Cache):
     def nbytes(self) -> int:
         """Every byte the cache holds (compressed parts, sinks, tails, capacity included)."""
         return sum(layer.nbytes for layer in self.layers)
+
+
+def _layer_settings(key_bits=4, value_bits=None, group_size=64, value_group_size=None, residual=128,
+                    key_outliers=0, value_outliers=0, dynamic_keys=False, rotate=False, seed=0, sinks=0,
+                    meta_dtype=None, window=None) -> dict:
+    """make_cache keywords of one layer, from cache_for's names."""
+    return dict(key_bits=key_bits, key_group_size=group_size, key_axis=-2, key_outliers=key_outliers,
+                key_dynamic=dynamic_keys, value_bits=value_bits or key_bits,
+                value_group_size=value_group_size or group_size, value_axis=-1, value_outliers=value_outliers,
+                residual=residual, sinks=sinks, rotate=rotate, seed=seed, meta_dtype=meta_dtype, window=window)
 
 
 def _fused_settings(keys: KVCompressor, values: KVCompressor) -> Optional[dict]:
@@ -348,7 +364,9 @@ def _probe(settings: dict, g: LayerGeometry, dtype: torch.dtype, fused: bool, wh
             settings.get("key_group_size", 1), settings.get("value_group_size", 1), settings.get("external_chunk", 1))
         kv = torch.zeros(1, 1, n, g.key_dim, dtype=dtype)
         cache.append(kv, kv, None)
-        if fused:
+        if settings.get("external_chunk"):
+            cache.take_due_chunks()
+        elif fused:
             cache.attend(torch.zeros(1, 1, 1, g.key_dim, dtype=dtype), None, None)
         else:
             cache.dense(None)
@@ -409,11 +427,9 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
     else:
         if meta_dtype is None:
             meta_dtype = model.dtype if model.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-        quant = dict(key_bits=bits, key_group_size=group_size, key_axis=-2, key_outliers=outliers,
-                     key_dynamic=dynamic_keys, value_bits=value_bits or bits,
-                     value_group_size=value_group_size or group_size, value_axis=-1,
-                     value_outliers=outliers if value_outliers is None else value_outliers, rotate=rotate,
-                     seed=seed, meta_dtype=meta_dtype)
+        quant = _layer_settings(bits, value_bits, group_size, value_group_size, residual, outliers,
+                                outliers if value_outliers is None else value_outliers, dynamic_keys, rotate, seed,
+                                sinks, meta_dtype)
     config = hf_compat.text_config(model)
     layers, probed = [], set()
     for i, g in enumerate(geometries):
