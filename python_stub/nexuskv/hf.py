@@ -42,6 +42,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import hf_compat
 from . import ops  # noqa: F401  (loads the operator library, which defines torch.classes.nexuskv)
+from .cache import make_cache
 from .compressors import DGQ, NQ, KVCompressor
 from .hf_compat import LayerGeometry
 
@@ -71,10 +72,6 @@ _claims = _Claims()
 
 def _make_cache(settings: dict):
     """The C++ cache of one layer (torch.classes.nexuskv.KVCache) from make_cache's keywords."""
-    try:
-        from .cache import make_cache
-    except ImportError:  # TEMPORARY: before the cache branch's factory
-        from ._legacy_cache import LegacyCache as make_cache
     return make_cache(**settings)
 
 
@@ -97,14 +94,31 @@ class _ExternalChunks:
         for b, k, v in zip(seq.tolist(), ks, vs):
             self.k[b].append(self.keys.compress(k))
             self.v[b].append(self.values.compress(v))
+        self._keep_live(cache)
 
-    def dense(self, cache, dtype: torch.dtype):
+    def _keep_live(self, cache) -> None:
+        """Keeps the newest compressed_lengths()[b] / chunk chunks of each sequence: a
+        window evicts the oldest, a crop cuts the newest (then _keep_first)."""
+        live = (cache.compressed_lengths() // cache.chunk()).tolist()
+        for b, n in enumerate(live):
+            del self.k[b][:len(self.k[b]) - n], self.v[b][:len(self.v[b]) - n]
+
+    def _parts(self, dtype):
         def part(compressor, chunks):
             if not chunks:
                 return torch.empty(0)
             return torch.cat([compressor.decompress(c, dtype) for c in chunks], -2)
 
-        return cache.dense_with([part(self.keys, c) for c in self.k], [part(self.values, c) for c in self.v], None)
+        return [part(self.keys, c) for c in self.k], [part(self.values, c) for c in self.v]
+
+    def dense(self, cache, dtype: torch.dtype):
+        return cache.dense_with(*self._parts(dtype), None)
+
+    def crop(self, cache, length: int, dtype: torch.dtype) -> None:
+        cache.crop_with(length, *self._parts(dtype))
+        live = (cache.compressed_lengths() // cache.chunk()).tolist()
+        self.k = [chunks[:n] for chunks, n in zip(self.k, live)]
+        self.v = [chunks[:n] for chunks, n in zip(self.v, live)]
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         idx = beam_idx.tolist()  # beams that share a parent get their own lists (chunks are immutable)
@@ -261,9 +275,10 @@ class NexusKVLayer(CacheLayerMixin):
             return
         if self.pending is not None:
             raise RuntimeError("nexuskv: crop() between update() and attention")
-        if self.external is not None:
-            raise NotImplementedError("nexuskv: crop() of a cache with a Python compressor")
-        self.cache.crop(target)
+        if self.external is not None and self.external.k:
+            self.external.crop(self.cache, target - self.seen + self._positions(), self.dtype)
+        else:
+            self.cache.crop(target - self.seen + self._positions())
         self.seen = target
 
     def offload(self) -> None:
@@ -275,6 +290,13 @@ class NexusKVLayer(CacheLayerMixin):
             self.cache.to(str(self.device))
 
     # -- nexuskv ---------------------------------------------------------------------------
+
+    def _positions(self) -> int:
+        """Positions the longest cached sequence spans (evicted ones included): crop()'s
+        unit.  Left padding, never cached, makes this less than `seen` on a padded batch."""
+        if self.seen == 0 or self.cache.lengths().numel() == 0:
+            return 0
+        return int((self.cache.lengths() + self.cache.evicted_lengths()).max())
 
     def _evicted(self) -> int:
         if self.sliding_window is None or self.seen == 0:

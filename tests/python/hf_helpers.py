@@ -43,9 +43,9 @@ def compressed(cache) -> int:
     return int(cache.layers[0].cache.compressed_lengths()[0])
 
 
-# Tiny configs: 2-3 layers, hidden 64, vocabulary 256; windows of 16 tokens so that a
-# 40-token prompt runs past them; Gemma 2's soft-cap small enough to bind.
-WINDOW = 16
+# Tiny configs: 2-3 layers, hidden 64, vocabulary 256; windows of 32 tokens so that a
+# 64-token prompt runs past them; Gemma 2's soft-cap small enough to bind.
+WINDOW = 32
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "phi", "gpt_neox", "gpt2"]
 
 

@@ -6,11 +6,14 @@ own eager attention without a cache.
 
 Bounds.  Nothing compressed: both paths compute exact attention in float32 over the
 same K/V, so logits agree to float32 rounding, < 1e-4 of the logits' standard
-deviation (measured <= 8e-6).  8-bit (groups of 16 tokens / channels, 16-token tail):
+deviation (measured <= 8e-6).  8-bit (groups of 8 tokens / channels, 8-token tail):
 every cached element is within scale/2 = range/510 of the model's own, an error the
-network then carries to the logits; measured <= 0.017 of the logits' std on every
-architecture here (random weights, initializer_range 0.02), bound 0.05.  The two paths
-hold the same compressed data, so they agree with each other to float32 rounding."""
+network then carries to the logits; measured <= 0.03 of the logits' std on every
+architecture here (random weights, initializer_range 0.02; Gemma 3 the largest), bound
+0.05.  The two paths compute each layer's attention over the same
+compressed data to float32 rounding, but a 1e-6 difference in one layer's output can
+flip a rounding of the next layer's 8-bit codes (one step, range/255, in one element):
+end to end they agree within 2e-3 (measured <= 8.5e-4, Qwen3)."""
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ from transformers import AttentionInterface
 
 from hf_helpers import ARCHITECTURES, WINDOW, compressed, forward, tiny_model
 
-PROMPT_LEN, DECODE = 40, 3  # the prompt runs past the 16-token windows
+PROMPT_LEN, DECODE = 64, 3  # the prompt runs past the 32-token windows
 
 
 def _rel(a, ref):
@@ -90,12 +93,13 @@ def test_8bit_within_its_bound_and_paths_agree(arch):
     runs = {}
     for path, impl in _paths(model):
         model.set_attn_implementation(impl)
-        cache = nhf.cache_for(model, bits=8, group_size=16, residual=16)
+        cache = nhf.cache_for(model, bits=8, group_size=8, residual=8)
         runs[path] = _run(model, ids, cache)
-        assert compressed(cache) > 0 or cache.layers[0].is_sliding
-        assert any(int(layer.cache.compressed_lengths()[0]) > 0 for layer in cache.layers)
+        for layer in cache.layers:  # every layer holds compressed tokens; sliding ones evicted some
+            assert int(layer.cache.compressed_lengths()[0]) > 0
+            assert (int(layer.cache.evicted_lengths()[0]) > 0) == layer.is_sliding
         assert _rel(runs[path], ref) < 0.05, (name, path, _rel(runs[path], ref))
-    assert _rel(runs["fused"], runs["dequantize"]) < 1e-4, name
+    assert _rel(runs["fused"], runs["dequantize"]) < 2e-3, name
 
 
 def test_greedy_generation_matches_the_dense_cache(arch):
