@@ -42,7 +42,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import hf_compat
 from . import ops  # noqa: F401  (loads the operator library, which defines torch.classes.nexuskv)
-from .cache import make_cache
+from .cache import from_state_dict, make_cache
 from .compressors import DGQ, NQ, KVCompressor
 from .hf_compat import LayerGeometry
 
@@ -259,13 +259,35 @@ class NexusKVLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.seen:
-            rows = self.cache.lengths().numel()
-            self.reorder_cache(torch.arange(rows).repeat_interleave(repeats))
+            self._select_rows(torch.arange(self.cache.lengths().numel()).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.seen:
             idx = indices.nonzero().flatten() if indices.dtype == torch.bool else indices
-            self.reorder_cache(idx.to(torch.long).cpu())
+            self._select_rows(idx.to(torch.long).cpu())
+
+    _BATCH_ENTRIES = ("lengths.", "keys.", "values.", "tail.", "sinks.")
+
+    def _select_rows(self, idx: torch.Tensor) -> None:
+        """Row b becomes old row idx[b], for any number of rows: reorder() when the batch
+        keeps its size, else through the cache's state dict, whose per-sequence entries
+        are batch-first (csrc/cache/cache_state.cpp documents the format)."""
+        if self.pending is not None:
+            raise RuntimeError("nexuskv: a batch change between update() and attention")
+        if idx.numel() == self.cache.lengths().numel():
+            self.reorder_cache(idx)
+            return
+        state = self.cache.state_dict()
+        if any(k.startswith(("chunks.", "due.")) for k in state):
+            raise NotImplementedError("nexuskv: changing the batch size of a cache with C++ chunk compressors")
+        for k, v in state.items():
+            if k.startswith(self._BATCH_ENTRIES):
+                state[k] = v.index_select(0, idx.to(v.device))
+        state["shape"] = state["shape"].clone()
+        state["shape"][0] = idx.numel()
+        self.cache = from_state_dict(state)
+        if self.external is not None:
+            self.external.reorder(idx)
 
     def crop(self, length: int) -> None:
         """Assisted / prompt-lookup decoding: drop the newest tokens (the argument as the
@@ -380,6 +402,10 @@ def _probe(settings: dict, g: LayerGeometry, dtype: torch.dtype, fused: bool, wh
     """Runs the cache once on a few zero tokens of this layer's shape (one head), so that
     settings the C++ cache or the fused kernel cannot take fail here, naming the layer,
     and not half-way through generate()."""
+    def first_line(e):
+        return str(e).strip().splitlines()[0]
+
+    where = f"nexuskv: {what} ({g.kv_heads} KV heads, head_dim {g.key_dim})"
     try:
         cache = _make_cache(settings)
         n = settings.get("residual", 0) + settings.get("sinks", 0) + 2 * max(
@@ -388,14 +414,17 @@ def _probe(settings: dict, g: LayerGeometry, dtype: torch.dtype, fused: bool, wh
         cache.append(kv, kv, None)
         if settings.get("external_chunk"):
             cache.take_due_chunks()
-        elif fused:
-            cache.attend(torch.zeros(1, 1, 1, g.key_dim, dtype=dtype), None, None)
-        else:
-            cache.dense(None)
+            return
+        cache.dense(None)
     except RuntimeError as e:
-        first = str(e).strip().splitlines()[0]
-        raise ValueError(f"nexuskv: {what} ({g.kv_heads} KV heads, head_dim {g.key_dim}): these cache settings "
-                         f"do not fit: {first}") from None
+        raise ValueError(f"{where}: these cache settings do not fit: {first_line(e)}") from None
+    if fused:
+        try:
+            cache.attend(torch.zeros(1, 1, 1, g.key_dim, dtype=dtype), None, None)
+        except RuntimeError as e:
+            raise ValueError(f"{where}: the fused attention kernel cannot take this layer: {first_line(e)}; "
+                             f"cache_for(..., fused=False) runs the dequantize path with any other attention "
+                             f"implementation") from None
 
 
 def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size: int = 64, residual: int = 128,

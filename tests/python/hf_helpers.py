@@ -22,7 +22,12 @@ LONG_PROMPT = ("The Debian reference manual explains how to configure the networ
 def greedy(model, ids, n, cache=None, **kw):
     if cache is not None:
         kw[hf_compat.cache_argument(model)] = cache
-    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+    if "assistant_model" in kw or "prompt_lookup_num_tokens" in kw:  # assisted decoding refuses min_new_tokens
+        eos = model.generation_config.eos_token_id
+        kw.setdefault("bad_words_ids", [[e] for e in (eos if isinstance(eos, list) else [eos])])
+    else:
+        kw["min_new_tokens"] = n
+    out = model.generate(ids, max_new_tokens=n, do_sample=False, **kw)
     return out[:, ids.shape[1]:]
 
 
