@@ -44,7 +44,7 @@ from . import hf_compat
 from . import ops  # noqa: F401  (loads the operator library, which defines torch.classes.nexuskv)
 from .cache import from_state_dict, make_cache
 from .compressors import DGQ, NQ, KVCompressor
-from .hf_compat import LayerGeometry
+from .hf_compat import LayerGeometry, cache_argument  # noqa: F401  (cache_argument: public helper)
 
 ATTN_IMPLEMENTATION = "nexuskv"
 
