@@ -520,20 +520,25 @@ def enable(model, **cache_kwargs):
 
 # -- attention --------------------------------------------------------------------------------
 
-def _new_token_validity(attention_mask: Optional[torch.Tensor], q_len: int) -> Optional[torch.Tensor]:
+def _diagonal_validity(attention_mask: Optional[torch.Tensor], q_len: int) -> Optional[torch.Tensor]:
     """[B, q_len] True for the new tokens that are real (not padding): a real token
     always sees itself, so the diagonal of the new tokens' block of the 4-D mask says it
-    (sliding windows and other masking leave the diagonal alone).  None when nothing is
-    masked.  Read once per forward (all layers get one mask object per layer type)."""
+    (sliding windows and other masking leave the diagonal alone).  None without a mask.
+    Reads nothing on the host."""
     if attention_mask is None or attention_mask.dim() != 4:
         return None
+    diag = torch.diagonal(attention_mask[:, 0, -q_len:, -q_len:], dim1=-2, dim2=-1)
+    return diag if diag.dtype == torch.bool else diag == 0
+
+
+def _new_token_validity(attention_mask: Optional[torch.Tensor], q_len: int) -> Optional[torch.Tensor]:
+    """_diagonal_validity, or None when every new token is real.  Reads the answer on the
+    host, once per forward (all layers of a type get one mask object)."""
     memo = _claims.mask
     if memo is not None and memo[0] is attention_mask and memo[1] == q_len:
         return memo[2]
-    block = attention_mask[:, 0, -q_len:, -q_len:]
-    diag = torch.diagonal(block, dim1=-2, dim2=-1)
-    visible = diag if diag.dtype == torch.bool else diag == 0
-    valid = None if bool(visible.all()) else visible
+    visible = _diagonal_validity(attention_mask, q_len)
+    valid = None if visible is None or bool(visible.all()) else visible
     _claims.mask = (attention_mask, q_len, valid)
     return valid
 
@@ -593,13 +598,19 @@ def nexuskv_attention(module, query, key, value, attention_mask, scaling=None, d
                          f"{sliding_window}, but its cache was made for {layer.sliding_window}; make the cache with "
                          f"nexuskv.hf.cache_for(model) for the model that uses it")
     q_len = query.shape[-2]
-    prefill = layer.seen == q_len
-    valid = _new_token_validity(attention_mask, q_len)
-    layer.append_pending(valid)
-    if valid is not None:
-        if not prefill:
-            raise NotImplementedError("nexuskv: padding inside a chunk after the prefill is not supported")
-        return dense_attention(query, key, value, attention_mask, scaling, softcap), None
+    if torch.compiler.is_compiling():
+        # A compiled step has no data-dependent branch: generate() feeds only real tokens
+        # after the prefill (left padding comes in the prefill, which runs eagerly).
+        layer.append_pending(None)
+    else:
+        valid = _new_token_validity(attention_mask, q_len)
+        layer.append_pending(valid)
+        if valid is not None:
+            if layer.seen != q_len:
+                raise NotImplementedError("nexuskv: padding inside a chunk after the prefill is not supported")
+            return dense_attention(query, key, value, attention_mask, scaling, softcap), None
+    # The C++ cache is a TorchBind object without a fake class: torch.compile breaks the
+    # graph at its append and attend (see benchmarks/bench_hf_decode.py for the count).
     out = layer.cache.attend(query, scaling, softcap)  # [B, Hq, Lq, D]
     return out.transpose(1, 2).contiguous(), None
 
