@@ -39,8 +39,11 @@ def run(model, tokenizer, prompt_ids: torch.Tensor, setting: ec.Setting, new_tok
            "dtype": str(model.dtype).replace("torch.", ""), "runs": {}}
     for label, s in (("dense", ec.DENSE_SETTING), ("nexuskv", setting)):
         cache = ec.make_cache(model, s)
-        g = greedy(model, prompt_ids, cache, new_tokens, progress=f"generating ({label} cache)" if progress else None)
-        out["runs"][label] = {"setting": "transformers DynamicCache" if s.kind == ec.DENSE else s.name, "tokens": g.tokens, "text": tokenizer.decode(g.tokens),
+        with ec.attention_for(model, s):
+            g = greedy(model, prompt_ids, cache, new_tokens,
+                       progress=f"generating ({label} cache)" if progress else None)
+        out["runs"][label] = {"setting": "transformers DynamicCache" if s.kind == ec.DENSE else s.name,
+                              "tokens": g.tokens, "text": tokenizer.decode(g.tokens),
                               "bytes": ec.cache_bytes(cache), "cached_tokens": int(cache.get_seq_length()),
                               "prefill_s": g.prefill_s, "decode_tokens_per_s": g.decode_tokens_per_s,
                               "cache": cache}

@@ -65,7 +65,8 @@ def measure_perplexity(model, ids, window: int, chunk: int, settings: List[ec.Se
     bar = tqdm(settings, desc="perplexity", unit="row", disable=not progress)
     for s in bar:
         bar.set_postfix_str(s.name)  # the row being measured; tqdm's estimate covers the rows left
-        out[s] = perplexity(model, ids, window, chunk, lambda s=s: ec.make_cache(model, s))
+        with ec.attention_for(model, s):
+            out[s] = perplexity(model, ids, window, chunk, lambda s=s: ec.make_cache(model, s))
     base = out[ec.DENSE_SETTING]["ppl"]
     for r in out.values():
         r["delta_ppl_pct"] = 100 * (r["ppl"] - base) / base
@@ -78,10 +79,14 @@ def measure_agreement(model, prompt_ids, new_tokens: int, settings: List[ec.Sett
     from tqdm import tqdm
 
     out = {}
-    reference = greedy(model, prompt_ids, ec.make_cache(model, ec.DENSE_SETTING), new_tokens).tokens
+    with ec.attention_for(model, ec.DENSE_SETTING):
+        reference = greedy(model, prompt_ids, ec.make_cache(model, ec.DENSE_SETTING), new_tokens).tokens
     for s in tqdm(settings, desc="greedy generation", unit="setting", disable=not progress):
-        g = reference if s == ec.DENSE_SETTING else greedy(model, prompt_ids, ec.make_cache(model, s),
-                                                           new_tokens).tokens
+        if s == ec.DENSE_SETTING:
+            g = reference
+        else:
+            with ec.attention_for(model, s):
+                g = greedy(model, prompt_ids, ec.make_cache(model, s), new_tokens).tokens
         out[s] = dict(agreement(reference, g), new_tokens=new_tokens)
     return out
 
