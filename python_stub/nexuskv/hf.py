@@ -156,7 +156,6 @@ class NexusKVLayer(CacheLayerMixin):
             self.external = _ExternalChunks(*compressors)
             fused = False
         self.cache = _make_cache(settings)
-        self.settings = settings
         self.fused = fused
         self.geometry = geometry  # what the model that the cache was made for has in this layer
         self.learn_heads = learn_heads  # tensor-parallel shards: the KV heads come from the first append
@@ -589,8 +588,9 @@ def nexuskv_attention(module, query, key, value, attention_mask, scaling=None, d
     layer = _claims.pending.pop(id(key), None)
     if layer is None or layer.pending is None or layer.pending[0] is not key:
         _warn_once("dense", "nexuskv: attn_implementation='nexuskv' is attending over K/V that do not come from a "
-                            "nexuskv cache (e.g. transformers' DynamicCache): this is plain dense attention, nothing "
-                            "is compressed; pass nexuskv.hf.cache_for(model) or use nexuskv.hf.enable(model)")
+                            "fused nexuskv cache (transformers' own cache such as DynamicCache, or cache_for(..., "
+                            "fused=False) / a Python compressor): this is plain dense attention over the K/V given; "
+                            "pass nexuskv.hf.cache_for(model) or use nexuskv.hf.enable(model) for the fused path")
         return _plain_attention(module, query, key, value, attention_mask, scaling, dropout, softcap, kwargs)
     if sliding_window != layer.sliding_window:
         layer._drop_pending()

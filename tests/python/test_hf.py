@@ -128,7 +128,7 @@ def test_nexuskv_attention_with_a_dense_cache_warns_once(loaded):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ours = greedy(model, ids, 4)  # transformers' own DynamicCache
-    hits = [w for w in caught if "do not come from a nexuskv cache" in str(w.message)]
+    hits = [w for w in caught if "do not come from a fused nexuskv cache" in str(w.message)]
     assert len(hits) == 1
     model.set_attn_implementation("sdpa")
     try:

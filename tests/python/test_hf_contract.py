@@ -193,7 +193,7 @@ def test_nexuskv_attention_over_a_dense_cache_warns_once(tiny):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ours = greedy(model, ids, 4)  # transformers' own DynamicCache
-    assert sum("do not come from a nexuskv cache" in str(w.message) for w in caught) == 1
+    assert sum("do not come from a fused nexuskv cache" in str(w.message) for w in caught) == 1
     assert ours.tolist() == _dense(model, ids, 4).tolist()
 
 
