@@ -38,7 +38,7 @@ def test_4bit_agreement(loaded):
             logits.append(forward(model, dense[:, t:t + 1], cache).logits[:, -1])
     ours = torch.stack(logits, 1).argmax(-1)
     assert compressed(cache) >= ids.shape[1] - 16  # the prompt is compressed, not held in the tail
-    # Measured 32 of 32 (transformers 4.57); the model is small and 4-bit groups of 16 are coarse.
+    # Measured 32 of 32 (transformers 4.57), 30 (5.24); the model is small and 4-bit groups of 16 are coarse.
     assert int((ours == dense).sum()) >= 28
 
 

@@ -7,6 +7,8 @@ import pytest
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from nexuskv import hf_compat
+
 from hf_helpers import LONG_PROMPT, PROMPT, agreement, compressed, forward, greedy, requires_model
 
 pytestmark = requires_model
@@ -42,11 +44,11 @@ class ReferenceLayer(CacheLayerMixin):
         self.comp, self.sinks, self.residual, self.chunk = compressor, sinks, residual, chunk
         self.k = self.v = None
 
-    def lazy_initialization(self, key_states):
+    def lazy_initialization(self, key_states, value_states=None):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
-    def update(self, key_states, value_states, cache_kwargs=None):
+    def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states)
         self.k = key_states if self.k is None else torch.cat([self.k, key_states], -2)
@@ -62,10 +64,13 @@ class ReferenceLayer(CacheLayerMixin):
     def get_seq_length(self):
         return 0 if self.k is None else self.k.shape[-2]
 
-    def get_mask_sizes(self, cache_position):
-        return self.get_seq_length() + cache_position.shape[0], 0
+    def get_mask_sizes(self, cache_position_or_length):
+        return self.get_seq_length() + hf_compat.query_length(cache_position_or_length), 0
 
-    def get_max_cache_shape(self):
+    def get_max_cache_shape(self):  # transformers 4.57
+        return -1
+
+    def get_max_length(self):  # transformers 5
         return -1
 
     def reorder_cache(self, beam_idx):
