@@ -18,7 +18,7 @@ HF_OTHER=${NEXUSKV_HF_OTHER_TRANSFORMERS:-5.24.0}
 VENV=build/venv-transformers-$HF_OTHER
 echo "== Hugging Face tests with transformers $HF_OTHER ($VENV)"
 [ -x "$VENV/bin/python" ] || $PY -m venv --system-site-packages "$VENV"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check "transformers==$HF_OTHER"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-warn-conflicts "transformers==$HF_OTHER"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation . \
   -Ccmake.define.NEXUSKV_BUILD_TESTS=ON
 "$VENV/bin/python" -m pytest tests/python/test_hf*.py -q "$@"
