@@ -59,8 +59,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=4, help="untimed decode steps (compilation happens here)")
     p.add_argument("--bits", type=int, default=4, help="nexuskv bits")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--json", default=None, help="write the rows as JSON to this path")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch._dynamo.config.cache_size_limit = 256
     model, tok = models.load_model(getattr(torch, args.dtype), attn_implementation=nhf.ATTN_IMPLEMENTATION,
                                    path=args.model)
@@ -87,7 +90,7 @@ def main() -> None:
               f"{r['compiled_tokens_per_s']:.1f} |")
     if args.json:
         doc = {"model": models.model_name(args.model), "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,
-               "steps": args.steps, "torch": torch.__version__, "machine": platform.platform(), "rows": rows}
+               "steps": args.steps, "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.platform(), "rows": rows}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"wrote {args.json}")
