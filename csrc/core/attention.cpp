@@ -1,5 +1,6 @@
-// Fused attention: run-time choice of the instruction set, key-range splits,
-// the log-sum-exp merge of splits, and the Hadamard rotation.
+// Fused attention: the kernel of the instruction set chosen at run time
+// (nexuskv/core/cpu_isa.h), key-range splits, the log-sum-exp merge of
+// splits, and the Hadamard rotation.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -8,53 +9,13 @@
 #include <string>
 #include <vector>
 
+#include "isa_kernels.h"
 #include "nexuskv/core/attention.h"
+#include "nexuskv/core/cpu_isa.h"
 
 namespace nexuskv::core {
 
-// One definition per compiled instruction set (attention_kernel.cpp).
-#define NEXUSKV_DECLARE_ISA(isa) \
-  namespace isa {                \
-  void attention_tasks_impl(const AttentionProblem&, int64_t, float*, int64_t, int64_t); \
-  }
-NEXUSKV_DECLARE_ISA(generic)
-#if defined(NEXUSKV_HAVE_X86_ISAS)
-NEXUSKV_DECLARE_ISA(avx2)
-NEXUSKV_DECLARE_ISA(avx512)
-#endif
-
-namespace {
-
-using TasksFn = void (*)(const AttentionProblem&, int64_t, float*, int64_t, int64_t);
-
-struct Isa {
-  const char* name;
-  TasksFn fn;
-};
-
-Isa pick_isa() {
-  const char* cap = std::getenv("NEXUSKV_CPU_ISA");
-  const std::string want = cap ? cap : "";
-#if defined(NEXUSKV_HAVE_X86_ISAS)
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                      __builtin_cpu_supports("avx512vnni");
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx512 && (want.empty() || want == "avx512")) return {"avx512", &avx512::attention_tasks_impl};
-  if (avx2 && (want.empty() || want == "avx512" || want == "avx2")) return {"avx2", &avx2::attention_tasks_impl};
-#endif
-  return {"generic", &generic::attention_tasks_impl};
-}
-
-const Isa& isa() {
-  static const Isa chosen = pick_isa();
-  return chosen;
-}
-
-}  // namespace
-
-const char* attention_isa() { return isa().name; }
+const char* attention_isa() { return cpu_isa_name(cpu_isa()); }
 
 int64_t attention_num_splits(const AttentionProblem& p, int64_t min_tasks) {
   int64_t longest = 0;
@@ -66,7 +27,13 @@ int64_t attention_num_splits(const AttentionProblem& p, int64_t min_tasks) {
 }
 
 void attention_tasks(const AttentionProblem& p, int64_t splits, float* partials, int64_t begin, int64_t end) {
-  isa().fn(p, splits, partials, begin, end);
+  switch (cpu_isa()) {
+#if defined(NEXUSKV_HAVE_X86_ISAS)
+    case CpuIsa::kAvx512: return avx512::attention_tasks(p, splits, partials, begin, end);
+    case CpuIsa::kAvx2: return avx2::attention_tasks(p, splits, partials, begin, end);
+#endif
+    default: return generic::attention_tasks(p, splits, partials, begin, end);
+  }
 }
 
 void attention_merge(const AttentionProblem& p, int64_t splits, const float* partials, float* out, int64_t begin,

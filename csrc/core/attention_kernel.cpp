@@ -1,6 +1,6 @@
-// The fused attention inner loop, compiled once per instruction set (the
-// namespace NEXUSKV_ISA is generic, avx2 or avx512; CMake sets the flags) and
-// picked at run time by attention.cpp.  Per task (batch, kv head, key split):
+// The fused attention inner loop, compiled once per instruction set (isa.h:
+// namespace generic, avx2 or avx512, CMake sets the flags) and picked at run
+// time by attention.cpp.  Per task (batch, kv head, key split):
 //   for each tile of <= kTileTokens keys that stays inside one quantization
 //   group/segment of K and of V:
 //     keys: per-channel groups -> the group's scales are folded into the
@@ -16,7 +16,8 @@
 //       registers straight from the packed rows (AVX-512, 2/4/8 bits) or
 //       through a float tile; otherwise dequantized; acc += p . V, 4 query
 //       rows per value load.
-// Layout and math of the compressed rows: nq_format.h.
+// Layout and math of the compressed rows: nq_format.h; the code that reads
+// them: nq_layout.h.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -26,13 +27,12 @@
 #include <immintrin.h>
 #endif
 
+#include "attention_int_keys.h"
+#include "isa.h"
+#include "isa_kernels.h"
 #include "nexuskv/core/attention.h"
 #include "nexuskv/core/half.h"
 #include "nexuskv/core/nq_layout.h"
-
-#ifndef NEXUSKV_ISA
-#define NEXUSKV_ISA generic
-#endif
 
 namespace nexuskv::core::NEXUSKV_ISA {
 namespace {
@@ -119,24 +119,20 @@ inline float load_float(const void* p, DType t, int64_t i) {
 
 // dst[c] = code(c) * s[c] + z[c] for one packed row, c < D (D % 16 == 0);
 // with kAffine false just dst[c] = code(c) (scales are folded elsewhere).
+// Plane by plane (nq_layout.h), so that every shift is a constant.
 template <int kBits, bool kAffine = true>
 void dequant_row(const uint8_t* __restrict packed, int64_t D, const float* __restrict s,
                  const float* __restrict z, float* __restrict dst) {
-  constexpr int kChunk = kBits == 8 ? 16 : kBits == 4 ? 32 : 64;
-  constexpr int kChunkBytes = kBits == 3 ? 24 : 16;
-  constexpr int kLowBits = kBits == 3 ? 2 : kBits;
-  constexpr int kPlanes = 8 / kLowBits;
-  constexpr uint8_t kMask = uint8_t((1u << kLowBits) - 1u);
-  for (int64_t base = 0; base < D; base += kChunk, packed += kChunkBytes) {
-    // Full chunks unroll over a constant number of planes (constant shifts).
+  constexpr int kChunk = layout::kChunkChannels<kBits>, kPlanes = layout::kPlanes<kBits>;
+  for (int64_t base = 0; base < D; base += kChunk, packed += layout::kChunkBytes<kBits>) {
+    // Full chunks unroll over a constant number of planes; a partial last chunk holds D - base channels.
     const int planes = base + kChunk <= D ? kPlanes : int((D - base) / 16);
-#pragma GCC unroll 8
+NEXUSKV_UNROLL
     for (int j = 0; j < kPlanes; ++j) {
       if (j >= planes) break;
       const int64_t c0 = base + 16 * j;
       for (int l = 0; l < 16; ++l) {
-        uint32_t code = (packed[l] >> (kLowBits * j)) & kMask;
-        if constexpr (kBits == 3) code |= ((uint32_t(packed[16 + (l & 7)]) >> (2 * j + (l >> 3))) & 1u) << 2;
+        const uint32_t code = layout::plane_lane_code<kBits>(packed, j, l);
         if constexpr (kAffine)
           dst[c0 + l] = float(code) * s[c0 + l] + z[c0 + l];
         else
@@ -334,10 +330,11 @@ void pv_block(float* const* acc, const float* const* w, int64_t bstride, int64_t
 template <int R, int kBits>
 void pv_codes_block(float* const* acc, const float* const* w, int64_t bstride, int64_t G,
                     const uint8_t* __restrict codes, int64_t row_bytes, int64_t n, int64_t D) {
-  constexpr int kPlanes = 8 / kBits, kChunk = 16 * kPlanes;
-  const __m128i mask = _mm_set1_epi8(char((1u << kBits) - 1u));
+  static_assert(kBits != 3, "3-bit chunks are not 16-byte planes");
+  constexpr int kPlanes = layout::kPlanes<kBits>, kChunk = layout::kChunkChannels<kBits>;
+  const __m128i mask = _mm_set1_epi8(char(layout::kPlaneMask<kBits>));
   for (int64_t c0 = 0; c0 < D; c0 += kChunk) {  // one packed chunk: kPlanes blocks of 16 channels
-    const uint8_t* src = codes + 16 * (c0 / kChunk);
+    const uint8_t* src = codes + layout::kChunkBytes<kBits> * (c0 / kChunk);
     const int64_t planes = (D - c0) / 16 < kPlanes ? (D - c0) / 16 : kPlanes;  // a partial last chunk
     int64_t woff[kPlanes];  // where the weights of block j's channel group start
     __m512 a[kPlanes][R];
@@ -347,11 +344,13 @@ void pv_codes_block(float* const* acc, const float* const* w, int64_t bstride, i
     }
     for (int64_t t = 0; t < n; ++t, src += row_bytes) {
       const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-#pragma GCC unroll 4
+NEXUSKV_UNROLL
       for (int j = 0; j < kPlanes; ++j) {
         if (j >= planes) break;
+        // Plane j: every byte lane shifted by plane_shift(j), masked (nq_layout.h).
         __m128i code = c;
-        if constexpr (kBits != 8) code = _mm_and_si128(j == 0 ? c : _mm_srli_epi16(c, kBits * j), mask);
+        if constexpr (kBits != 8)
+          code = _mm_and_si128(j == 0 ? c : _mm_srli_epi16(c, layout::plane_shift<kBits>(j)), mask);
         const __m512 vt = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(code));
         for (int i = 0; i < R; ++i) a[j][i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i][woff[j] + t]), vt, a[j][i]);
       }
@@ -395,29 +394,12 @@ void pv_rows(int R, float* const* acc, const float* const* w, int64_t bstride, i
   }
 }
 
-// Scratch floats of one task: plain new[] and loops only.  This file is
-// compiled once per instruction set, so it avoids std:: templates over float
-// (std::vector<float>, std::fill, std::max<float>): their instantiations are
-// shared symbols, and the linker could hand the AVX copy to portable code.
-struct FloatBuf {
-  explicit FloatBuf(int64_t n) : p(new float[size_t(n)]) {}
-  ~FloatBuf() { delete[] p; }
-  FloatBuf(const FloatBuf&) = delete;
-  FloatBuf& operator=(const FloatBuf&) = delete;
-  float* p;
-};
-
-inline float max_f(float a, float b) { return a > b ? a : b; }
-
-inline void fill_f(float* p, int64_t n, float v) {
-  for (int64_t i = 0; i < n; ++i) p[i] = v;
-}
+// Scratch floats of one task (isa.h's Buffer: no std:: containers in per-ISA code).
+using FloatBuf = Buffer<float>;
 
 // Code of channel ch in one packed row, for the few reads that need a single
 // code (outlier corrections).
 using layout::code_at;
-
-#include "attention_int_keys.h"
 
 // A tile of keys/values ready for attend(): float rows plus how to read them.
 struct Tile {
@@ -462,6 +444,8 @@ struct TaskState {
         vz(kTileTokens * (D_ / 16)), ks(D_), kz(D_), meta_tmp(2 * kTileTokens * (D_ / 16)), spare(4 * D_),
         pos(new int64_t[size_t(rows_)]), window(window_), softcap(softcap_) {}
   ~TaskState() { delete[] pos; }
+  TaskState(const TaskState&) = delete;
+  TaskState& operator=(const TaskState&) = delete;
 
   void reset() {
     fill_f(acc.p, rows * D, 0.f);
@@ -626,7 +610,8 @@ void correct_value_outliers(const CompressedView& c, int64_t bh, int64_t t0, int
 
 }  // namespace
 
-void attention_tasks_impl(const AttentionProblem& p, int64_t splits, float* partials, int64_t begin, int64_t end) {
+void attention_tasks(const AttentionProblem& p, int64_t splits, float* partials, int64_t begin, int64_t end) {
+  note_kernel_isa(kThisIsa);
   const int64_t D = p.head_dim, group = p.q_heads / p.kv_heads, rows = p.rows_per_task();
   TaskState st(rows, D, p.window, p.softcap);
   FloatBuf rotated(2 * kTileTokens * D);

@@ -90,7 +90,7 @@ void attention_merge(const AttentionProblem& p, int64_t splits, const float* par
                      int64_t begin, int64_t end);
 
 // Which instruction set attention_tasks uses on this CPU ("avx512", "avx2",
-// "generic"); NEXUSKV_CPU_ISA=generic|avx2|avx512 caps it (for tests).
+// "generic"): cpu_isa() of nexuskv/core/cpu_isa.h.
 const char* attention_isa();
 
 // Randomized Hadamard rotation of rows of length n (a power of two):

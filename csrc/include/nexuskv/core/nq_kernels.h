@@ -42,12 +42,17 @@ struct NQBuffers {
 // it into an error.  Tasks only ever set flags, so sharing one is safe.
 struct CompressStatus {
   bool non_finite_input = false;  // NaN or Inf in x
+  bool range_overflow = false;    // a group's max - min overflows float32 (finite values beyond +-1.7e38)
   bool meta_overflow = false;     // a scale or zero is not finite in the meta dtype
 };
 
 // Task t covers one token group of one row (kTokens) or one token of one row
 // (kChannels).
 int64_t nq_num_tasks(const NQDims& d);
+
+// The instruction set nq_compress_tasks / nq_decompress_tasks run on this
+// CPU ("avx2" or "generic"; nexuskv/core/cpu_isa.h).
+const char* nq_kernel_isa();
 
 template <typename In, typename Meta>
 void nq_compress_tasks(const NQDims& d, const StridedRows<In>& x, const NQBuffers<In, Meta>& out,
