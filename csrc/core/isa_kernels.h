@@ -25,7 +25,9 @@
   void nq_decompress_tasks(const NQDims& d, const uint8_t* codes, const Meta* scale, const Meta* zero,         \
                            Out* out, int64_t begin, int64_t end);                                              \
   /* attention_kernel.cpp: as attention_tasks of attention.h */                                                \
-  void attention_tasks(const AttentionProblem& p, int64_t splits, float* partials, int64_t begin, int64_t end); \
+  template <typename Meta, typename Val>                                                                       \
+  void attention_tasks(const CpuAttentionParams<Meta, Val>& p, int64_t splits, float* partials, int64_t begin, \
+                       int64_t end);                                                                           \
   }
 
 NEXUSKV_DECLARE_ISA_KERNELS(generic)

@@ -43,36 +43,60 @@ void nq_decompress_tasks(const NQDims& d, const uint8_t* codes, const Meta* scal
   generic::nq_decompress_tasks<Meta, Out>(d, codes, scale, zero, out, task_begin, task_end);
 }
 
-template <typename Val, typename Out>
-bool nq_scatter_outliers(const NQDims& d, const uint8_t* outlier_idx, const Val* outlier_val, Out* out,
-                         int64_t group_begin, int64_t group_end) {
-  const int k = d.num_outliers;
+namespace {
+
+// Calls f(g, t0, c0, len, step) for groups g in [group_begin, group_end)
+// (numbered over N*A*B): the group's origin (token t0, channel c0) in its row,
+// its extent and the step between its positions in a contiguous [N, T, D]
+// tensor.  The indices are stepped, not divided, per group.
+template <typename F>
+void for_each_group(const NQDims& d, int64_t group_begin, int64_t group_end, F&& f) {
   const int64_t A = d.meta_a(), B = d.meta_b(), D = d.head_dim, G = d.group_size;
-  if (k == 0 || group_begin >= group_end) return true;
-  bool ok = true;
-  // Group g = (n * A + a) * B + b; the indices are stepped, not divided, per group.
   int64_t n = group_begin / (A * B), a = (group_begin / B) % A, b = group_begin % B;
   for (int64_t g = group_begin; g < group_end; ++g) {
-    // Group origin and extent in (token, channel) and the step of a position.
-    int64_t t0, c0, len, step;
-    if (d.axis == GroupAxis::kTokens)
-      t0 = d.group_start(n, a), c0 = b, len = d.group_end(n, a) - t0, step = D;
-    else
-      t0 = a, c0 = b * G, len = std::min(G, D - c0), step = 1;
-    Out* origin = out + (n * d.tokens + t0) * D + c0;
-    for (int s = 0; s < k; ++s) {
-      const int64_t p = outlier_idx[g * k + s];
-      if (p >= len) {
-        ok = false;
-        continue;
-      }
-      origin[p * step] = from_float<Out>(to_float(outlier_val[g * k + s]));
+    if (d.axis == GroupAxis::kTokens) {
+      const int64_t t0 = d.group_start(n, a);
+      f(g, n, t0, b, d.group_end(n, a) - t0, D);
+    } else {
+      f(g, n, a, b * G, std::min(G, D - b * G), int64_t(1));
     }
     if (++b == B) {
       b = 0;
       if (++a == A) a = 0, ++n;
     }
   }
+}
+
+}  // namespace
+
+bool nq_outlier_positions_valid(const NQDims& d, const uint8_t* outlier_idx, int64_t group_begin, int64_t group_end) {
+  const int k = d.num_outliers;
+  if (k == 0) return true;
+  bool ok = true;
+  for_each_group(d, group_begin, group_end, [&](int64_t g, int64_t, int64_t, int64_t, int64_t len, int64_t) {
+    for (int s = 0; s < k; ++s) ok &= outlier_idx[g * k + s] < len;
+  });
+  return ok;
+}
+
+template <typename Val, typename Out>
+bool nq_scatter_outliers(const NQDims& d, const uint8_t* outlier_idx, const Val* outlier_val, Out* out,
+                         int64_t group_begin, int64_t group_end) {
+  const int k = d.num_outliers;
+  if (k == 0 || group_begin >= group_end) return true;
+  bool ok = true;
+  for_each_group(d, group_begin, group_end,
+                 [&](int64_t g, int64_t n, int64_t t0, int64_t c0, int64_t len, int64_t step) {
+                   Out* origin = out + (n * d.tokens + t0) * d.head_dim + c0;
+                   for (int s = 0; s < k; ++s) {
+                     const int64_t p = outlier_idx[g * k + s];
+                     if (p >= len) {  // corrupt input: reported, never written out of bounds
+                       ok = false;
+                       continue;
+                     }
+                     origin[p * step] = from_float<Out>(to_float(outlier_val[g * k + s]));
+                   }
+                 });
   return ok;
 }
 

@@ -3,7 +3,7 @@
 // time by nq_dispatch.cpp.
 //
 // Every task works on float32 rows in a small scratch buffer: one pass
-// converts the input (and checks it for NaN/Inf, nq_rows.h), then min/max and
+// converts the input (and checks it for NaN/Inf, rows.h), then min/max and
 // the scale and zero of each group (nq_range.h; outliers first, nq_outliers.h),
 // and a fused quantize + pack pass straight into the packed layout
 // (nq_layout.h).  Decompression is the mirror: unpack + dequantize into a
@@ -22,7 +22,7 @@
 #include "nexuskv/core/nq_layout.h"
 #include "nq_outliers.h"
 #include "nq_range.h"
-#include "nq_rows.h"
+#include "rows.h"
 
 namespace nexuskv::core::NEXUSKV_ISA {
 namespace {

@@ -8,7 +8,7 @@
 
 #include "isa.h"
 #include "nexuskv/core/half.h"
-#include "nq_rows.h"
+#include "rows.h"
 
 namespace nexuskv::core::NEXUSKV_ISA {
 
@@ -81,6 +81,8 @@ NEXUSKV_INLINE MetaFlags make_meta(const float* mn, float* mx, int64_t n, float 
   float* s = inv;  // the scale in float, replaced by its inverse at the end
   // A positive scale is at least the smallest normal float, so that 1 / scale
   // stays finite (a larger scale still covers the range; the bound is scale/2).
+  // Positive means a positive range: range / qmax can underflow to 0 (a range
+  // of a few subnormal ulps), which would store scale 0 and lose the range.
   constexpr float kMinScale = 1.17549435e-38f;
   uint32_t range_bad = 0;
   if constexpr (std::is_same_v<Meta, float>) {
@@ -89,7 +91,7 @@ NEXUSKV_INLINE MetaFlags make_meta(const float* mn, float* mx, int64_t n, float 
       const float range = mx[i] - mn[i];
       range_bad |= uint32_t((float_bits(range) & 0x7f800000u) == 0x7f800000u);
       const float si = range / qmax;
-      s[i] = scale_m[i] = si > 0.f && si < kMinScale ? kMinScale : si;
+      s[i] = scale_m[i] = range > 0.f && si < kMinScale ? kMinScale : si;
     }
   } else {
     Rows<Meta>::store(mn, n, zero_m);
@@ -102,7 +104,7 @@ NEXUSKV_INLINE MetaFlags make_meta(const float* mn, float* mx, int64_t n, float 
       range_bad |= uint32_t((float_bits(range) & 0x7f800000u) == 0x7f800000u) &
                    uint32_t((float_bits(zero[i]) & 0x7f800000u) != 0x7f800000u);
       const float si = range / qmax;
-      s[i] = si > 0.f && si < kMinScale ? kMinScale : si;
+      s[i] = range > 0.f && si < kMinScale ? kMinScale : si;
     }
     Rows<Meta>::store(s, n, scale_m);
     float* nearest = mx;  // mx is not needed any more

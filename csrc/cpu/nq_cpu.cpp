@@ -29,7 +29,7 @@ NQTensors nq_compress_cpu(const at::Tensor& x, int64_t bits, int64_t group_size,
   const std::vector<int64_t> row_offset = leading_row_offsets(x);
   const int64_t tasks = core::nq_num_tasks(d);
   const int64_t per_task = d.axis == core::GroupAxis::kTokens ? int64_t(d.group_size) * d.head_dim : d.head_dim;
-  std::atomic<bool> non_finite{false}, overflow{false};
+  std::atomic<bool> non_finite{false}, range_overflow{false}, overflow{false};
 
   dispatch_core_float(x.scalar_type(), "nq_compress", [&](auto in_tag) {
     using In = decltype(in_tag);
@@ -43,11 +43,12 @@ NQTensors nq_compress_cpu(const at::Tensor& x, int64_t bits, int64_t group_size,
         core::CompressStatus status;
         core::nq_compress_tasks<In, Meta>(d, rows, buffers, begin, end, &status);
         if (status.non_finite_input) non_finite = true;
+        if (status.range_overflow) range_overflow = true;
         if (status.meta_overflow) overflow = true;
       });
     });
   });
-  nq_check_compress_status(non_finite, overflow, meta);
+  nq_check_compress_status("nq_compress", non_finite, range_overflow, overflow, meta);
   return out;
 }
 
@@ -67,9 +68,7 @@ at::Tensor nq_decompress_cpu_dims(const char* op, const core::NQDims& d, const a
   // The compressed tensors are ours and contiguous; views of them are copied.
   const at::Tensor codes = codes_in.contiguous(), scale = scale_in.contiguous(), zero = zero_in.contiguous();
   const at::Tensor idx = idx_in.contiguous(), val = val_in.contiguous();
-  const at::ScalarType out_type = out_dtype.value_or(val.scalar_type());
-  TORCH_CHECK(out_type == at::kFloat || out_type == at::kHalf || out_type == at::kBFloat16, op,
-              ": out_dtype must be float32, float16 or bfloat16, got ", out_type);
+  const at::ScalarType out_type = nq_out_dtype(op, val.scalar_type(), out_dtype);
   at::Tensor out = at::empty(nq_decompressed_sizes(codes, d.head_dim), codes.options().dtype(out_type));
   const int64_t tasks = core::nq_num_tasks(d);
   const int64_t per_task = d.axis == core::GroupAxis::kTokens ? int64_t(d.group_size) * d.head_dim : d.head_dim;
@@ -95,13 +94,9 @@ at::Tensor nq_decompress_cpu_dims(const char* op, const core::NQDims& d, const a
       });
     });
   });
-  TORCH_CHECK(!bad_index, op, ": outlier_idx holds a position outside its group (group_size ", d.group_size,
-              "); the compressed tensors are corrupt or were made with other parameters");
+  nq_check_outlier_positions(op, "", !bad_index, d.group_size);
   return out;
 }
-
-namespace {
-}  // namespace
 
 TORCH_LIBRARY_IMPL(nexuskv, CPU, m) {
   m.impl("nq_compress", &nq_compress_cpu);

@@ -11,6 +11,7 @@ import math
 import torch
 
 F64 = torch.float64
+FLT_MIN = torch.finfo(torch.float32).tiny  # smallest normal float32, 2^-126
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,7 +126,12 @@ def reference_params(x: torch.Tensor, bits: int, G: int, axis: int, k: int, meta
     else:
         pos = torch.zeros(M, 0, dtype=torch.long)
     zero = round_directed(mn, meta_dtype, up=False)
-    scale = round_directed((mx - zero.to(F64)) / qmax, meta_dtype, up=True)
+    # nq_format.h: a positive scale is at least the smallest normal float32 (FLT_MIN), so that
+    # 1 / scale stays finite; a subnormal one is clamped up to it before the rounding into the
+    # meta dtype (a larger scale still covers the range).
+    exact = (mx - zero.to(F64)) / qmax
+    exact = torch.where((exact > 0) & (exact < FLT_MIN), torch.full_like(exact, FLT_MIN), exact)
+    scale = round_directed(exact, meta_dtype, up=True)
     shape = (N, A, B)
     return {
         "zero": zero.reshape(shape), "scale": scale.reshape(shape),

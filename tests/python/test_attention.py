@@ -12,6 +12,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
 
 import nexuskv
 from nexuskv.ops import dgq_fused_attention, hadamard_rotate
@@ -596,3 +598,138 @@ def test_bad_input(make, match):
     case = Case(ratio=2, kv_heads=4)
     with pytest.raises(RuntimeError, match=match):
         make(case)()
+
+
+# ---- the same checks everywhere (issue 8, items 9, 10, 12, 14, 15) --------------------------
+
+
+def attention_kwargs(case: Case, **kw):
+    args = dict(q=case.q, k_cache=case.k_cache, v_cache=case.v_cache, k_format=case.k_format,
+                v_format=case.v_format, compressed_lens=case.comp_lens, rotation_signs=case.signs)
+    args.update(kw)
+    return args
+
+
+def first_line(e):
+    return str(e.value).splitlines()[0]
+
+
+def bad_attention_cases():
+    c = Case(ratio=2, kv_heads=4)
+    r = Case(ratio=2, kv_heads=4, rotate=True)
+    three = Case(ratio=1, kv_heads=2)
+    return {
+        "q_heads 3, kv_heads 2": attention_kwargs(three, q=torch.randn(2, 3, 1, 64)),
+        "signs of the wrong length": attention_kwargs(r, rotation_signs=r.signs[:32]),
+        "int signs": attention_kwargs(r, rotation_signs=r.signs.int()),
+        "bool lens": attention_kwargs(c, compressed_lens=c.comp_lens > 0),
+        "complex q": attention_kwargs(c, q=c.q.to(torch.complex64)),
+        "empty q": attention_kwargs(c, q=c.q[:, :, :0]),
+        "bits 2**32+4": attention_kwargs(c, k_format=[2 ** 32 + 4, 32, -2]),
+        "mismatched v scale": attention_kwargs(c, v_cache=c.v_cache[:1] + [c.v_cache[1][..., :1]] + c.v_cache[2:]),
+        "window 0": attention_kwargs(c, window=0),
+        "scale 1e300": attention_kwargs(c, scale=1e300),
+        "softcap 1e300": attention_kwargs(c, softcap=1e300),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(bad_attention_cases()))
+def test_fake_kernel_rejects_what_the_kernel_rejects(case):
+    kw = bad_attention_cases()[case]
+    with pytest.raises(RuntimeError) as real:
+        dgq_fused_attention(**kw)
+    with pytest.raises(RuntimeError) as meta:
+        dgq_fused_attention(**tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, kw))
+    assert first_line(meta) == first_line(real)
+    with FakeTensorMode() as mode:
+        fake = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, kw)
+        with pytest.raises(RuntimeError) as faked:
+            dgq_fused_attention(**fake)
+    assert first_line(faked) == first_line(real)
+
+
+@pytest.mark.parametrize("which", ["compressed_lens", "rotation_signs", "k_codes", "v_scale", "k_tail", "sink_lens"])
+def test_one_meta_tensor_among_cpu_tensors(which):
+    # Once returned uninitialized memory: the meta tensor sent the call to the fake kernel.
+    case = Case(rotate=True, tail=4, sinks=2)
+    kw = attention_kwargs(case, k_tail=case.k_tail, v_tail=case.v_tail, tail_lens=case.tail_lens,
+                          k_sink=case.k_sink, v_sink=case.v_sink, sink_lens=case.sink_lens)
+    if which == "k_codes":
+        kw["k_cache"] = [kw["k_cache"][0].to("meta")] + kw["k_cache"][1:]
+    elif which == "v_scale":
+        kw["v_cache"] = kw["v_cache"][:1] + [kw["v_cache"][1].to("meta")] + kw["v_cache"][2:]
+    else:
+        kw[which] = kw[which].to("meta")
+    with pytest.raises(RuntimeError, match=r"dgq_fused_attention: all tensors must be on one device, q is on cpu"):
+        dgq_fused_attention(**kw)
+
+
+def test_hadamard_rotate_mixed_devices_and_fake_checks():
+    x, s = torch.randn(3, 64), random_signs(64, 0)
+    with pytest.raises(RuntimeError, match=r"hadamard_rotate: all tensors must be on one device, x is on cpu"):
+        hadamard_rotate(x, s.to("meta"))
+    for bad in (s[:32], s.int()):
+        with pytest.raises(RuntimeError) as real:
+            hadamard_rotate(x, bad)
+        with pytest.raises(RuntimeError) as meta:
+            hadamard_rotate(x.to("meta"), bad.to("meta"))
+        assert first_line(meta) == first_line(real)
+    with pytest.raises(TypeError, match=r"hadamard_rotate: inverse must be a bool, got int 2"):
+        hadamard_rotate(x, s, 2)
+
+
+@pytest.mark.parametrize("dgq", [False, True])
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_corrupt_outlier_idx_rejected_as_by_decompress(dgq, which):
+    # nq_decompress rejects these buffers; fused attention once read them anyway (the corrupt
+    # outlier was silently skipped or applied at a wrong position).
+    case = Case(dgq=dgq, k_outliers=2, v_outliers=2, comp_lens=(70, 33))
+    cache = [t.clone() for t in (case.k_cache if which == "k" else case.v_cache)]
+    # A group holding valid tokens of sequence 1: channel 5 of token group 0 (keys), channel
+    # group 1 of token 0 (values).
+    cache[3][(1, 0, 0, 5, 1) if which == "k" else (1, 0, 0, 1, 1)] = 200
+    kw = attention_kwargs(case, **{f"{which}_cache": cache})
+    with pytest.raises(RuntimeError, match=rf"dgq_fused_attention: {which}_cache: outlier_idx holds a position "
+                                           r"outside its group"):
+        dgq_fused_attention(**kw)
+    fmt = case.k_format if which == "k" else case.v_format
+    decompress = (lambda: nexuskv.dgq_decompress(*cache, fmt[0], fmt[1], 64)) if dgq and which == "k" else (
+        lambda: nexuskv.nq_decompress(*cache[:5], *fmt, 64))
+    with pytest.raises(RuntimeError, match=r"outlier_idx holds a position outside its group"):
+        decompress()
+
+
+def test_corrupt_outlier_idx_past_the_valid_tokens_is_not_read():
+    # Groups past compressed_lens are never read (a cache's unused capacity may hold anything).
+    case = Case(k_outliers=2, comp_lens=(40, 20))
+    cache = [t.clone() for t in case.k_cache]
+    cache[3][1, :, 1] = 255  # token group 1 (tokens 32..39) of sequence 1, which holds 20 tokens
+    case.k_cache = cache
+    assert rel_err(case.run(), case.reference()) <= 1e-4
+
+
+def test_hadamard_rotate_near_float32_max():
+    # Once Inf where the exact result is finite: the butterflies overflowed before the 1/sqrt(n).
+    x = torch.zeros(2, 64)
+    x[0, :2] = 3e38
+    x[1, 0], x[1, 1] = 3e38, -3e38
+    s = torch.ones(64)
+    y = hadamard_rotate(x, s)
+    exact = x.double() @ rotation_matrix(s).T
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.double(), exact, rtol=1e-6, atol=0)
+    torch.testing.assert_close(hadamard_rotate(y, s, inverse=True).double(), x.double(), rtol=1e-6, atol=1e30)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(scale=True), r"scale must be a float, got bool True"),
+    (dict(softcap=True), r"softcap must be a float, got bool True"),
+    (dict(window=True), r"window must be an int, got bool True"),
+])
+def test_bool_where_a_number_is_meant(kw, match):
+    with pytest.raises(TypeError, match=match):
+        Case().run(**kw)
+    case = Case()
+    with pytest.raises(TypeError, match=r"k_format must hold ints, got \[True, 32, -2\]"):
+        dgq_fused_attention(case.q, case.k_cache, case.v_cache, [True, 32, -2], case.v_format, case.comp_lens)
+

@@ -124,3 +124,43 @@ def test_bad_segment_starts_rejected():
     starts[0, 0] = 3
     with pytest.raises(RuntimeError, match="must begin at token 0"):
         nexuskv.dgq_decompress(*parts[:5], starts, 4, 32, 16)
+
+
+@pytest.mark.parametrize("group,granule,want", [(20, 16, 48), (24, 16, 48), (40, 32, 96), (100, 48, 240)])
+def test_default_max_len_rounds_up_to_the_granule(group, granule, want):
+    # 2 * group_size is no multiple of the granule here: once an error about max_len, which the
+    # caller never passed.  The default is now the smallest multiple of granule >= 2 * group_size.
+    x = torch.randn(2, 300, 16) * torch.linspace(0.5, 4, 300)[:, None]
+    parts = nexuskv.dgq_compress(x, 4, group, granule)
+    assert parts.segment_starts.shape == (2, -(-300 // group))
+    for row in parts.segment_starts:
+        lengths = [b - a for a, b in segments_of(row, 300)]
+        assert max(lengths) <= want
+        assert all(n % granule == 0 for n, (a, b) in zip(lengths, segments_of(row, 300)) if b < 300)
+    torch.testing.assert_close(parts, nexuskv.dgq_compress(x, 4, group, granule, want), rtol=0, atol=0)
+
+
+def test_default_max_len_that_cannot_exist_names_the_default():
+    with pytest.raises(RuntimeError, match=r"dgq_compress: no max_len fits granule=100 and group_size=128: the "
+                                           r"default max_len is the smallest multiple of granule"):
+        nexuskv.dgq_compress(torch.randn(1, 300, 16), 4, 128, 100)
+
+
+def test_meta_segment_starts_among_cpu_tensors():
+    parts = list(nexuskv.dgq_compress(torch.randn(1, 100, 16), 4, 32))
+    parts[5] = parts[5].to("meta")
+    with pytest.raises(RuntimeError, match=r"dgq_decompress: all tensors must be on one device, codes is on cpu but "
+                                           r"segment_starts is on meta"):
+        nexuskv.dgq_decompress(*parts, 4, 32, 16)
+
+
+@pytest.mark.parametrize("kw,match", [(dict(granule=0), "granule must be in"), (dict(max_len=72), "max_len must be"),
+                                      (dict(granule=100, group_size=128), "no max_len fits")])
+def test_fake_kernel_rejects_what_the_kernel_rejects(kw, match):
+    args = dict(bits=4, group_size=32) | kw
+    x = torch.randn(1, 100, 16)
+    with pytest.raises(RuntimeError, match=match) as real:
+        nexuskv.dgq_compress(x, **args)
+    with pytest.raises(RuntimeError) as meta:
+        nexuskv.dgq_compress(x.to("meta"), **args)
+    assert str(meta.value).splitlines()[0] == str(real.value).splitlines()[0]

@@ -372,6 +372,18 @@ def test_fp16_extreme_range_decompresses_finite():
     assert torch.isfinite(y).all(), f"scale {p.scale.item()} zero {p.zero.item()} -> {y}"
 
 
+@pytest.mark.parametrize("dtype,a", [(torch.float32, 1e-36), (torch.bfloat16, 1e-37)])
+@pytest.mark.parametrize("bits", [2, 8])
+def test_subnormal_scale_is_clamped_as_documented(dtype, a, bits):
+    # Two values one ulp apart near 1e-37: (max - zero) / qmax is subnormal, which nq_format.h
+    # raises to FLT_MIN (also for bf16 metadata, which could hold the subnormal).  The reference
+    # once did not: the flaky hypothesis case of issue 8, item 19.
+    lo = torch.tensor(a, dtype=dtype)
+    x = torch.stack([lo, torch.nextafter(lo, torch.ones_like(lo)), lo, lo]).reshape(1, 4)
+    p, _ = check_against_reference(x, bits, 4, -1, 0)
+    assert p.scale.dtype == dtype and p.scale.item() == torch.finfo(torch.float32).tiny
+
+
 def test_subnormal_scale_keeps_error_bound():
     x = torch.linspace(0, 1e-37, 64).reshape(1, 64)
     p = nq_compress(x, 8, 64, -1)

@@ -51,8 +51,8 @@ struct SeqLengths {
   const int32_t* i32 = nullptr;  // [B]
   const int64_t* i64 = nullptr;  // [B]
 
-  NEXUSKV_HD bool given() const { return i32 != nullptr || i64 != nullptr; }
-  NEXUSKV_HD int64_t at(int64_t b) const { return i64 != nullptr ? i64[b] : int64_t(i32[b]); }
+  NEXUSKV_HD_INLINE bool given() const { return i32 != nullptr || i64 != nullptr; }
+  NEXUSKV_HD_INLINE int64_t at(int64_t b) const { return i64 != nullptr ? i64[b] : int64_t(i32[b]); }
 };
 
 // Rows of one full-precision tensor [B, H, T, D] with contiguous channels.
@@ -61,7 +61,7 @@ struct DenseRows {
   const T* data = nullptr;  // [B, H, T, D], channel stride 1
   int64_t stride_b = 0, stride_h = 0, stride_t = 0;  // in elements
 
-  NEXUSKV_HD const T* row(int64_t b, int64_t h, int64_t t) const {
+  NEXUSKV_HD_INLINE const T* row(int64_t b, int64_t h, int64_t t) const {
     return data + b * stride_b + h * stride_h + t * stride_t;
   }
 };
@@ -74,8 +74,8 @@ struct DenseKV {
   int64_t capacity = 0;  // rows per (b, h)
   SeqLengths lens;       // valid rows per sequence; not given: capacity
 
-  NEXUSKV_HD bool present() const { return k.data != nullptr; }
-  NEXUSKV_HD int64_t len(int64_t b) const { return !present() ? 0 : lens.given() ? lens.at(b) : capacity; }
+  NEXUSKV_HD_INLINE bool present() const { return k.data != nullptr; }
+  NEXUSKV_HD_INLINE int64_t len(int64_t b) const { return !present() ? 0 : lens.given() ? lens.at(b) : capacity; }
 };
 
 // One compressed K or V cache [B, H, capacity, D] in the NQ format
@@ -90,19 +90,19 @@ struct CompressedKV {
   // rows = B * H, tokens = capacity; segment_starts [B * H, A] (DGQ) or null.
   NQDims dims;
 
-  NEXUSKV_HD bool per_channel() const { return dims.axis == GroupAxis::kTokens; }
-  NEXUSKV_HD int64_t row_bytes() const { return dims.packed_row_bytes(); }
-  NEXUSKV_HD int num_outliers() const { return dims.num_outliers; }
+  NEXUSKV_HD_INLINE bool per_channel() const { return dims.axis == GroupAxis::kTokens; }
+  NEXUSKV_HD_INLINE int64_t row_bytes() const { return dims.packed_row_bytes(); }
+  NEXUSKV_HD_INLINE int num_outliers() const { return dims.num_outliers; }
 
   // Packed codes of token t of row bh = b * H + h.
-  NEXUSKV_HD const uint8_t* code_row(int64_t bh, int64_t t) const {
+  NEXUSKV_HD_INLINE const uint8_t* code_row(int64_t bh, int64_t t) const {
     return codes + (bh * dims.tokens + t) * dims.packed_row_bytes();
   }
-  NEXUSKV_HD uint32_t code(int64_t bh, int64_t t, int64_t c) const { return layout::code_at(code_row(bh, t), dims.bits, c); }
+  NEXUSKV_HD_INLINE uint32_t code(int64_t bh, int64_t t, int64_t c) const { return layout::code_at(code_row(bh, t), dims.bits, c); }
 
   // Token group a holding token t: per-channel groups of group_size tokens or
   // DGQ segments (binary search over the row's starts); per-token groups: t.
-  NEXUSKV_HD int64_t token_group(int64_t bh, int64_t t) const {
+  NEXUSKV_HD_INLINE int64_t token_group(int64_t bh, int64_t t) const {
     if (!per_channel()) return t;
     if (dims.segment_starts == nullptr) return t / dims.group_size;
     const int32_t* starts = dims.segment_starts + bh * dims.meta_a();
@@ -114,23 +114,23 @@ struct CompressedKV {
     return lo;
   }
   // Tokens [group_begin, group_end) of token group a of row bh.
-  NEXUSKV_HD int64_t group_begin(int64_t bh, int64_t a) const { return per_channel() ? dims.group_start(bh, a) : a; }
-  NEXUSKV_HD int64_t group_end(int64_t bh, int64_t a) const { return per_channel() ? dims.group_end(bh, a) : a + 1; }
+  NEXUSKV_HD_INLINE int64_t group_begin(int64_t bh, int64_t a) const { return per_channel() ? dims.group_start(bh, a) : a; }
+  NEXUSKV_HD_INLINE int64_t group_end(int64_t bh, int64_t a) const { return per_channel() ? dims.group_end(bh, a) : a + 1; }
   // Channel group of channel c: c for per-channel groups, c / group_size per token.
-  NEXUSKV_HD int64_t channel_group(int64_t c) const { return layout::group_b(dims, c); }
+  NEXUSKV_HD_INLINE int64_t channel_group(int64_t c) const { return layout::group_b(dims, c); }
 
   // Index of the scale / zero (and of the outlier slots / k) of group (a, b) of row bh.
-  NEXUSKV_HD int64_t meta_index(int64_t bh, int64_t a, int64_t b) const { return layout::meta_index(dims, bh, a, b); }
-  NEXUSKV_HD float scale_at(int64_t m) const { return to_float(scale[m]); }
-  NEXUSKV_HD float zero_at(int64_t m) const { return to_float(zero[m]); }
+  NEXUSKV_HD_INLINE int64_t meta_index(int64_t bh, int64_t a, int64_t b) const { return layout::meta_index(dims, bh, a, b); }
+  NEXUSKV_HD_INLINE float scale_at(int64_t m) const { return to_float(scale[m]); }
+  NEXUSKV_HD_INLINE float zero_at(int64_t m) const { return to_float(zero[m]); }
 
   // Outlier slot s of group m: its position inside the group (token offset
   // from group_begin per channel, channel offset from b * group_size per
   // token) and its exact value.  A group with fewer entries than slots
   // repeats its last slot (nq_format.h): apply a correction once per position.
-  NEXUSKV_HD int64_t outlier_pos(int64_t m, int s) const { return outlier_idx[m * dims.num_outliers + s]; }
-  NEXUSKV_HD float outlier_value(int64_t m, int s) const { return to_float(outlier_val[m * dims.num_outliers + s]); }
-  NEXUSKV_HD bool repeated_slot(int64_t m, int s) const { return s > 0 && outlier_pos(m, s) == outlier_pos(m, s - 1); }
+  NEXUSKV_HD_INLINE int64_t outlier_pos(int64_t m, int s) const { return outlier_idx[m * dims.num_outliers + s]; }
+  NEXUSKV_HD_INLINE float outlier_value(int64_t m, int s) const { return to_float(outlier_val[m * dims.num_outliers + s]); }
+  NEXUSKV_HD_INLINE bool repeated_slot(int64_t m, int s) const { return s > 0 && outlier_pos(m, s) == outlier_pos(m, s - 1); }
 };
 
 template <typename T, typename Meta, typename Val = T>
@@ -156,25 +156,25 @@ struct AttentionParams {
   // when a backend converts q: the CPU integer key path sizes its limbs by it.
   int query_mantissa_bits = 24;
 
-  NEXUSKV_HD int64_t gqa_group() const { return q_heads / kv_heads; }
+  NEXUSKV_HD_INLINE int64_t gqa_group() const { return q_heads / kv_heads; }
   // Query rows that share one kv head: (q head in the group, query) = (r / q_len, r % q_len).
-  NEXUSKV_HD int64_t rows_per_kv_head() const { return gqa_group() * q_len; }
-  NEXUSKV_HD int64_t q_head(int64_t h, int64_t r) const { return h * gqa_group() + r / q_len; }
-  NEXUSKV_HD const T* q_row(int64_t b, int64_t h, int64_t r) const { return q.row(b, q_head(h, r), r % q_len); }
+  NEXUSKV_HD_INLINE int64_t rows_per_kv_head() const { return gqa_group() * q_len; }
+  NEXUSKV_HD_INLINE int64_t q_head(int64_t h, int64_t r) const { return h * gqa_group() + r / q_len; }
+  NEXUSKV_HD_INLINE const T* q_row(int64_t b, int64_t h, int64_t r) const { return q.row(b, q_head(h, r), r % q_len); }
 
-  NEXUSKV_HD int64_t sink_len(int64_t b) const { return sink.len(b); }
-  NEXUSKV_HD int64_t compressed_len(int64_t b) const { return compressed_lens.at(b); }
-  NEXUSKV_HD int64_t tail_len(int64_t b) const { return tail.len(b); }
-  NEXUSKV_HD int64_t seq_len(int64_t b) const { return sink_len(b) + compressed_len(b) + tail_len(b); }
+  NEXUSKV_HD_INLINE int64_t sink_len(int64_t b) const { return sink.len(b); }
+  NEXUSKV_HD_INLINE int64_t compressed_len(int64_t b) const { return compressed_lens.at(b); }
+  NEXUSKV_HD_INLINE int64_t tail_len(int64_t b) const { return tail.len(b); }
+  NEXUSKV_HD_INLINE int64_t seq_len(int64_t b) const { return sink_len(b) + compressed_len(b) + tail_len(b); }
   // Position of query i (0 <= i < q_len) of sequence b.
-  NEXUSKV_HD int64_t query_position(int64_t b, int64_t i) const { return seq_len(b) - q_len + i; }
+  NEXUSKV_HD_INLINE int64_t query_position(int64_t b, int64_t i) const { return seq_len(b) - q_len + i; }
   // First key position any query of sequence b sees (the oldest query's window start).
-  NEXUSKV_HD int64_t first_visible(int64_t b) const {
+  NEXUSKV_HD_INLINE int64_t first_visible(int64_t b) const {
     const int64_t first = seq_len(b) - q_len - window + 1;
     return window > 0 && first > 0 ? first : 0;
   }
   // Whether the query at position qpos sees the key at position kpos.
-  NEXUSKV_HD bool visible(int64_t qpos, int64_t kpos) const { return kpos <= qpos && (window <= 0 || kpos > qpos - window); }
+  NEXUSKV_HD_INLINE bool visible(int64_t qpos, int64_t kpos) const { return kpos <= qpos && (window <= 0 || kpos > qpos - window); }
 };
 
 }  // namespace nexuskv::core

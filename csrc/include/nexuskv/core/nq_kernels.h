@@ -65,6 +65,12 @@ template <typename Meta, typename Out>
 void nq_decompress_tasks(const NQDims& d, const uint8_t* codes, const Meta* scale, const Meta* zero,
                          Out* out, int64_t task_begin, int64_t task_end);
 
+// Whether every outlier position of groups [group_begin, group_end) (groups
+// numbered over N*A*B) lies inside its group: what nq_scatter_outliers checks,
+// for readers that do not scatter (fused attention).  Needs d.segment_starts
+// for DGQ.
+bool nq_outlier_positions_valid(const NQDims& d, const uint8_t* outlier_idx, int64_t group_begin, int64_t group_end);
+
 // Writes the exact outlier values of groups [group_begin, group_end) (groups
 // numbered over N*A*B) into out (contiguous [N, T, D]).  Returns false if an
 // index points outside its group (corrupt input); such slots are skipped.

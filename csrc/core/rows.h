@@ -1,4 +1,4 @@
-// Whole-row conversions of the NQ kernels (per ISA, isa.h): n values of a
+// Whole-row conversions of the CPU kernels (per ISA, isa.h): n values of a
 // storage type to float32 and back, with the scalar conversions of half.h in
 // loops the compiler vectorizes, or F16C's hardware conversion of fp16 where
 // the ISA has it (the same results: round to nearest even, exact widening;
@@ -19,9 +19,20 @@
 namespace nexuskv::core::NEXUSKV_ISA {
 
 // Rows<T>::load converts n values to float32 and reports whether any is NaN
-// or Inf; Rows<T>::store converts n floats back (nearest).
+// or Inf; Rows<T>::widen only converts; Rows<T>::store converts n floats back
+// (nearest).
 template <typename T>
 struct Rows {
+  static NEXUSKV_INLINE void widen(const T* src, int64_t n, float* dst) {
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(dst, src, size_t(n) * sizeof(float));
+    } else if constexpr (std::is_same_v<T, bf16_t>) {
+      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i].bits);
+    } else {
+      for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(src[i].bits);
+    }
+  }
+
   static NEXUSKV_INLINE bool load(const T* src, int64_t n, float* dst) {
     uint32_t bad = 0;
     if constexpr (std::is_same_v<T, float>) {
@@ -58,6 +69,12 @@ struct Rows {
 // fp16 through F16C, 8 values per instruction; the tails go through half.h.
 template <>
 struct Rows<half_t> {
+  static NEXUSKV_INLINE void widen(const half_t* src, int64_t n, float* dst) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+    for (; i < n; ++i) dst[i] = half_to_float(src[i].bits);
+  }
   static NEXUSKV_INLINE bool load(const half_t* src, int64_t n, float* dst) {
     const __m128i exp = _mm_set1_epi16(0x7c00);
     __m128i bad = _mm_setzero_si128();
