@@ -29,8 +29,8 @@ core::NQDims cache_dims(const char* name, const char* format_name, at::TensorLis
               codes.defined() ? codes.sizes() : at::IntArrayRef{});
   TORCH_CHECK(codes.size(0) == batch, kOp, ": ", name, " holds ", codes.size(0), " sequences but q has ", batch);
   const int64_t bits = format[0], group = format[1], axis = format[2];
-  TORCH_CHECK(cache.size() == 5 || axis == -2, kOp, ": ", name, " has segment_starts (DGQ), so its axis must be -2, got ",
-              axis);
+  TORCH_CHECK(cache.size() == 5 || axis == -2, kOp, ": ", name,
+              " has segment_starts (DGQ), so its axis must be -2, got ", axis);
   return cache.size() == 6 ? dgq_decompress_dims(kOp, cache[0], cache[1], cache[2], cache[3], cache[4], cache[5], bits,
                                                  group, head_dim, name)
                            : nq_decompress_dims(kOp, cache[0], cache[1], cache[2], cache[3], cache[4], bits, group,
@@ -44,8 +44,8 @@ void check_lengths(const char* name, const at::Tensor& t, int64_t batch, const a
               " must be int32 or int64, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 1 && t.size(0) == batch, kOp, ": ", name, " must have shape [", batch,
               "] (one length per sequence), got ", t.sizes());
-  TORCH_CHECK(t.device() == q.device(), kOp, ": all tensors must be on one device, q is on ", q.device(), " but ",
-              name, " is on ", t.device());
+  TORCH_CHECK(t.device() == q.device(), kOp, ": all tensors must be on one device, q is on ", q.device(), " but ", name,
+              " is on ", t.device());
 }
 
 // Optional full-precision K/V rows [B, Hkv, capacity, D] (the tail or the
@@ -59,8 +59,8 @@ int64_t check_full_precision_rows(const std::string& what, const std::optional<a
   TORCH_CHECK(k.has_value() || !lens.has_value(), kOp, ": ", ln, " given without ", kn, "/", vn);
   if (!k) return 0;
   for (const auto* t : {&*k, &*v}) {
-    TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == Hkv && t->size(3) == D, kOp, ": ", kn, " and ",
-                vn, " must have shape [", B, ", ", Hkv, ", ", what, "_tokens, ", D, "], got ", t->sizes());
+    TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == Hkv && t->size(3) == D, kOp, ": ", kn, " and ", vn,
+                " must have shape [", B, ", ", Hkv, ", ", what, "_tokens, ", D, "], got ", t->sizes());
     TORCH_CHECK(is_float_type(t->scalar_type()), kOp, ": ", kn, " and ", vn, " must be float tensors, got ",
                 t->scalar_type());
     TORCH_CHECK(t->device() == q.device(), kOp, ": all tensors must be on one device, q is on ", q.device(), " but ",
@@ -93,15 +93,15 @@ void check_hadamard_args(const at::Tensor& x, const at::Tensor& signs) {
 AttentionShapes check_attention_args(const at::Tensor& q, at::TensorList k_cache, at::TensorList v_cache,
                                      at::IntArrayRef k_format, at::IntArrayRef v_format,
                                      const at::Tensor& compressed_lens, const std::optional<at::Tensor>& k_tail,
-                                     const std::optional<at::Tensor>& v_tail, const std::optional<at::Tensor>& tail_lens,
+                                     const std::optional<at::Tensor>& v_tail,
+                                     const std::optional<at::Tensor>& tail_lens,
                                      const std::optional<at::Tensor>& rotation_signs, std::optional<double> scale,
                                      const std::optional<at::Tensor>& k_sink, const std::optional<at::Tensor>& v_sink,
                                      const std::optional<at::Tensor>& sink_lens, std::optional<int64_t> window,
                                      std::optional<double> softcap) {
   TORCH_CHECK(q.defined() && q.dim() == 4, kOp, ": q must have shape [batch, q_heads, q_len, head_dim], got ",
               q.defined() ? q.sizes() : at::IntArrayRef{});
-  TORCH_CHECK(is_float_type(q.scalar_type()), kOp, ": q must be float32, float16 or bfloat16, got ",
-              q.scalar_type());
+  TORCH_CHECK(is_float_type(q.scalar_type()), kOp, ": q must be float32, float16 or bfloat16, got ", q.scalar_type());
   TORCH_CHECK(q.numel() > 0, kOp, ": q must not be empty, got shape ", q.sizes());
   AttentionShapes s;
   s.batch = q.size(0), s.q_heads = q.size(1), s.q_len = q.size(2), s.head_dim = q.size(3);

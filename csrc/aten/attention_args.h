@@ -19,8 +19,8 @@ namespace nexuskv {
 // What check_attention_args found: the problem's sizes and scalars.
 struct AttentionShapes {
   int64_t batch = 0, q_heads = 0, kv_heads = 0, q_len = 0, head_dim = 0;
-  core::NQDims k, v;      // rows = batch * kv_heads, tokens = each cache's capacity (no segment_starts pointer)
-  bool k_dgq = false, v_dgq = false;  // segment_starts given (the sixth tensor)
+  core::NQDims k, v;  // rows = batch * kv_heads, tokens = each cache's capacity (no segment_starts pointer)
+  bool k_dgq = false, v_dgq = false;             // segment_starts given (the sixth tensor)
   int64_t sink_capacity = 0, tail_capacity = 0;  // 0 when absent
   bool has_sink = false, has_tail = false;
   float scale = 1.f;
@@ -32,7 +32,8 @@ struct AttentionShapes {
 AttentionShapes check_attention_args(const at::Tensor& q, at::TensorList k_cache, at::TensorList v_cache,
                                      at::IntArrayRef k_format, at::IntArrayRef v_format,
                                      const at::Tensor& compressed_lens, const std::optional<at::Tensor>& k_tail,
-                                     const std::optional<at::Tensor>& v_tail, const std::optional<at::Tensor>& tail_lens,
+                                     const std::optional<at::Tensor>& v_tail,
+                                     const std::optional<at::Tensor>& tail_lens,
                                      const std::optional<at::Tensor>& rotation_signs, std::optional<double> scale,
                                      const std::optional<at::Tensor>& k_sink, const std::optional<at::Tensor>& v_sink,
                                      const std::optional<at::Tensor>& sink_lens, std::optional<int64_t> window,

@@ -25,8 +25,8 @@ void check_bits_group_axis(const char* op, int64_t bits, int64_t group_size, int
 }
 
 void check_num_outliers(const char* op, int64_t num_outliers, int64_t group_size) {
-  TORCH_CHECK(num_outliers >= 0 && num_outliers < group_size, op,
-              ": num_outliers must be in [0, group_size) = [0, ", group_size, "), got ", num_outliers);
+  TORCH_CHECK(num_outliers >= 0 && num_outliers < group_size, op, ": num_outliers must be in [0, group_size) = [0, ",
+              group_size, "), got ", num_outliers);
 }
 
 core::GroupAxis to_group_axis(int64_t axis) {
@@ -46,21 +46,28 @@ void check_sizes(const char* op, const std::string& name, const at::Tensor& t, a
 
 bool is_float_type(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
 
+core::DType to_core_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return core::DType::kFloat32;
+    case at::kHalf: return core::DType::kFloat16;
+    case at::kBFloat16: return core::DType::kBFloat16;
+    default: TORCH_CHECK(false, "nexuskv: unsupported dtype ", t);
+  }
+}
+
 void check_same_device(const char* op, const char* first_name, const at::Tensor& first,
                        std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors) {
   for (const auto& [name, t] : tensors)
-    TORCH_CHECK(!t->defined() || t->device() == first.device(), op, ": all tensors must be on one device, ",
-                first_name, " is on ", first.device(), " but ", name, " is on ", t->device());
+    TORCH_CHECK(!t->defined() || t->device() == first.device(), op, ": all tensors must be on one device, ", first_name,
+                " is on ", first.device(), " but ", name, " is on ", t->device());
 }
 
 core::NQDims nq_compress_dims(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t axis,
                               int64_t num_outliers) {
   constexpr const char* op = "nq_compress";
   TORCH_CHECK(x.defined(), op, ": x is an undefined tensor");
-  TORCH_CHECK(x.dim() >= 2, op, ": x must have shape [..., tokens, head_dim] (at least 2 dims), got shape ",
-              x.sizes());
-  TORCH_CHECK(is_float_type(x.scalar_type()), op, ": x must be float32, float16 or bfloat16, got ",
-              x.scalar_type());
+  TORCH_CHECK(x.dim() >= 2, op, ": x must have shape [..., tokens, head_dim] (at least 2 dims), got shape ", x.sizes());
+  TORCH_CHECK(is_float_type(x.scalar_type()), op, ": x must be float32, float16 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK(x.numel() > 0, op, ": x must not be empty, got shape ", x.sizes());
   check_bits_group_axis(op, bits, group_size, axis);
   check_num_outliers(op, num_outliers, group_size);
@@ -99,21 +106,19 @@ NQTensors nq_allocate_outputs(const core::NQDims& d, const at::Tensor& x, at::Sc
 core::DGQParams dgq_compress_params(const core::NQDims& d, int64_t granule, std::optional<int64_t> max_len) {
   constexpr const char* op = "dgq_compress";
   const int64_t G = d.group_size, lo = 2 * G, hi = core::kMaxGroupSize;
-  TORCH_CHECK(granule >= 1 && granule <= G, op, ": granule must be in [1, group_size] = [1, ", G, "], got ",
-              granule);
+  TORCH_CHECK(granule >= 1 && granule <= G, op, ": granule must be in [1, group_size] = [1, ", G, "], got ", granule);
   // Segments of at most max_len >= 2 * group_size tokens always fit ceil(tokens / group_size) of them.
   const char* why = "(so that ceil(tokens / group_size) segments always suffice)";
   int64_t len = 0;
   if (max_len) {
     len = *max_len;
-    TORCH_CHECK(len % granule == 0 && len >= lo && len <= hi, op, ": max_len must be a multiple of granule (",
-                granule, ") in [2 * group_size, ", hi, "] = [", lo, ", ", hi, "] ", why, ", got ", len);
+    TORCH_CHECK(len % granule == 0 && len >= lo && len <= hi, op, ": max_len must be a multiple of granule (", granule,
+                ") in [2 * group_size, ", hi, "] = [", lo, ", ", hi, "] ", why, ", got ", len);
   } else {
     len = core::ceil_div(lo, granule) * granule;  // the default: the shortest such multiple
     TORCH_CHECK(len <= hi, op, ": no max_len fits granule=", granule, " and group_size=", G,
-                ": the default max_len is the smallest multiple of granule >= 2 * group_size ", why,
-                ", here ", len, ", above the limit ", hi, "; choose a granule with a multiple in [", lo, ", ", hi,
-                "]");
+                ": the default max_len is the smallest multiple of granule >= 2 * group_size ", why, ", here ", len,
+                ", above the limit ", hi, "; choose a granule with a multiple in [", lo, ", ", hi, "]");
   }
   core::DGQParams p;
   p.granule = granule, p.max_len = len, p.segments = d.meta_a();
@@ -166,14 +171,15 @@ core::NQDims nq_decompress_dims(const char* op, const at::Tensor& codes, const a
 }
 
 core::NQDims dgq_decompress_dims(const char* op, const at::Tensor& codes, const at::Tensor& scale,
-                                 const at::Tensor& zero, const at::Tensor& outlier_idx,
-                                 const at::Tensor& outlier_val, const at::Tensor& segment_starts, int64_t bits,
-                                 int64_t group_size, int64_t head_dim, const char* what) {
+                                 const at::Tensor& zero, const at::Tensor& outlier_idx, const at::Tensor& outlier_val,
+                                 const at::Tensor& segment_starts, int64_t bits, int64_t group_size, int64_t head_dim,
+                                 const char* what) {
   const core::NQDims d =
       nq_decompress_dims(op, codes, scale, zero, outlier_idx, outlier_val, bits, group_size, -2, head_dim, what);
   const std::string o = prefix(what);
   TORCH_CHECK(segment_starts.defined() && segment_starts.scalar_type() == at::kInt, op, ": ", o,
-              "segment_starts must be int32, got ", segment_starts.defined() ? c10::toString(segment_starts.scalar_type()) : "None");
+              "segment_starts must be int32, got ",
+              segment_starts.defined() ? c10::toString(segment_starts.scalar_type()) : "None");
   check_same_device(op, "codes", codes, {{"segment_starts", &segment_starts}});
   check_sizes(op, o + "segment_starts", segment_starts, codes.sizes().slice(0, codes.dim() - 2), {d.meta_a()});
   return d;

@@ -23,6 +23,9 @@ using DGQTensors = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at
 
 bool is_float_type(at::ScalarType t);
 
+// The core's DType of a float ATen dtype (byte accounting, nq_nbytes).
+core::DType to_core_dtype(at::ScalarType t);
+
 // All defined tensors of `tensors` on first's device: "op: all tensors must be
 // on one device, <first_name> is on X but <name> is on Y".
 void check_same_device(const char* op, const char* first_name, const at::Tensor& first,
@@ -52,17 +55,18 @@ core::DGQParams dgq_compress_params(const core::NQDims& d, int64_t granule, std:
 // sizes cannot reveal (decompressing with another group_size or head_dim that
 // gives the same sizes) is documented in nq_format.h's callers: the format
 // parameters travel with the buffers (nexuskv.NQ, KVCache).
-core::NQDims nq_decompress_dims(const char* op, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zero,
-                                const at::Tensor& outlier_idx, const at::Tensor& outlier_val, int64_t bits,
-                                int64_t group_size, int64_t axis, int64_t head_dim, const char* what = "");
+core::NQDims nq_decompress_dims(const char* op, const at::Tensor& codes, const at::Tensor& scale,
+                                const at::Tensor& zero, const at::Tensor& outlier_idx, const at::Tensor& outlier_val,
+                                int64_t bits, int64_t group_size, int64_t axis, int64_t head_dim,
+                                const char* what = "");
 
 // The same for a DGQ tensor: the five NQ buffers (grouping along tokens) plus
 // segment_starts int32 [..., S].  Sizes only: that the starts are ordered
 // segments of [0, tokens] is checked by the kernels (they read the data).
 core::NQDims dgq_decompress_dims(const char* op, const at::Tensor& codes, const at::Tensor& scale,
-                                 const at::Tensor& zero, const at::Tensor& outlier_idx,
-                                 const at::Tensor& outlier_val, const at::Tensor& segment_starts, int64_t bits,
-                                 int64_t group_size, int64_t head_dim, const char* what = "");
+                                 const at::Tensor& zero, const at::Tensor& outlier_idx, const at::Tensor& outlier_val,
+                                 const at::Tensor& segment_starts, int64_t bits, int64_t group_size, int64_t head_dim,
+                                 const char* what = "");
 
 // The output dtype of the decompress operators: the one asked for, else outlier_val's.
 at::ScalarType nq_out_dtype(const char* op, at::ScalarType val_dtype, std::optional<at::ScalarType> out_dtype);

@@ -74,11 +74,10 @@ void attention_merge(const CpuAttentionParams<Meta, Val>& p, int64_t splits, con
   }
 }
 
-#define NEXUSKV_INSTANTIATE_ATTENTION(Meta, Val)                                                                  \
-  template int64_t attention_num_splits<Meta, Val>(const CpuAttentionParams<Meta, Val>&, int64_t);              \
-  template void attention_tasks<Meta, Val>(const CpuAttentionParams<Meta, Val>&, int64_t, float*, int64_t,      \
-                                           int64_t);                                                            \
-  template void attention_merge<Meta, Val>(const CpuAttentionParams<Meta, Val>&, int64_t, const float*, float*, \
+#define NEXUSKV_INSTANTIATE_ATTENTION(Meta, Val)                                                                     \
+  template int64_t attention_num_splits<Meta, Val>(const CpuAttentionParams<Meta, Val>&, int64_t);                   \
+  template void attention_tasks<Meta, Val>(const CpuAttentionParams<Meta, Val>&, int64_t, float*, int64_t, int64_t); \
+  template void attention_merge<Meta, Val>(const CpuAttentionParams<Meta, Val>&, int64_t, const float*, float*,      \
                                            int64_t, int64_t);
 NEXUSKV_FOR_EACH_FLOAT_PAIR(NEXUSKV_INSTANTIATE_ATTENTION)
 

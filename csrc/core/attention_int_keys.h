@@ -65,7 +65,8 @@ struct QueryLimbs {
 
   // The 16 limbs l of row r for packed block `block` (chunk * planes + plane).
   __m512i block(int64_t r, int64_t l, int64_t block) const {
-    return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(data + (r * limbs + l) * padded + 16 * block)));
+    return _mm512_broadcast_i32x4(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + (r * limbs + l) * padded + 16 * block)));
   }
 
   // Writes the limbs of x [rows, D], D % 16 == 0 (channels past D stay zero).
@@ -117,7 +118,7 @@ void int_scores_block(const QueryLimbs& ql, int64_t r0, const uint8_t* const* ke
     z = _mm512_inserti32x4(z, chunk(1), 1);
     z = _mm512_inserti32x4(z, chunk(2), 2);
     z = _mm512_inserti32x4(z, chunk(3), 3);
-NEXUSKV_UNROLL
+    NEXUSKV_UNROLL
     for (int j = 0; j < kPlanes; ++j) {
       // Plane j: every byte lane shifted by plane_shift(j), masked (nq_layout.h).
       const __m512i plane =
@@ -171,15 +172,21 @@ void int_scores_rows(const QueryLimbs& ql, const uint8_t* codes, int64_t row_byt
 
 // Scores of the n keys whose packed rows start at codes (bits 2, 4 or 8).
 NEXUSKV_INLINE void int_scores(const QueryLimbs& ql, int bits, const uint8_t* codes, int64_t row_bytes, int64_t n,
-                       const float* bias, float* scores) {
+                               const float* bias, float* scores) {
   const bool three = ql.limbs == 3;
   switch (bits) {
-    case 2: three ? int_scores_rows<2, 3>(ql, codes, row_bytes, n, bias, scores)
-                  : int_scores_rows<2, 2>(ql, codes, row_bytes, n, bias, scores); break;
-    case 4: three ? int_scores_rows<4, 3>(ql, codes, row_bytes, n, bias, scores)
-                  : int_scores_rows<4, 2>(ql, codes, row_bytes, n, bias, scores); break;
-    default: three ? int_scores_rows<8, 3>(ql, codes, row_bytes, n, bias, scores)
-                   : int_scores_rows<8, 2>(ql, codes, row_bytes, n, bias, scores); break;
+    case 2:
+      three ? int_scores_rows<2, 3>(ql, codes, row_bytes, n, bias, scores)
+            : int_scores_rows<2, 2>(ql, codes, row_bytes, n, bias, scores);
+      break;
+    case 4:
+      three ? int_scores_rows<4, 3>(ql, codes, row_bytes, n, bias, scores)
+            : int_scores_rows<4, 2>(ql, codes, row_bytes, n, bias, scores);
+      break;
+    default:
+      three ? int_scores_rows<8, 3>(ql, codes, row_bytes, n, bias, scores)
+            : int_scores_rows<8, 2>(ql, codes, row_bytes, n, bias, scores);
+      break;
   }
 }
 

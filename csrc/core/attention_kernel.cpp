@@ -101,13 +101,13 @@ inline bool all_finite(const float* __restrict v, int64_t n) {
 // with kAffine false just dst[c] = code(c) (scales are folded elsewhere).
 // Plane by plane (nq_layout.h), so that every shift is a constant.
 template <int kBits, bool kAffine = true>
-void dequant_row(const uint8_t* __restrict packed, int64_t D, const float* __restrict s,
-                 const float* __restrict z, float* __restrict dst) {
+void dequant_row(const uint8_t* __restrict packed, int64_t D, const float* __restrict s, const float* __restrict z,
+                 float* __restrict dst) {
   constexpr int kChunk = layout::kChunkChannels<kBits>, kPlanes = layout::kPlanes<kBits>;
   for (int64_t base = 0; base < D; base += kChunk, packed += layout::kChunkBytes<kBits>) {
     // Full chunks unroll over a constant number of planes; a partial last chunk holds D - base channels.
     const int planes = base + kChunk <= D ? kPlanes : int((D - base) / 16);
-NEXUSKV_UNROLL
+    NEXUSKV_UNROLL
     for (int j = 0; j < kPlanes; ++j) {
       if (j >= planes) break;
       const int64_t c0 = base + 16 * j;
@@ -327,7 +327,7 @@ void pv_codes_block(float* const* acc, const float* const* w, int64_t bstride, i
     }
     for (int64_t t = 0; t < n; ++t, src += row_bytes) {
       const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-NEXUSKV_UNROLL
+      NEXUSKV_UNROLL
       for (int j = 0; j < kPlanes; ++j) {
         if (j >= planes) break;
         // Plane j: every byte lane shifted by plane_shift(j), masked (nq_layout.h).
@@ -344,8 +344,8 @@ NEXUSKV_UNROLL
 }
 
 template <int R>
-void pv_codes_bits(int bits, float* const* acc, const float* const* w, int64_t bstride, int64_t G,
-                   const uint8_t* codes, int64_t row_bytes, int64_t n, int64_t D) {
+void pv_codes_bits(int bits, float* const* acc, const float* const* w, int64_t bstride, int64_t G, const uint8_t* codes,
+                   int64_t row_bytes, int64_t n, int64_t D) {
   switch (bits) {
     case 2: pv_codes_block<R, 2>(acc, w, bstride, G, codes, row_bytes, n, D); break;
     case 4: pv_codes_block<R, 4>(acc, w, bstride, G, codes, row_bytes, n, D); break;
@@ -367,8 +367,8 @@ constexpr bool kPackedValues = true;
 constexpr bool kPackedValues = false;
 #endif
 
-void pv_rows(int R, float* const* acc, const float* const* w, int64_t bstride, int64_t G, const float* v,
-             int64_t n, int64_t D) {
+void pv_rows(int R, float* const* acc, const float* const* w, int64_t bstride, int64_t G, const float* v, int64_t n,
+             int64_t D) {
   switch (R) {
     case 1: pv_block<1>(acc, w, bstride, G, v, n, D); break;
     case 2: pv_block<2>(acc, w, bstride, G, v, n, D); break;
@@ -386,10 +386,10 @@ using layout::code_at;
 
 // A tile of keys/values ready for attend(): float rows plus how to read them.
 struct Tile {
-  const float* k = nullptr;        // [n, D] keys, or raw codes when k_query is the folded one
-  const float* k_query = nullptr;  // [rows, D] queries to dot with k (scaled by the key group's scales)
-  const float* k_bias = nullptr;   // [rows] added to every score (q . key zeros), or null
-  const float* v = nullptr;        // [n, D] values, or raw codes when v_scale is set
+  const float* k = nullptr;          // [n, D] keys, or raw codes when k_query is the folded one
+  const float* k_query = nullptr;    // [rows, D] queries to dot with k (scaled by the key group's scales)
+  const float* k_bias = nullptr;     // [rows] added to every score (q . key zeros), or null
+  const float* v = nullptr;          // [n, D] values, or raw codes when v_scale is set
   const uint8_t* v_codes = nullptr;  // [n, v_row_bytes] packed value codes, read in place (instead of v), or null
   int64_t v_row_bytes = 0;
   int v_bits = 0;
@@ -415,10 +415,10 @@ struct TaskState {
   // outlier correction of every later tile of the group still reads them.
   FloatBuf ks, kz;
   FloatBuf meta_tmp;  // [2, kTileTokens, D / 16] a value tile's scales and zeros as stored
-  FloatBuf spare;    // [4, D] keys of a partial block of four
-  int64_t* pos;      // [rows] position of each query row
-  int64_t window;    // sliding window (0: none)
-  float softcap;     // logit soft-cap (0: none)
+  FloatBuf spare;     // [4, D] keys of a partial block of four
+  int64_t* pos;       // [rows] position of each query row
+  int64_t window;     // sliding window (0: none)
+  float softcap;      // logit soft-cap (0: none)
 
   TaskState(int64_t rows_, int64_t D_, int64_t window_, float softcap_)
       : rows(rows_), D(D_), q(rows_ * D_), qk(rows_ * D_), kbias(rows_), acc(rows_ * D_), zacc(rows_ * (D_ / 16)),
@@ -715,7 +715,7 @@ void attention_tasks(const CpuAttentionParams<Meta, Val>& p, int64_t splits, flo
   }
 }
 
-#define NEXUSKV_INSTANTIATE_ATTENTION(Meta, Val)                                                              \
+#define NEXUSKV_INSTANTIATE_ATTENTION(Meta, Val) \
   template void attention_tasks<Meta, Val>(const CpuAttentionParams<Meta, Val>&, int64_t, float*, int64_t, int64_t);
 NEXUSKV_FOR_EACH_FLOAT_PAIR(NEXUSKV_INSTANTIATE_ATTENTION)
 

@@ -10,21 +10,18 @@
 namespace nexuskv::core {
 namespace {
 
-// NQ is compiled up to AVX2 (CMakeLists.txt: an AVX-512 build of it was no
-// faster, and it is the largest kernel source to compile).
+// NQ is compiled up to AVX2 (CMakeLists.txt), so an AVX-512 CPU runs its AVX2 build.
 CpuIsa nq_isa() { return kernel_isa(CpuIsa::kAvx2); }
 
 }  // namespace
 
 const char* nq_kernel_isa() { return cpu_isa_name(nq_isa()); }
 
-int64_t nq_num_tasks(const NQDims& d) {
-  return d.axis == GroupAxis::kTokens ? d.rows * d.meta_a() : d.rows * d.tokens;
-}
+int64_t nq_num_tasks(const NQDims& d) { return d.axis == GroupAxis::kTokens ? d.rows * d.meta_a() : d.rows * d.tokens; }
 
 template <typename In, typename Meta>
-void nq_compress_tasks(const NQDims& d, const StridedRows<In>& x, const NQBuffers<In, Meta>& out,
-                       int64_t task_begin, int64_t task_end, CompressStatus* status) {
+void nq_compress_tasks(const NQDims& d, const StridedRows<In>& x, const NQBuffers<In, Meta>& out, int64_t task_begin,
+                       int64_t task_end, CompressStatus* status) {
   if (task_begin >= task_end) return;
 #if defined(NEXUSKV_HAVE_X86_ISAS)
   if (nq_isa() != CpuIsa::kGeneric) return avx2::nq_compress_tasks<In, Meta>(d, x, out, task_begin, task_end, status);
@@ -33,8 +30,8 @@ void nq_compress_tasks(const NQDims& d, const StridedRows<In>& x, const NQBuffer
 }
 
 template <typename Meta, typename Out>
-void nq_decompress_tasks(const NQDims& d, const uint8_t* codes, const Meta* scale, const Meta* zero,
-                         Out* out, int64_t task_begin, int64_t task_end) {
+void nq_decompress_tasks(const NQDims& d, const uint8_t* codes, const Meta* scale, const Meta* zero, Out* out,
+                         int64_t task_begin, int64_t task_end) {
   if (task_begin >= task_end) return;
 #if defined(NEXUSKV_HAVE_X86_ISAS)
   if (nq_isa() != CpuIsa::kGeneric)
@@ -100,12 +97,12 @@ bool nq_scatter_outliers(const NQDims& d, const uint8_t* outlier_idx, const Val*
   return ok;
 }
 
-#define NEXUSKV_INSTANTIATE_COMPRESS(In, Meta)                                                               \
+#define NEXUSKV_INSTANTIATE_COMPRESS(In, Meta)                                                                 \
   template void nq_compress_tasks<In, Meta>(const NQDims&, const StridedRows<In>&, const NQBuffers<In, Meta>&, \
                                             int64_t, int64_t, CompressStatus*);
-#define NEXUSKV_INSTANTIATE_DECOMPRESS(Meta, Out)                                                             \
-  template void nq_decompress_tasks<Meta, Out>(const NQDims&, const uint8_t*, const Meta*, const Meta*, Out*, \
-                                               int64_t, int64_t);
+#define NEXUSKV_INSTANTIATE_DECOMPRESS(Meta, Out)                                                                      \
+  template void nq_decompress_tasks<Meta, Out>(const NQDims&, const uint8_t*, const Meta*, const Meta*, Out*, int64_t, \
+                                               int64_t);
 #define NEXUSKV_INSTANTIATE_SCATTER(Val, Out) \
   template bool nq_scatter_outliers<Val, Out>(const NQDims&, const uint8_t*, const Val*, Out*, int64_t, int64_t);
 NEXUSKV_FOR_EACH_FLOAT_PAIR(NEXUSKV_INSTANTIATE_COMPRESS)

@@ -155,9 +155,8 @@ NEXUSKV_INLINE void compress_token_groups(const NQDims& d, const StridedRows<In>
 constexpr int64_t kTokenBlock = 16;
 
 template <typename In, typename Meta>
-NEXUSKV_INLINE void compress_channel_groups(const NQDims& d, const StridedRows<In>& x,
-                                            const NQBuffers<In, Meta>& out, int64_t task_begin, int64_t task_end,
-                                            CompressStatus* status) {
+NEXUSKV_INLINE void compress_channel_groups(const NQDims& d, const StridedRows<In>& x, const NQBuffers<In, Meta>& out,
+                                            int64_t task_begin, int64_t task_end, CompressStatus* status) {
   const int64_t D = d.head_dim, G = d.group_size, B = d.meta_b(), rb = d.packed_row_bytes();
   const int k = d.num_outliers;
   const float qmax = float((1 << d.bits) - 1);
@@ -226,8 +225,8 @@ NEXUSKV_INLINE void compress_channel_groups(const NQDims& d, const StridedRows<I
 }
 
 template <typename Meta, typename Out>
-NEXUSKV_INLINE void decompress_token_groups(const NQDims& d, const uint8_t* packed, const Meta* scale,
-                                            const Meta* zero, Out* out, int64_t task_begin, int64_t task_end) {
+NEXUSKV_INLINE void decompress_token_groups(const NQDims& d, const uint8_t* packed, const Meta* scale, const Meta* zero,
+                                            Out* out, int64_t task_begin, int64_t task_end) {
   const int64_t D = d.head_dim, A = d.meta_a(), rb = d.packed_row_bytes();
   const int64_t Dp = layout::padded_channels(d.bits, D);
   Scratch scratch(3 * D, Dp);
@@ -301,10 +300,10 @@ void nq_decompress_tasks(const NQDims& d, const uint8_t* codes, const Meta* scal
     decompress_channel_groups(d, codes, scale, zero, out, begin, end);
 }
 
-#define NEXUSKV_INSTANTIATE_COMPRESS(In, Meta)                                                    \
+#define NEXUSKV_INSTANTIATE_COMPRESS(In, Meta)                                                                 \
   template void nq_compress_tasks<In, Meta>(const NQDims&, const StridedRows<In>&, const NQBuffers<In, Meta>&, \
                                             int64_t, int64_t, CompressStatus*);
-#define NEXUSKV_INSTANTIATE_DECOMPRESS(Meta, Out) \
+#define NEXUSKV_INSTANTIATE_DECOMPRESS(Meta, Out)                                                                      \
   template void nq_decompress_tasks<Meta, Out>(const NQDims&, const uint8_t*, const Meta*, const Meta*, Out*, int64_t, \
                                                int64_t);
 NEXUSKV_FOR_EACH_FLOAT_PAIR(NEXUSKV_INSTANTIATE_COMPRESS)

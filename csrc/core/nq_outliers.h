@@ -97,11 +97,11 @@ NEXUSKV_INLINE void chain_step(const float* __restrict cin, const int32_t* __res
 
 // Not inlined into the kernels: one copy per ISA, whatever the tensor types.
 inline NEXUSKV_NOINLINE void select_outliers_lanes(const float* vals, int64_t L, int n, int k, LaneLists& s,
-                                               uint8_t* pos, float* mn, float* mx) {
+                                                   uint8_t* pos, float* mn, float* mx) {
   const int64_t list = (k + 1) * L;
   float* lists_v[2] = {s.v.data(), s.v.data() + 2 * list};  // low then high
   int32_t* lists_p[2] = {s.p.data(), s.p.data() + 2 * list};
-  float* carry_v = s.v.data() + 4 * list;    // [low, high] x [2 copies] x L
+  float* carry_v = s.v.data() + 4 * list;  // [low, high] x [2 copies] x L
   int32_t* carry_p = s.p.data() + 4 * list;
   for (int64_t i = 0; i < list; ++i)
     lists_v[0][i] = kInf, lists_v[0][list + i] = -kInf, lists_p[0][i] = lists_p[0][list + i] = 0;

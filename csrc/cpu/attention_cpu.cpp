@@ -26,7 +26,8 @@ std::optional<at::Tensor> to_float_rows(const std::optional<at::Tensor>& t) {
 // and their outlier values in one dtype (the kernel is instantiated per
 // (meta, value) pair): where K and V differ, both are widened to float32,
 // which is exact, so the results are those of the buffers as given.
-void contiguous_caches(at::TensorList k_in, at::TensorList v_in, std::vector<at::Tensor>& k, std::vector<at::Tensor>& v) {
+void contiguous_caches(at::TensorList k_in, at::TensorList v_in, std::vector<at::Tensor>& k,
+                       std::vector<at::Tensor>& v) {
   for (const at::Tensor& t : k_in) k.push_back(t.contiguous());
   for (const at::Tensor& t : v_in) v.push_back(t.contiguous());
   if (k[1].scalar_type() != v[1].scalar_type())
@@ -61,9 +62,9 @@ at::Tensor dgq_fused_attention_cpu(const at::Tensor& q, at::TensorList k_cache, 
                                    const std::optional<at::Tensor>& k_sink, const std::optional<at::Tensor>& v_sink,
                                    const std::optional<at::Tensor>& sink_lens, std::optional<int64_t> window,
                                    std::optional<double> softcap) {
-  const AttentionShapes s = check_attention_args(q, k_cache, v_cache, k_format, v_format, compressed_lens, k_tail,
-                                                 v_tail, tail_lens, rotation_signs, scale, k_sink, v_sink, sink_lens,
-                                                 window, softcap);
+  const AttentionShapes s =
+      check_attention_args(q, k_cache, v_cache, k_format, v_format, compressed_lens, k_tail, v_tail, tail_lens,
+                           rotation_signs, scale, k_sink, v_sink, sink_lens, window, softcap);
   // What the CPU kernel reads: q, sinks and tail as float32 rows, contiguous
   // buffers and lengths, float32 signs (checked to be +-1).
   const at::Tensor qf = q.to(at::kFloat).contiguous();

@@ -43,9 +43,9 @@ DGQTensors dgq_compress_cpu(const at::Tensor& x, int64_t bits, int64_t group_siz
     d.segment_starts = starts.data_ptr<int32_t>();
     dispatch_core_float(meta, op, [&](auto meta_tag) {
       using Meta = decltype(meta_tag);
-      const core::NQBuffers<In, Meta> buffers{
-          std::get<0>(nq).data_ptr<uint8_t>(), core_ptr<Meta>(std::get<1>(nq)), core_ptr<Meta>(std::get<2>(nq)),
-          std::get<3>(nq).data_ptr<uint8_t>(), core_ptr<In>(std::get<4>(nq))};
+      const core::NQBuffers<In, Meta> buffers{std::get<0>(nq).data_ptr<uint8_t>(), core_ptr<Meta>(std::get<1>(nq)),
+                                              core_ptr<Meta>(std::get<2>(nq)), std::get<3>(nq).data_ptr<uint8_t>(),
+                                              core_ptr<In>(std::get<4>(nq))};
       at::parallel_for(0, core::nq_num_tasks(d), 1, [&](int64_t begin, int64_t end) {
         core::CompressStatus status;
         core::nq_compress_tasks<In, Meta>(d, rows, buffers, begin, end, &status);

@@ -8,8 +8,8 @@
 
 #include "../aten/core_dispatch.h"
 #include "../aten/nq_args.h"
-#include "nq_cpu.h"
 #include "nexuskv/core/nq_kernels.h"
+#include "nq_cpu.h"
 
 namespace nexuskv {
 namespace {
@@ -21,8 +21,8 @@ int64_t grain_for(int64_t elements_per_task) {
   return std::max<int64_t>(1, kElementsPerChunk / std::max<int64_t>(1, elements_per_task));
 }
 
-NQTensors nq_compress_cpu(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t axis,
-                          int64_t num_outliers, std::optional<at::ScalarType> meta_dtype) {
+NQTensors nq_compress_cpu(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t axis, int64_t num_outliers,
+                          std::optional<at::ScalarType> meta_dtype) {
   const core::NQDims d = nq_compress_dims(x, bits, group_size, axis, num_outliers);
   const at::ScalarType meta = nq_meta_dtype(x.scalar_type(), meta_dtype);
   NQTensors out = nq_allocate_outputs(d, x, meta);
@@ -36,9 +36,9 @@ NQTensors nq_compress_cpu(const at::Tensor& x, int64_t bits, int64_t group_size,
     dispatch_core_float(meta, "nq_compress", [&](auto meta_tag) {
       using Meta = decltype(meta_tag);
       const core::StridedRows<In> rows{core_ptr<const In>(x), row_offset.data(), x.stride(-2), x.stride(-1)};
-      const core::NQBuffers<In, Meta> buffers{
-          std::get<0>(out).data_ptr<uint8_t>(), core_ptr<Meta>(std::get<1>(out)), core_ptr<Meta>(std::get<2>(out)),
-          std::get<3>(out).data_ptr<uint8_t>(), core_ptr<In>(std::get<4>(out))};
+      const core::NQBuffers<In, Meta> buffers{std::get<0>(out).data_ptr<uint8_t>(), core_ptr<Meta>(std::get<1>(out)),
+                                              core_ptr<Meta>(std::get<2>(out)), std::get<3>(out).data_ptr<uint8_t>(),
+                                              core_ptr<In>(std::get<4>(out))};
       at::parallel_for(0, tasks, grain_for(per_task), [&](int64_t begin, int64_t end) {
         core::CompressStatus status;
         core::nq_compress_tasks<In, Meta>(d, rows, buffers, begin, end, &status);

@@ -25,8 +25,8 @@ void check_segment_starts(const char* op, const char* what, const core::NQDims& 
   }
 }
 
-void check_lengths_within(const char* op, const char* name, const core::SeqLengths& lens, int64_t batch,
-                          int64_t limit, const char* limit_what) {
+void check_lengths_within(const char* op, const char* name, const core::SeqLengths& lens, int64_t batch, int64_t limit,
+                          const char* limit_what) {
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t v = lens.at(b);
     TORCH_CHECK(v >= 0 && v <= limit, op, ": ", name, "[", b, "] = ", v, " is outside [0, ", limit, "] (", limit_what,

@@ -22,8 +22,8 @@ void check_rotation_sign_values(const char* op, const at::Tensor& signs);
 void check_segment_starts(const char* op, const char* what, const core::NQDims& d, const int32_t* starts);
 
 // lens[b] in [0, limit] for every b < batch.
-void check_lengths_within(const char* op, const char* name, const core::SeqLengths& lens, int64_t batch,
-                          int64_t limit, const char* limit_what);
+void check_lengths_within(const char* op, const char* name, const core::SeqLengths& lens, int64_t batch, int64_t limit,
+                          const char* limit_what);
 
 // The value checks of one compressed cache of fused attention: DGQ segment
 // starts, and the outlier positions of every group holding one of the

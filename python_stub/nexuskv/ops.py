@@ -14,8 +14,16 @@ from . import _format, _loader
 
 _loader.load()
 
-__all__ = ["NQParts", "DGQParts", "nq_compress", "nq_decompress", "dgq_compress", "dgq_decompress",
-           "dgq_fused_attention", "hadamard_rotate"]
+__all__ = [
+    "NQParts",
+    "DGQParts",
+    "nq_compress",
+    "nq_decompress",
+    "dgq_compress",
+    "dgq_decompress",
+    "dgq_fused_attention",
+    "hadamard_rotate",
+]
 
 
 class NQParts(NamedTuple):
@@ -39,8 +47,14 @@ class DGQParts(NamedTuple):
     segment_starts: torch.Tensor  # int32 [..., S]     first token of each segment (unused: T)
 
 
-def nq_compress(x: torch.Tensor, bits: int, group_size: int, axis: int, num_outliers: int = 0,
-                meta_dtype: Optional[torch.dtype] = None) -> NQParts:
+def nq_compress(
+    x: torch.Tensor,
+    bits: int,
+    group_size: int,
+    axis: int,
+    num_outliers: int = 0,
+    meta_dtype: Optional[torch.dtype] = None,
+) -> NQParts:
     """Block-quantizes x[..., tokens, head_dim] (float32, float16 or bfloat16).
 
     Args:
@@ -55,14 +69,30 @@ def nq_compress(x: torch.Tensor, bits: int, group_size: int, axis: int, num_outl
     Rejects NaN/Inf in x.  Inference only: x must not require grad under grad mode.
     """
     op = "nq_compress"
-    return NQParts(*torch.ops.nexuskv.nq_compress(x, _int(op, "bits", bits), _int(op, "group_size", group_size),
-                                                  _int(op, "axis", axis), _int(op, "num_outliers", num_outliers),
-                                                  meta_dtype))
+    return NQParts(
+        *torch.ops.nexuskv.nq_compress(
+            x,
+            _int(op, "bits", bits),
+            _int(op, "group_size", group_size),
+            _int(op, "axis", axis),
+            _int(op, "num_outliers", num_outliers),
+            meta_dtype,
+        )
+    )
 
 
-def nq_decompress(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, outlier_idx: torch.Tensor,
-                  outlier_val: torch.Tensor, bits: int, group_size: int, axis: int, head_dim: int,
-                  out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def nq_decompress(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    outlier_idx: torch.Tensor,
+    outlier_val: torch.Tensor,
+    bits: int,
+    group_size: int,
+    axis: int,
+    head_dim: int,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
     """Inverse of nq_compress: x_hat[..., tokens, head_dim] in out_dtype
     (default outlier_val.dtype, the compressed tensor's dtype).  Every
     non-outlier element is within scale/2 of the original; outliers are exact.
@@ -75,13 +105,29 @@ def nq_decompress(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, 
     head_dim 128 in groups of 32) and decode to wrong values: keep the format with the
     buffers, as nexuskv.NQ / DGQ and the cache do."""
     op = "nq_decompress"
-    return torch.ops.nexuskv.nq_decompress(codes, scale, zero, outlier_idx, outlier_val, _int(op, "bits", bits),
-                                           _int(op, "group_size", group_size), _int(op, "axis", axis),
-                                           _int(op, "head_dim", head_dim), out_dtype)
+    return torch.ops.nexuskv.nq_decompress(
+        codes,
+        scale,
+        zero,
+        outlier_idx,
+        outlier_val,
+        _int(op, "bits", bits),
+        _int(op, "group_size", group_size),
+        _int(op, "axis", axis),
+        _int(op, "head_dim", head_dim),
+        out_dtype,
+    )
 
 
-def dgq_compress(x: torch.Tensor, bits: int, group_size: int, granule: int = 16, max_len: Optional[int] = None,
-                 num_outliers: int = 0, meta_dtype: Optional[torch.dtype] = None) -> DGQParts:
+def dgq_compress(
+    x: torch.Tensor,
+    bits: int,
+    group_size: int,
+    granule: int = 16,
+    max_len: Optional[int] = None,
+    num_outliers: int = 0,
+    meta_dtype: Optional[torch.dtype] = None,
+) -> DGQParts:
     """Per-channel quantization of x[..., tokens, head_dim] over token groups that follow the
     data (DGQ): S = ceil(tokens / group_size) segments per row, each a whole number of
     ``granule`` tokens and at most ``max_len`` (default: the smallest multiple of granule
@@ -89,29 +135,66 @@ def dgq_compress(x: torch.Tensor, bits: int, group_size: int, granule: int = 16,
     where merging would raise the quantization error most (changes of per-channel range).
     Same bits per element as nq_compress(x, bits, group_size, -2) plus one int32 per segment."""
     op = "dgq_compress"
-    return DGQParts(*torch.ops.nexuskv.dgq_compress(
-        x, _int(op, "bits", bits), _int(op, "group_size", group_size), _int(op, "granule", granule),
-        _int(op, "max_len", max_len), _int(op, "num_outliers", num_outliers), meta_dtype))
+    return DGQParts(
+        *torch.ops.nexuskv.dgq_compress(
+            x,
+            _int(op, "bits", bits),
+            _int(op, "group_size", group_size),
+            _int(op, "granule", granule),
+            _int(op, "max_len", max_len),
+            _int(op, "num_outliers", num_outliers),
+            meta_dtype,
+        )
+    )
 
 
-def dgq_decompress(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, outlier_idx: torch.Tensor,
-                   outlier_val: torch.Tensor, segment_starts: torch.Tensor, bits: int, group_size: int,
-                   head_dim: int, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def dgq_decompress(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    outlier_idx: torch.Tensor,
+    outlier_val: torch.Tensor,
+    segment_starts: torch.Tensor,
+    bits: int,
+    group_size: int,
+    head_dim: int,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
     """Inverse of dgq_compress (the format parameters as for nq_decompress: those of the
     compression; segment_starts must be ordered segments of [0, tokens] starting at 0)."""
     op = "dgq_decompress"
-    return torch.ops.nexuskv.dgq_decompress(codes, scale, zero, outlier_idx, outlier_val, segment_starts,
-                                            _int(op, "bits", bits), _int(op, "group_size", group_size),
-                                            _int(op, "head_dim", head_dim), out_dtype)
+    return torch.ops.nexuskv.dgq_decompress(
+        codes,
+        scale,
+        zero,
+        outlier_idx,
+        outlier_val,
+        segment_starts,
+        _int(op, "bits", bits),
+        _int(op, "group_size", group_size),
+        _int(op, "head_dim", head_dim),
+        out_dtype,
+    )
 
 
-def dgq_fused_attention(q: torch.Tensor, k_cache: Sequence[torch.Tensor], v_cache: Sequence[torch.Tensor],
-                        k_format: Sequence[int], v_format: Sequence[int], compressed_lens: torch.Tensor,
-                        k_tail: Optional[torch.Tensor] = None, v_tail: Optional[torch.Tensor] = None,
-                        tail_lens: Optional[torch.Tensor] = None, rotation_signs: Optional[torch.Tensor] = None,
-                        scale: Optional[float] = None, k_sink: Optional[torch.Tensor] = None,
-                        v_sink: Optional[torch.Tensor] = None, sink_lens: Optional[torch.Tensor] = None,
-                        window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
+def dgq_fused_attention(
+    q: torch.Tensor,
+    k_cache: Sequence[torch.Tensor],
+    v_cache: Sequence[torch.Tensor],
+    k_format: Sequence[int],
+    v_format: Sequence[int],
+    compressed_lens: torch.Tensor,
+    k_tail: Optional[torch.Tensor] = None,
+    v_tail: Optional[torch.Tensor] = None,
+    tail_lens: Optional[torch.Tensor] = None,
+    rotation_signs: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    k_sink: Optional[torch.Tensor] = None,
+    v_sink: Optional[torch.Tensor] = None,
+    sink_lens: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
     """softmax(softcap(q . K^T * scale) + causal mask) . V straight from the compressed cache.
 
     Args:
@@ -139,11 +222,24 @@ def dgq_fused_attention(q: torch.Tensor, k_cache: Sequence[torch.Tensor], v_cach
     Returns [batch, q_heads, q_len, head_dim] in q's dtype; zeros for a sequence of length 0.
     Never materializes the dequantized cache: it works tile by tile in float32."""
     op = "dgq_fused_attention"
-    return torch.ops.nexuskv.dgq_fused_attention(q, list(k_cache), list(v_cache), _ints(op, "k_format", k_format),
-                                                 _ints(op, "v_format", v_format), compressed_lens, k_tail, v_tail,
-                                                 tail_lens, rotation_signs, _float(op, "scale", scale), k_sink,
-                                                 v_sink, sink_lens, _int(op, "window", window),
-                                                 _float(op, "softcap", softcap))
+    return torch.ops.nexuskv.dgq_fused_attention(
+        q,
+        list(k_cache),
+        list(v_cache),
+        _ints(op, "k_format", k_format),
+        _ints(op, "v_format", v_format),
+        compressed_lens,
+        k_tail,
+        v_tail,
+        tail_lens,
+        rotation_signs,
+        _float(op, "scale", scale),
+        k_sink,
+        v_sink,
+        sink_lens,
+        _int(op, "window", window),
+        _float(op, "softcap", softcap),
+    )
 
 
 def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -210,12 +306,14 @@ def _one_device(op: str, named) -> None:
     name0, t0 = named[0]
     for name, t in named[1:]:
         if t.device != t0.device:
-            raise RuntimeError(f"{op}: all tensors must be on one device, {name0} is on {t0.device} but {name} is on "
-                               f"{t.device}")
+            raise RuntimeError(
+                f"{op}: all tensors must be on one device, {name0} is on {t0.device} but {name} is on {t.device}"
+            )
 
 
 def _meta_outputs(op: str, args):
     """Runs nexuskv_meta::<op> on meta copies of args; its outputs (meta tensors)."""
+
     def copy(a):
         if isinstance(a, torch.Tensor):
             return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
@@ -236,8 +334,10 @@ def _like(ref: torch.Tensor, outputs):
 
 def _check_params(op: str, bits: int, group_size: int, axis: int) -> None:
     torch._check(bits in _format.SUPPORTED_BITS, lambda: f"{op}: bits must be one of 2, 3, 4, 8, got {bits}")
-    torch._check(1 <= group_size <= _format.MAX_GROUP_SIZE,
-                 lambda: f"{op}: group_size must be in [1, {_format.MAX_GROUP_SIZE}], got {group_size}")
+    torch._check(
+        1 <= group_size <= _format.MAX_GROUP_SIZE,
+        lambda: f"{op}: group_size must be in [1, {_format.MAX_GROUP_SIZE}], got {group_size}",
+    )
     torch._check(axis in (-2, -1), lambda: f"{op}: axis must be -2 or -1, got {axis}")
 
 
@@ -250,15 +350,20 @@ def _nq_compress_fake(x, bits, group_size, axis, num_outliers=0, meta_dtype=None
     torch._check(x.dim() >= 2, lambda: "nq_compress: x must have shape [..., tokens, head_dim]")
     torch._check(x.dtype in _FLOATS, lambda: f"nq_compress: x must be float32, float16 or bfloat16, got {x.dtype}")
     torch._check(0 <= num_outliers < group_size, lambda: "nq_compress: num_outliers must be in [0, group_size)")
-    torch._check(meta_dtype is None or meta_dtype in _FLOATS,
-                 lambda: f"nq_compress: meta_dtype must be float32, float16 or bfloat16, got {meta_dtype}")
+    torch._check(
+        meta_dtype is None or meta_dtype in _FLOATS,
+        lambda: f"nq_compress: meta_dtype must be float32, float16 or bfloat16, got {meta_dtype}",
+    )
     *lead, tokens, head_dim = x.shape
     a, b = _format.meta_shape(tokens, head_dim, group_size, axis)
     meta = meta_dtype or x.dtype
-    return (x.new_empty((*lead, tokens, _format.row_bytes(bits, head_dim)), dtype=torch.uint8),
-            x.new_empty((*lead, a, b), dtype=meta), x.new_empty((*lead, a, b), dtype=meta),
-            x.new_empty((*lead, a, b, num_outliers), dtype=torch.uint8),
-            x.new_empty((*lead, a, b, num_outliers), dtype=x.dtype))
+    return (
+        x.new_empty((*lead, tokens, _format.row_bytes(bits, head_dim)), dtype=torch.uint8),
+        x.new_empty((*lead, a, b), dtype=meta),
+        x.new_empty((*lead, a, b), dtype=meta),
+        x.new_empty((*lead, a, b, num_outliers), dtype=torch.uint8),
+        x.new_empty((*lead, a, b, num_outliers), dtype=x.dtype),
+    )
 
 
 def _parts_named(parts):
@@ -266,8 +371,7 @@ def _parts_named(parts):
 
 
 @torch.library.register_fake("nexuskv::nq_decompress")
-def _nq_decompress_fake(codes, scale, zero, outlier_idx, outlier_val, bits, group_size, axis, head_dim,
-                        out_dtype=None):
+def _nq_decompress_fake(codes, scale, zero, outlier_idx, outlier_val, bits, group_size, axis, head_dim, out_dtype=None):
     _one_device("nq_decompress", _parts_named((codes, scale, zero, outlier_idx, outlier_val)))
     args = (codes, scale, zero, outlier_idx, outlier_val, bits, group_size, axis, head_dim, out_dtype)
     if _concrete(args):
@@ -275,8 +379,10 @@ def _nq_decompress_fake(codes, scale, zero, outlier_idx, outlier_val, bits, grou
     _check_params("nq_decompress", bits, group_size, axis)
     torch._check(codes.dtype == torch.uint8, lambda: "nq_decompress: codes must be uint8")
     torch._check(codes.dim() >= 2, lambda: "nq_decompress: codes must have shape [..., tokens, row_bytes]")
-    torch._check(codes.shape[-1] == _format.row_bytes(bits, head_dim),
-                 lambda: "nq_decompress: codes row bytes do not match bits and head_dim")
+    torch._check(
+        codes.shape[-1] == _format.row_bytes(bits, head_dim),
+        lambda: "nq_decompress: codes row bytes do not match bits and head_dim",
+    )
     *lead, tokens, _ = codes.shape
     return codes.new_empty((*lead, tokens, head_dim), dtype=out_dtype or outlier_val.dtype)
 
@@ -292,31 +398,72 @@ def _dgq_compress_fake(x, bits, group_size, granule=16, max_len=None, num_outlie
 
 
 @torch.library.register_fake("nexuskv::dgq_decompress")
-def _dgq_decompress_fake(codes, scale, zero, outlier_idx, outlier_val, segment_starts, bits, group_size, head_dim,
-                         out_dtype=None):
+def _dgq_decompress_fake(
+    codes, scale, zero, outlier_idx, outlier_val, segment_starts, bits, group_size, head_dim, out_dtype=None
+):
     _one_device("dgq_decompress", _parts_named((codes, scale, zero, outlier_idx, outlier_val, segment_starts)))
     args = (codes, scale, zero, outlier_idx, outlier_val, segment_starts, bits, group_size, head_dim, out_dtype)
     if _concrete(args):
         return _like(codes, _meta_outputs("dgq_decompress", args))
-    return _nq_decompress_fake(codes, scale, zero, outlier_idx, outlier_val, bits, group_size, -2, head_dim,
-                               out_dtype)
+    return _nq_decompress_fake(codes, scale, zero, outlier_idx, outlier_val, bits, group_size, -2, head_dim, out_dtype)
 
 
 @torch.library.register_fake("nexuskv::dgq_fused_attention")
-def _dgq_fused_attention_fake(q, k_cache, v_cache, k_format, v_format, compressed_lens, k_tail=None, v_tail=None,
-                              tail_lens=None, rotation_signs=None, scale=None, k_sink=None, v_sink=None,
-                              sink_lens=None, window=None, softcap=None):
+def _dgq_fused_attention_fake(
+    q,
+    k_cache,
+    v_cache,
+    k_format,
+    v_format,
+    compressed_lens,
+    k_tail=None,
+    v_tail=None,
+    tail_lens=None,
+    rotation_signs=None,
+    scale=None,
+    k_sink=None,
+    v_sink=None,
+    sink_lens=None,
+    window=None,
+    softcap=None,
+):
     named = [("q", q)] + [("k_cache", t) for t in k_cache] + [("v_cache", t) for t in v_cache]
-    named += [("compressed_lens", compressed_lens), ("k_tail", k_tail), ("v_tail", v_tail), ("tail_lens", tail_lens),
-              ("rotation_signs", rotation_signs), ("k_sink", k_sink), ("v_sink", v_sink), ("sink_lens", sink_lens)]
+    named += [
+        ("compressed_lens", compressed_lens),
+        ("k_tail", k_tail),
+        ("v_tail", v_tail),
+        ("tail_lens", tail_lens),
+        ("rotation_signs", rotation_signs),
+        ("k_sink", k_sink),
+        ("v_sink", v_sink),
+        ("sink_lens", sink_lens),
+    ]
     _one_device("dgq_fused_attention", named)
-    args = (q, list(k_cache), list(v_cache), list(k_format), list(v_format), compressed_lens, k_tail, v_tail,
-            tail_lens, rotation_signs, scale, k_sink, v_sink, sink_lens, window, softcap)
+    args = (
+        q,
+        list(k_cache),
+        list(v_cache),
+        list(k_format),
+        list(v_format),
+        compressed_lens,
+        k_tail,
+        v_tail,
+        tail_lens,
+        rotation_signs,
+        scale,
+        k_sink,
+        v_sink,
+        sink_lens,
+        window,
+        softcap,
+    )
     if _concrete(args):
         return _like(q, _meta_outputs("dgq_fused_attention", args))
     torch._check(q.dim() == 4, lambda: "dgq_fused_attention: q must have shape [batch, q_heads, q_len, head_dim]")
-    torch._check(len(k_cache) in (5, 6) and len(v_cache) in (5, 6),
-                 lambda: "dgq_fused_attention: k_cache and v_cache must hold 5 or 6 tensors")
+    torch._check(
+        len(k_cache) in (5, 6) and len(v_cache) in (5, 6),
+        lambda: "dgq_fused_attention: k_cache and v_cache must hold 5 or 6 tensors",
+    )
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

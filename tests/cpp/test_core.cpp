@@ -57,8 +57,7 @@ struct Compressed {
   std::vector<float> decompress() const {
     std::vector<float> out(size_t(d.rows * d.tokens * d.head_dim));
     nq_decompress_tasks<Meta, float>(d, codes.data(), scale.data(), zero.data(), out.data(), 0, nq_num_tasks(d));
-    REQUIRE(nq_scatter_outliers<In, float>(d, idx.data(), val.data(), out.data(), 0,
-                                           d.rows * d.groups_per_row()));
+    REQUIRE(nq_scatter_outliers<In, float>(d, idx.data(), val.data(), out.data(), 0, d.rows * d.groups_per_row()));
     return out;
   }
 
@@ -182,7 +181,7 @@ TEST_CASE("nq_layout.h reads and writes the layout nq_format.h documents") {
         layout::unpack_row<kBits>(row.data(), D, back.data());
         for (int64_t c = 0; c < D; ++c) {
           REQUIRE(layout::code_at<kBits>(row.data(), c) == codes[size_t(c)]);
-          const uint8_t* chunk = row.data() + (c / layout::kChunkChannels<kBits>) * layout::kChunkBytes<kBits>;
+          const uint8_t* chunk = row.data() + layout::kChunkBytes<kBits> * (c / layout::kChunkChannels<kBits>);
           const int i = int(c % layout::kChunkChannels<kBits>);
           REQUIRE(layout::plane_lane_code<kBits>(chunk, i / 16, i % 16) == codes[size_t(c)]);
           if constexpr (kBits != 3)  // a SIMD reader's plane: shift + mask of the chunk's byte lane
@@ -471,7 +470,8 @@ TEST_CASE("NQ kernels give identical bits on every ISA") {
           auto bytes = [](const auto&... v) {
             std::vector<uint8_t> all;
             (all.insert(all.end(), reinterpret_cast<const uint8_t*>(v.data()),
-                        reinterpret_cast<const uint8_t*>(v.data()) + v.size() * sizeof(v[0])), ...);
+                        reinterpret_cast<const uint8_t*>(v.data()) + v.size() * sizeof(v[0])),
+             ...);
             return all;
           };
           seen_h.push_back(bytes(ch.codes, ch.scale, ch.zero, ch.idx, ch.val));

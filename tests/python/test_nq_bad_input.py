@@ -29,6 +29,7 @@ def good_parts(bits=4, G=8, axis=-2, k=2, shape=(2, 3, 20, 64)):
 # nq_compress: parameters
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.int64, torch.float64, torch.bool, torch.int8, torch.uint8])
 def test_compress_wrong_dtype(dtype):
     x = torch.ones(2, 8, 16, dtype=dtype)
@@ -50,8 +51,11 @@ def test_compress_bad_group_size(group_size):
 
 @pytest.mark.parametrize("group_size,num_outliers", [(8, 8), (8, 9), (1, 1), (256, 256), (8, -1), (64, -5)])
 def test_compress_bad_num_outliers(group_size, num_outliers):
-    with pytest.raises(RuntimeError, match=r"nq_compress: num_outliers must be in \[0, group_size\) = "
-                                           rf"\[0, {group_size}\), got {num_outliers}"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"nq_compress: num_outliers must be in \[0, group_size\) = "
+        rf"\[0, {group_size}\), got {num_outliers}",
+    ):
         nq_compress(good_x(), 4, group_size, -1, num_outliers)
 
 
@@ -76,8 +80,11 @@ def test_compress_empty(shape):
 
 @pytest.mark.parametrize("shape", [(16,), (), (0,)])
 def test_compress_too_few_dims(shape):
-    with pytest.raises(RuntimeError, match=r"nq_compress: x must have shape \[\.\.\., tokens, head_dim\] "
-                                           r"\(at least 2 dims\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"nq_compress: x must have shape \[\.\.\., tokens, head_dim\] "
+        r"\(at least 2 dims\)",
+    ):
         nq_compress(torch.zeros(shape), 4, 8, -1)
 
 
@@ -91,6 +98,7 @@ def test_compress_bad_meta_dtype():
 # ---------------------------------------------------------------------------------------------
 # nq_compress: values
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("axis", [-2, -1])
@@ -117,8 +125,11 @@ def test_compress_meta_float16_overflow_range(bits, axis):
     # A group holding 1e6 and values near 0: scale = 1e6 / qmax > 65504 does not fit fp16.
     x = good_x()
     x[0, 0, 0, 0] = 1e6
-    with pytest.raises(RuntimeError, match=r"nq_compress: a group's scale or zero does not fit in meta_dtype "
-                                           r"Half .*use meta_dtype=float32 or bfloat16"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"nq_compress: a group's scale or zero does not fit in meta_dtype "
+        r"Half .*use meta_dtype=float32 or bfloat16",
+    ):
         nq_compress(x, bits, 8, axis, 0, torch.float16)
     # The same tensor with the default (float32) meta dtype is fine.
     nq_compress(x, bits, 8, axis, 0)
@@ -144,6 +155,7 @@ def test_compress_large_value_as_outlier_fits_float16_meta():
 # ---------------------------------------------------------------------------------------------
 # nq_decompress: parameters and mismatched tensors
 # ---------------------------------------------------------------------------------------------
+
 
 def decompress(parts, bits=4, G=8, axis=-2, head_dim=64, out_dtype=None):
     return nq_decompress(*parts, bits, G, axis, head_dim, out_dtype)
@@ -187,8 +199,11 @@ def test_decompress_codes_wrong_dtype(dtype):
 
 def test_decompress_codes_row_bytes_mismatch():
     parts = good_parts()  # 4 bits, head_dim 64: 32 bytes per token
-    with pytest.raises(RuntimeError, match=r"nq_decompress: codes has 32 bytes per token, but bits=2 and "
-                                           r"head_dim=64 pack into 16"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"nq_decompress: codes has 32 bytes per token, but bits=2 and "
+        r"head_dim=64 pack into 16",
+    ):
         decompress(parts, bits=2)
     with pytest.raises(RuntimeError, match=r"codes has 32 bytes per token, but bits=4 and head_dim=96 pack into 48"):
         decompress(parts, head_dim=96)
@@ -214,8 +229,11 @@ def test_decompress_meta_wrong_shape(which, index):
     for bad in (parts[index][..., :-1], parts[index][0], parts[index].unsqueeze(0), parts[index][:, :, :1]):
         p = list(parts)
         p[index] = bad
-        with pytest.raises(RuntimeError, match=rf"nq_decompress: {which} must have shape \[2, 3, 3, 64\] "
-                                               r"\(from codes and the format parameters\)"):
+        with pytest.raises(
+            RuntimeError,
+            match=rf"nq_decompress: {which} must have shape \[2, 3, 3, 64\] "
+            r"\(from codes and the format parameters\)",
+        ):
             decompress(p)
 
 
@@ -259,8 +277,11 @@ def test_decompress_outlier_idx_wrong_shape():
 def test_decompress_outlier_idx_k_too_large():
     parts = good_parts(G=2, k=1)
     parts[3] = torch.zeros(*parts[3].shape[:-1], 2, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match=r"nq_decompress: num_outliers must be in \[0, group_size\) = \[0, 2\), "
-                                           r"got 2"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"nq_decompress: num_outliers must be in \[0, group_size\) = \[0, 2\), "
+        r"got 2",
+    ):
         decompress(parts, G=2)
 
 
@@ -334,6 +355,7 @@ def test_decompress_corrupt_outlier_idx_beyond_partial_group(axis):
 # Inference only
 # ---------------------------------------------------------------------------------------------
 
+
 def test_compress_requires_grad_rejected_under_grad_mode():
     x = good_x().requires_grad_()
     with pytest.raises(RuntimeError, match=r"nq_compress is inference-only .*argument 'x' requires grad"):
@@ -365,6 +387,7 @@ def test_decompress_requires_grad_rejected_under_grad_mode(index, name):
 # items 9, 10, 11, 16): the fake kernels run the C++ checks of the real ones
 # ---------------------------------------------------------------------------------------------
 
+
 def real_error(fn, args):
     with pytest.raises((RuntimeError, TypeError)) as e:
         fn(*args)
@@ -394,9 +417,9 @@ def bad_compress_cases():
     return {
         "empty x": (x[:, :, :0], 4, 8, -1),
         "int32 meta_dtype": (x, 4, 8, -1, 0, torch.int32),
-        "bits 2**32+4": (x, 2 ** 32 + 4, 8, -1),
-        "group 2**32+8": (x, 4, 2 ** 32 + 8, -1),
-        "outliers 2**32": (x, 4, 8, -1, 2 ** 32),
+        "bits 2**32+4": (x, 2**32 + 4, 8, -1),
+        "group 2**32+8": (x, 4, 2**32 + 8, -1),
+        "outliers 2**32": (x, 4, 8, -1, 2**32),
         "int x": (x.long(), 4, 8, -1),
         "bool x": (x > 0, 4, 8, -1),
         "complex x": (x.to(torch.complex64), 4, 8, -1),
@@ -411,7 +434,7 @@ def bad_decompress_cases():
     per_token = list(nq_compress(good_x(), 4, 16, -2))
     return {
         "mismatched scale": (*mismatched, 4, 8, -2, 64),
-        "bits 2**32+4": (*parts, 2 ** 32 + 4, 8, -2, 64),
+        "bits 2**32+4": (*parts, 2**32 + 4, 8, -2, 64),
         "4-bit D=64 read as 2-bit D=128": (*per_token, 2, 16, -2, 128),
         "group 16 read as 8": (*per_token, 4, 8, -2, 64),
         "zero of another dtype": (*parts[:2], parts[2].half(), *parts[3:], 4, 8, -2, 64),
@@ -435,14 +458,18 @@ def test_fake_decompress_rejects_what_the_kernel_rejects(case):
     assert meta_error(nq_decompress, args) == want
 
 
-@pytest.mark.parametrize("index,name", [(0, "codes"), (1, "scale"), (2, "zero"), (3, "outlier_idx"),
-                                        (4, "outlier_val")])
+@pytest.mark.parametrize(
+    "index,name", [(0, "codes"), (1, "scale"), (2, "zero"), (3, "outlier_idx"), (4, "outlier_val")]
+)
 def test_decompress_one_meta_tensor_among_cpu_tensors(index, name):
     # Once returned uninitialized memory: the meta tensor sent the call to the fake kernel.
     parts = good_parts()
     parts[index] = parts[index].to("meta")
-    with pytest.raises(RuntimeError, match=rf"nq_decompress: all tensors must be on one device, .*{name} is on "
-                                           r"(meta|cpu)"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"nq_decompress: all tensors must be on one device, .*{name} is on "
+        r"(meta|cpu)",
+    ):
         decompress(parts)
 
 
@@ -469,8 +496,14 @@ def test_decompress_bool_where_an_int_is_meant():
         nq_decompress(*good_parts(), 4, 8, -2, True)
 
 
-@pytest.mark.parametrize("bad,match", [(2 ** 32 + 4, "bits must be one of 2, 3, 4, 8, got 4294967300"),
-                                       (-2 ** 63, "bits must be one of"), (2 ** 31 + 4, "got 2147483652")])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (2**32 + 4, "bits must be one of 2, 3, 4, 8, got 4294967300"),
+        (-(2**63), "bits must be one of"),
+        (2**31 + 4, "got 2147483652"),
+    ],
+)
 def test_int64_arguments_checked_before_narrowing(bad, match):
     with pytest.raises(RuntimeError, match=match):
         nq_compress(good_x(), bad, 8, -1)

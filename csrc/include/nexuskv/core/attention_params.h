@@ -58,7 +58,7 @@ struct SeqLengths {
 // Rows of one full-precision tensor [B, H, T, D] with contiguous channels.
 template <typename T>
 struct DenseRows {
-  const T* data = nullptr;  // [B, H, T, D], channel stride 1
+  const T* data = nullptr;                           // [B, H, T, D], channel stride 1
   int64_t stride_b = 0, stride_h = 0, stride_t = 0;  // in elements
 
   NEXUSKV_HD_INLINE const T* row(int64_t b, int64_t h, int64_t t) const {
@@ -98,7 +98,9 @@ struct CompressedKV {
   NEXUSKV_HD_INLINE const uint8_t* code_row(int64_t bh, int64_t t) const {
     return codes + (bh * dims.tokens + t) * dims.packed_row_bytes();
   }
-  NEXUSKV_HD_INLINE uint32_t code(int64_t bh, int64_t t, int64_t c) const { return layout::code_at(code_row(bh, t), dims.bits, c); }
+  NEXUSKV_HD_INLINE uint32_t code(int64_t bh, int64_t t, int64_t c) const {
+    return layout::code_at(code_row(bh, t), dims.bits, c);
+  }
 
   // Token group a holding token t: per-channel groups of group_size tokens or
   // DGQ segments (binary search over the row's starts); per-token groups: t.
@@ -109,18 +111,27 @@ struct CompressedKV {
     int64_t lo = 0, hi = dims.meta_a() - 1;  // starts[lo] <= t; the answer is in [lo, hi]
     while (lo < hi) {
       const int64_t mid = (lo + hi + 1) / 2;
-      if (starts[mid] <= t) lo = mid; else hi = mid - 1;
+      if (starts[mid] <= t)
+        lo = mid;
+      else
+        hi = mid - 1;
     }
     return lo;
   }
   // Tokens [group_begin, group_end) of token group a of row bh.
-  NEXUSKV_HD_INLINE int64_t group_begin(int64_t bh, int64_t a) const { return per_channel() ? dims.group_start(bh, a) : a; }
-  NEXUSKV_HD_INLINE int64_t group_end(int64_t bh, int64_t a) const { return per_channel() ? dims.group_end(bh, a) : a + 1; }
+  NEXUSKV_HD_INLINE int64_t group_begin(int64_t bh, int64_t a) const {
+    return per_channel() ? dims.group_start(bh, a) : a;
+  }
+  NEXUSKV_HD_INLINE int64_t group_end(int64_t bh, int64_t a) const {
+    return per_channel() ? dims.group_end(bh, a) : a + 1;
+  }
   // Channel group of channel c: c for per-channel groups, c / group_size per token.
   NEXUSKV_HD_INLINE int64_t channel_group(int64_t c) const { return layout::group_b(dims, c); }
 
   // Index of the scale / zero (and of the outlier slots / k) of group (a, b) of row bh.
-  NEXUSKV_HD_INLINE int64_t meta_index(int64_t bh, int64_t a, int64_t b) const { return layout::meta_index(dims, bh, a, b); }
+  NEXUSKV_HD_INLINE int64_t meta_index(int64_t bh, int64_t a, int64_t b) const {
+    return layout::meta_index(dims, bh, a, b);
+  }
   NEXUSKV_HD_INLINE float scale_at(int64_t m) const { return to_float(scale[m]); }
   NEXUSKV_HD_INLINE float zero_at(int64_t m) const { return to_float(zero[m]); }
 
@@ -129,8 +140,12 @@ struct CompressedKV {
   // token) and its exact value.  A group with fewer entries than slots
   // repeats its last slot (nq_format.h): apply a correction once per position.
   NEXUSKV_HD_INLINE int64_t outlier_pos(int64_t m, int s) const { return outlier_idx[m * dims.num_outliers + s]; }
-  NEXUSKV_HD_INLINE float outlier_value(int64_t m, int s) const { return to_float(outlier_val[m * dims.num_outliers + s]); }
-  NEXUSKV_HD_INLINE bool repeated_slot(int64_t m, int s) const { return s > 0 && outlier_pos(m, s) == outlier_pos(m, s - 1); }
+  NEXUSKV_HD_INLINE float outlier_value(int64_t m, int s) const {
+    return to_float(outlier_val[m * dims.num_outliers + s]);
+  }
+  NEXUSKV_HD_INLINE bool repeated_slot(int64_t m, int s) const {
+    return s > 0 && outlier_pos(m, s) == outlier_pos(m, s - 1);
+  }
 };
 
 template <typename T, typename Meta, typename Val = T>
@@ -140,13 +155,14 @@ struct AttentionParams {
   using ValueType = Val;
 
   int64_t batch = 0, q_heads = 0, kv_heads = 0, q_len = 0, head_dim = 0;
-  DenseRows<T> q;                         // [B, Hq, Lq, D]
-  CompressedKV<Meta, Val> k, v;           // [B, Hkv, capacity, D] each (capacities may differ)
-  SeqLengths compressed_lens;             // [B] valid compressed tokens per sequence (always given)
-  DenseKV<T> sink;                        // optional [B, Hkv, sink_capacity, D]: positions before the compressed ones
-  DenseKV<T> tail;                        // optional [B, Hkv, tail_capacity, D]: positions after them
-  const float* rotation_signs = nullptr;  // [D] +-1: K and V are stored hadamard_rotate'd (sinks, tail are not), or null
-  float scale = 1.f;                      // applied to q . k before the soft-cap
+  DenseRows<T> q;                // [B, Hq, Lq, D]
+  CompressedKV<Meta, Val> k, v;  // [B, Hkv, capacity, D] each (capacities may differ)
+  SeqLengths compressed_lens;    // [B] valid compressed tokens per sequence (always given)
+  DenseKV<T> sink;               // optional [B, Hkv, sink_capacity, D]: positions before the compressed ones
+  DenseKV<T> tail;               // optional [B, Hkv, tail_capacity, D]: positions after them
+  const float* rotation_signs =
+      nullptr;        // [D] +-1: K and V are stored hadamard_rotate'd (sinks, tail are not), or null
+  float scale = 1.f;  // applied to q . k before the soft-cap
   // Sliding window: the query at position p sees keys (p - window, p] (0: no window).
   int64_t window = 0;
   // Logit soft-capping (Gemma 2): score -> softcap * tanh(score / softcap)
@@ -174,7 +190,9 @@ struct AttentionParams {
     return window > 0 && first > 0 ? first : 0;
   }
   // Whether the query at position qpos sees the key at position kpos.
-  NEXUSKV_HD_INLINE bool visible(int64_t qpos, int64_t kpos) const { return kpos <= qpos && (window <= 0 || kpos > qpos - window); }
+  NEXUSKV_HD_INLINE bool visible(int64_t qpos, int64_t kpos) const {
+    return kpos <= qpos && (window <= 0 || kpos > qpos - window);
+  }
 };
 
 }  // namespace nexuskv::core

@@ -117,11 +117,17 @@ NEXUSKV_HD_STATIC float to_float(bf16_t v) { return bf16_to_float(v.bits); }
 template <typename T>
 NEXUSKV_HD_STATIC T from_float(float v);
 template <>
-NEXUSKV_HD inline float from_float<float>(float v) { return v; }
+NEXUSKV_HD inline float from_float<float>(float v) {
+  return v;
+}
 template <>
-NEXUSKV_HD inline half_t from_float<half_t>(float v) { return half_t{float_to_half(v)}; }
+NEXUSKV_HD inline half_t from_float<half_t>(float v) {
+  return half_t{float_to_half(v)};
+}
 template <>
-NEXUSKV_HD inline bf16_t from_float<bf16_t>(float v) { return bf16_t{float_to_bf16(v)}; }
+NEXUSKV_HD inline bf16_t from_float<bf16_t>(float v) {
+  return bf16_t{float_to_bf16(v)};
+}
 
 // Directed rounding into a storage type: the result r satisfies
 // to_float(r) <= v (round_down) or >= v (round_up) for finite v.

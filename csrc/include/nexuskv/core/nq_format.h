@@ -117,19 +117,23 @@ NEXUSKV_HD inline constexpr int64_t row_bytes(int bits, int64_t head_dim) {
 
 // Sizes of one compressed tensor, derived from the parameters alone.
 struct NQDims {
-  int64_t rows = 0;       // N: product of the leading dims
-  int64_t tokens = 0;     // T
-  int64_t head_dim = 0;   // D
+  int64_t rows = 0;      // N: product of the leading dims
+  int64_t tokens = 0;    // T
+  int64_t head_dim = 0;  // D
   int bits = 4;
-  int group_size = 64;    // G
+  int group_size = 64;  // G
   GroupAxis axis = GroupAxis::kTokens;
-  int num_outliers = 0;   // k
+  int num_outliers = 0;  // k
 
   NEXUSKV_HD_INLINE int64_t packed_row_bytes() const { return row_bytes(bits, head_dim); }
   // A: groups (or tokens) along the first meta dim of one row.
-  NEXUSKV_HD_INLINE int64_t meta_a() const { return axis == GroupAxis::kTokens ? ceil_div(tokens, group_size) : tokens; }
+  NEXUSKV_HD_INLINE int64_t meta_a() const {
+    return axis == GroupAxis::kTokens ? ceil_div(tokens, group_size) : tokens;
+  }
   // B: channels (or channel groups) along the second meta dim.
-  NEXUSKV_HD_INLINE int64_t meta_b() const { return axis == GroupAxis::kTokens ? head_dim : ceil_div(head_dim, group_size); }
+  NEXUSKV_HD_INLINE int64_t meta_b() const {
+    return axis == GroupAxis::kTokens ? head_dim : ceil_div(head_dim, group_size);
+  }
   NEXUSKV_HD_INLINE int64_t groups_per_row() const { return meta_a() * meta_b(); }
 
   // DGQ: [rows, meta_a()] first token of each token group, or null for fixed

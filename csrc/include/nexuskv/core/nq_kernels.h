@@ -55,15 +55,15 @@ int64_t nq_num_tasks(const NQDims& d);
 const char* nq_kernel_isa();
 
 template <typename In, typename Meta>
-void nq_compress_tasks(const NQDims& d, const StridedRows<In>& x, const NQBuffers<In, Meta>& out,
-                       int64_t task_begin, int64_t task_end, CompressStatus* status);
+void nq_compress_tasks(const NQDims& d, const StridedRows<In>& x, const NQBuffers<In, Meta>& out, int64_t task_begin,
+                       int64_t task_end, CompressStatus* status);
 
 // Dense part of decompression: x_hat = code * scale + zero into out
 // (contiguous [N, T, D]).  Outliers are applied afterwards by
 // nq_scatter_outliers, so that the dense kernel is not templated on a third type.
 template <typename Meta, typename Out>
-void nq_decompress_tasks(const NQDims& d, const uint8_t* codes, const Meta* scale, const Meta* zero,
-                         Out* out, int64_t task_begin, int64_t task_end);
+void nq_decompress_tasks(const NQDims& d, const uint8_t* codes, const Meta* scale, const Meta* zero, Out* out,
+                         int64_t task_begin, int64_t task_end);
 
 // Whether every outlier position of groups [group_begin, group_end) (groups
 // numbered over N*A*B) lies inside its group: what nq_scatter_outliers checks,

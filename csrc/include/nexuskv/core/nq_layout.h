@@ -30,8 +30,8 @@ template <int kBits>
 inline constexpr int kChunkChannels = 16 * kPlanes<kBits>;
 template <int kBits>
 inline constexpr int kChunkBytes = kBits == 3 ? 24 : 16;
-static_assert(kChunkChannels<2> == 64 && kChunkChannels<3> == 64 && kChunkChannels<4> == 32 &&
-              kChunkChannels<8> == 16, "chunk widths of nq_format.h");
+static_assert(kChunkChannels<2> == 64 && kChunkChannels<3> == 64 && kChunkChannels<4> == 32 && kChunkChannels<8> == 16,
+              "chunk widths of nq_format.h");
 
 // Channels of a row of D codes rounded up to whole chunks (the padding codes are 0).
 NEXUSKV_HD inline constexpr int64_t padded_channels(int bits, int64_t D) {
@@ -43,9 +43,11 @@ NEXUSKV_HD inline constexpr int64_t padded_channels(int bits, int64_t D) {
 // kLowBits.  A SIMD reader takes a plane from one 16-byte load with one shift
 // and one mask (kPlaneMask in every byte lane).
 template <int kBits>
-NEXUSKV_HD_INLINE constexpr int plane_shift(int j) { return kLowBits<kBits> * j; }
+NEXUSKV_HD_INLINE constexpr int plane_shift(int j) {
+  return kLowBits<kBits> * j;
+}
 template <int kBits>
-inline constexpr uint32_t kPlaneMask = (1u << kLowBits<kBits>) - 1u;
+inline constexpr uint32_t kPlaneMask = uint32_t(1 << kLowBits<kBits>) - 1u;
 
 // Code of plane j, lane l from the chunk's byte l (2/4/8 bits; the low 2 bits for 3).
 template <int kBits>
@@ -84,7 +86,7 @@ NEXUSKV_HD_INLINE void pack_chunk(const uint8_t* codes, uint8_t* out) {
   // 3 bits: bit 2 of channel 16 j + l goes to byte 16 + l % 8, bit 2 j + l / 8
   // (high_bit_byte / high_bit_shift); gathered over 16 lanes at bit 2 j first.
   uint8_t high16[16] = {};
-NEXUSKV_UNROLL
+  NEXUSKV_UNROLL
   for (int j = 0; j < kPlanes<kBits>; ++j)
     for (int l = 0; l < 16; ++l) {
       const uint32_t c = codes[16 * j + l];
@@ -99,11 +101,11 @@ NEXUSKV_UNROLL
 // Inverse of pack_chunk: writes kChunkChannels codes.
 template <int kBits>
 NEXUSKV_HD_INLINE void unpack_chunk(const uint8_t* in, uint8_t* codes) {
-NEXUSKV_UNROLL
+  NEXUSKV_UNROLL
   for (int j = 0; j < kPlanes<kBits>; ++j)
     for (int l = 0; l < 16; ++l) codes[16 * j + l] = uint8_t(plane_code<kBits>(in[l], j));
   if constexpr (kBits == 3) {
-NEXUSKV_UNROLL
+    NEXUSKV_UNROLL
     for (int j = 0; j < 8; ++j)
       for (int l = 0; l < 8; ++l) codes[8 * j + l] = uint8_t(codes[8 * j + l] | (((in[16 + l] >> j) & 1u) << 2));
   }
@@ -125,8 +127,7 @@ NEXUSKV_HD_INLINE void unpack_row(const uint8_t* row, int64_t D, uint8_t* codes)
 // Code of channel ch of a packed row, bits known at compile time / at run time.
 template <int kBits>
 NEXUSKV_HD_INLINE uint32_t code_at(const uint8_t* row, int64_t ch) {
-  return chunk_code<kBits>(row + (ch / kChunkChannels<kBits>) * kChunkBytes<kBits>,
-                           int(ch % kChunkChannels<kBits>));
+  return chunk_code<kBits>(row + kChunkBytes<kBits> * (ch / kChunkChannels<kBits>), int(ch % kChunkChannels<kBits>));
 }
 NEXUSKV_HD_INLINE uint32_t code_at(const uint8_t* row, int bits, int64_t ch) {
   switch (bits) {
