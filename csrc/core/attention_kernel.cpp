@@ -28,6 +28,7 @@
 
 #include "nexuskv/core/attention.h"
 #include "nexuskv/core/half.h"
+#include "nexuskv/core/nq_layout.h"
 
 #ifndef NEXUSKV_ISA
 #define NEXUSKV_ISA generic
@@ -412,17 +413,9 @@ inline void fill_f(float* p, int64_t n, float v) {
   for (int64_t i = 0; i < n; ++i) p[i] = v;
 }
 
-// Code of channel ch in one packed row (nq_format.h), for the few reads that
-// need a single code (outlier corrections).
-inline uint32_t code_at(const uint8_t* row, int bits, int64_t ch) {
-  if (bits == 3) {
-    const uint8_t* chunk = row + (ch / 64) * 24;
-    const int64_t i = ch % 64;
-    return ((chunk[i % 16] >> (2 * (i / 16))) & 3u) | (((chunk[16 + i % 8] >> (i / 8)) & 1u) << 2);
-  }
-  const int64_t C = chunk_channels(bits), i = ch % C;
-  return (row[(ch / C) * 16 + i % 16] >> (bits * (i / 16))) & ((1u << bits) - 1u);
-}
+// Code of channel ch in one packed row, for the few reads that need a single
+// code (outlier corrections).
+using layout::code_at;
 
 #include "attention_int_keys.h"
 

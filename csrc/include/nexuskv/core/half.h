@@ -6,10 +6,17 @@
 // attention_kernel.cpp is compiled once per instruction set (AVX2, AVX-512),
 // and an ordinary inline function emitted there could be the copy the linker
 // keeps for every caller, putting AVX instructions into the portable path.
+// They are NEXUSKV_HD: the CUDA kernels use these same conversions (the
+// directed rounding of scales and zeros must be bit-identical on both).
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+
+#include "nexuskv/core/hd.h"
+
+// Scalar helpers of the core shared by host and device, internal linkage.
+#define NEXUSKV_HD_STATIC static inline NEXUSKV_HD
 
 namespace nexuskv::core {
 
@@ -21,20 +28,28 @@ struct bf16_t {
 };
 static_assert(sizeof(half_t) == 2 && sizeof(bf16_t) == 2, "16-bit storage types");
 
-static inline uint32_t float_bits(float f) {
+NEXUSKV_HD_STATIC uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return u;
+#endif
 }
-static inline float bits_float(uint32_t u) {
+NEXUSKV_HD_STATIC float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+#endif
 }
 
 // IEEE binary16 -> float, exact; written without denormal float arithmetic
 // (denormal operands are slow on x86).
-static inline float half_to_float(uint16_t h) {
+NEXUSKV_HD_STATIC float half_to_float(uint16_t h) {
   const uint32_t shifted_exp = 0x7c00u << 13;
   uint32_t o = (uint32_t(h) & 0x7fffu) << 13;
   const uint32_t exp = o & shifted_exp;
@@ -49,7 +64,7 @@ static inline float half_to_float(uint16_t h) {
 }
 
 // float -> IEEE binary16, round to nearest even; overflow gives Inf.
-static inline uint16_t float_to_half(float f) {
+NEXUSKV_HD_STATIC uint16_t float_to_half(float f) {
   uint32_t x = float_bits(f);
   const uint32_t sign = (x >> 16) & 0x8000u;
   uint32_t a = x & 0x7fffffffu;
@@ -64,10 +79,10 @@ static inline uint16_t float_to_half(float f) {
   return uint16_t(sign | (a >> 13));
 }
 
-static inline float bf16_to_float(uint16_t b) { return bits_float(uint32_t(b) << 16); }
+NEXUSKV_HD_STATIC float bf16_to_float(uint16_t b) { return bits_float(uint32_t(b) << 16); }
 
 // float -> bfloat16, round to nearest even; NaN stays NaN.
-static inline uint16_t float_to_bf16(float f) {
+NEXUSKV_HD_STATIC uint16_t float_to_bf16(float f) {
   const uint32_t x = float_bits(f);
   if ((x & 0x7fffffffu) > 0x7f800000u) return uint16_t((x >> 16) | 0x0040u);
   return uint16_t((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
@@ -75,33 +90,33 @@ static inline uint16_t float_to_bf16(float f) {
 
 // Next representable 16-bit float towards +Inf / -Inf (sign-magnitude
 // encoding, shared by fp16 and bf16).
-static inline uint16_t bits16_next_up(uint16_t h) {
+NEXUSKV_HD_STATIC uint16_t bits16_next_up(uint16_t h) {
   if (h == 0x8000u) return 0x0001u;
   return (h & 0x8000u) ? uint16_t(h - 1) : uint16_t(h + 1);
 }
-static inline uint16_t bits16_next_down(uint16_t h) {
+NEXUSKV_HD_STATIC uint16_t bits16_next_down(uint16_t h) {
   if (h == 0x0000u) return 0x8001u;
   return (h & 0x8000u) ? uint16_t(h + 1) : uint16_t(h - 1);
 }
 
 // Uniform access: to_float / from_float (nearest) for every storage type.
-static inline float to_float(float v) { return v; }
-static inline float to_float(half_t v) { return half_to_float(v.bits); }
-static inline float to_float(bf16_t v) { return bf16_to_float(v.bits); }
+NEXUSKV_HD_STATIC float to_float(float v) { return v; }
+NEXUSKV_HD_STATIC float to_float(half_t v) { return half_to_float(v.bits); }
+NEXUSKV_HD_STATIC float to_float(bf16_t v) { return bf16_to_float(v.bits); }
 
 template <typename T>
-T from_float(float v);
+NEXUSKV_HD T from_float(float v);
 template <>
-inline float from_float<float>(float v) { return v; }
+NEXUSKV_HD inline float from_float<float>(float v) { return v; }
 template <>
-inline half_t from_float<half_t>(float v) { return half_t{float_to_half(v)}; }
+NEXUSKV_HD inline half_t from_float<half_t>(float v) { return half_t{float_to_half(v)}; }
 template <>
-inline bf16_t from_float<bf16_t>(float v) { return bf16_t{float_to_bf16(v)}; }
+NEXUSKV_HD inline bf16_t from_float<bf16_t>(float v) { return bf16_t{float_to_bf16(v)}; }
 
 // Directed rounding into a storage type: the result r satisfies
 // to_float(r) <= v (round_down) or >= v (round_up) for finite v.
 template <typename T>
-inline T round_down(float v) {
+NEXUSKV_HD inline T round_down(float v) {
   if constexpr (sizeof(T) == 4) {
     return v;
   } else {
@@ -111,7 +126,7 @@ inline T round_down(float v) {
   }
 }
 template <typename T>
-inline T round_up(float v) {
+NEXUSKV_HD inline T round_up(float v) {
   if constexpr (sizeof(T) == 4) {
     return v;
   } else {
