@@ -24,7 +24,8 @@ def cmake(*args, cwd=None):
     return run.stdout
 
 
-PUBLIC_HEADERS = {"nexuskv/ops.h", "nexuskv/cache.h", "nexuskv/compressor.h", "nexuskv/core/nq_format.h"}
+PUBLIC_HEADERS = {"nexuskv/ops.h", "nexuskv/cache.h", "nexuskv/compressor.h", "nexuskv/core/nq_format.h",
+                  "nexuskv/core/hd.h"}
 
 
 def assert_public_headers_only(include: Path) -> None:
