@@ -189,7 +189,11 @@ void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::
       if (g.n_comp > g.skip) {
         at::Tensor ck = jk.slice(2, g.skip, g.n_comp), cv = jv.slice(2, g.skip, g.n_comp);
         if (options.rotate) ck = hadamard_rotate(ck, new_signs), cv = hadamard_rotate(cv, new_signs);
-        ck = ck.contiguous(), cv = cv.contiguous();
+        // Our own copies for compressors that may keep what they are given (chunks,
+        // external): never the caller's k/v.
+        const bool own = mode != StorageMode::kFused;
+        ck = own ? ck.clone(at::MemoryFormat::Contiguous) : ck.contiguous();
+        cv = own ? cv.clone(at::MemoryFormat::Contiguous) : cv.contiguous();
         if (mode == StorageMode::kFused) {
           g.k_parts = compress_rows(keys, ck, c - g.evict_old);
           g.v_parts = compress_rows(values, cv, c - g.evict_old);

@@ -255,3 +255,13 @@ def test_two_threads_share_one_cache_with_exact_lengths():
     assert torch.equal(K[:, :, c:total], k1.expand(2, 2, total - c, 64))  # the tail holds exactly what came
     ref = attention_f64(q, K, V, lens, 0.125)
     assert float((cache.attend(q, None, None).double() - ref).norm() / ref.norm()) < 1e-4
+
+
+def test_handed_over_chunks_are_copies_not_views_of_the_callers_kv():
+    cache = make_cache(external_chunk=16, residual=0)
+    k, v = torch.randn(1, 1, 16, 64), torch.randn(1, 1, 16, 64)
+    want = k.clone()
+    cache.append(k, v, None)
+    k.fill_(7.0)  # the caller reuses its buffer
+    _, _, ks, _ = cache.take_due_chunks()
+    assert torch.equal(ks[0], want[0])
