@@ -57,12 +57,13 @@ def _launch(workdir: Path) -> list[str]:
                 procs.append(subprocess.Popen([sys.executable, __file__, str(workdir), str(rank)], stdout=log,
                                               stderr=subprocess.STDOUT, env=dict(env, RANK=str(rank),
                                                                                   LOCAL_RANK=str(rank))))
+            # Until both are done, one fails (its peer would wait in a collective forever) or time is up.
             deadline = time.monotonic() + RANK_TIMEOUT_S
-            for p in procs:
-                try:
-                    p.wait(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
+            while time.monotonic() < deadline:
+                codes = [p.poll() for p in procs]
+                if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
                     break
+                time.sleep(0.2)
         finally:
             for p in procs:  # only the ranks this test started
                 if p.poll() is None:
