@@ -83,6 +83,19 @@ def cache_for_engine(engine, **kwargs):
     return cache
 
 
+def dequantize_path_cache_for_engine(engine, **kwargs):
+    """The same cache, but attention runs over its dequantized K/V (SDPA) instead of
+    fused: the HF branch's cache_for(fused=False), or on main the layers' fused flag."""
+    import nexuskv.hf as nhf
+
+    if "fused" in inspect.signature(nhf.cache_for).parameters:
+        return cache_for_engine(engine, fused=False, **kwargs)
+    cache = cache_for_engine(engine, **kwargs)
+    for layer in cache.layers:
+        layer.fused = False
+    return cache
+
+
 def fused_attention_calls(profile) -> int:
     """How many times nexuskv::dgq_fused_attention ran inside a torch.profiler profile."""
     return sum(e.count for e in profile.key_averages() if e.key == "nexuskv::dgq_fused_attention")

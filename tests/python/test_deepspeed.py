@@ -7,8 +7,9 @@ parallelism is test_tensor_parallel.py."""
 import pytest
 import torch
 
-from ds_helpers import (CACHE, TINY, cache_for_engine, dequantized, fused_attention_calls, moved_elements,
-                        requires_deepspeed, teacher_forced_logits, tiny_llama, token_inputs)
+from ds_helpers import (CACHE, TINY, cache_for_engine, dequantize_path_cache_for_engine, dequantized,
+                        fused_attention_calls, moved_elements, requires_deepspeed, teacher_forced_logits, tiny_llama,
+                        token_inputs)
 from hf_helpers import greedy, requires_model
 
 
@@ -112,9 +113,7 @@ def test_engine_decodes_through_the_compressed_cache(engine):
     scale = float(fused.abs().max())
     assert 1e-3 * scale < err4 and err8 < err4 / 8
 
-    unfused = cache_for_engine(engine, **CACHE)
-    for layer in unfused.layers:
-        layer.fused = False
+    unfused = dequantize_path_cache_for_engine(engine, **CACHE)
     gap = float((fused - teacher_forced_logits(engine, unfused, prompt, forced)).abs().max())
     moved, total_elements = moved_elements(dequantized(unfused), dequantized(cache))
     assert moved <= 1e-3 * total_elements
