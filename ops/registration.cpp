@@ -80,51 +80,75 @@ void define_operators(torch::Library& m, const std::vector<at::Tag>& tags) {
 TORCH_LIBRARY(nexuskv, m) {
   define_operators(m, {at::Tag::pt2_compliant_tag});
 
-  // The compressed KV cache of one attention layer (policy: nexuskv/cache.h),
-  // for Python and TorchScript as torch.classes.nexuskv.KVCache.  sinks: first
-  // tokens per sequence kept in full precision.  external_chunk > 0: external
-  // storage with chunks of that many tokens (the quantization arguments are
-  // then unused): a front end compresses the chunks with its own compressor.
+  // The compressed KV cache of one attention layer (policy and methods:
+  // nexuskv/cache.h), for Python and TorchScript as
+  // torch.classes.nexuskv.KVCache; build it with the Python factory
+  // nexuskv.cache.make_cache(**keywords).  The constructor's arguments are the
+  // fields of nexuskv::CacheOptions in a fixed order (the first 12 without
+  // defaults: the order of older releases, kept so that their positional
+  // calls still work).  external_chunk > 0: external storage in chunks of
+  // that many tokens (the quantization arguments are then unused).
   // meta_dtype: dtype of the scales/zeros (default: the input dtype).
+  // window: sliding window (tokens a query sees, itself included).
   m.class_<nexuskv::KVCache>("KVCache")
       .def(torch::init([](int64_t key_bits, int64_t key_group_size, int64_t key_axis, int64_t key_outliers,
                           bool key_dynamic, int64_t value_bits, int64_t value_group_size, int64_t value_axis,
                           int64_t value_outliers, int64_t residual, bool rotate, int64_t seed, int64_t sinks,
-                          int64_t external_chunk, std::optional<at::ScalarType> meta_dtype) {
-             if (external_chunk > 0) {
-               TORCH_CHECK(!rotate, "KVCache: external storage does not rotate (the front end's compressor may)");
-               return nexuskv::KVCache::external(external_chunk, residual, sinks);
-             }
-             nexuskv::QuantSpec keys, values;
-             keys.bits = key_bits, keys.group_size = key_group_size, keys.axis = key_axis;
-             keys.num_outliers = key_outliers, keys.dynamic = key_dynamic;
-             values.bits = value_bits, values.group_size = value_group_size, values.axis = value_axis;
-             values.num_outliers = value_outliers;
-             keys.meta_dtype = values.meta_dtype = meta_dtype;
-             return c10::make_intrusive<nexuskv::KVCache>(keys, values, residual, rotate, seed, sinks);
+                          int64_t external_chunk, std::optional<at::ScalarType> meta_dtype,
+                          std::optional<int64_t> window) {
+             nexuskv::CacheOptions o;
+             o.keys.bits = key_bits, o.keys.group_size = key_group_size, o.keys.axis = key_axis;
+             o.keys.num_outliers = key_outliers, o.keys.dynamic = key_dynamic;
+             o.values.bits = value_bits, o.values.group_size = value_group_size, o.values.axis = value_axis;
+             o.values.num_outliers = value_outliers;
+             o.keys.meta_dtype = o.values.meta_dtype = meta_dtype;
+             o.residual = residual, o.rotate = rotate, o.seed = seed, o.sinks = sinks;
+             o.external_chunk = external_chunk, o.window = window;
+             return c10::make_intrusive<nexuskv::KVCache>(std::move(o));
            }),
            "",
            {torch::arg("key_bits"), torch::arg("key_group_size"), torch::arg("key_axis"), torch::arg("key_outliers"),
             torch::arg("key_dynamic"), torch::arg("value_bits"), torch::arg("value_group_size"),
             torch::arg("value_axis"), torch::arg("value_outliers"), torch::arg("residual"), torch::arg("rotate"),
             torch::arg("seed"), torch::arg("sinks") = 0, torch::arg("external_chunk") = 0,
-            torch::arg("meta_dtype") = torch::arg::none()})
-      .def("append", &nexuskv::KVCache::append)
-      .def("attend", &nexuskv::KVCache::attend)
-      .def("dense", &nexuskv::KVCache::dense)
+            torch::arg("meta_dtype") = torch::arg::none(), torch::arg("window") = torch::arg::none()})
+      .def("append", &nexuskv::KVCache::append, "",
+           {torch::arg("k"), torch::arg("v"), torch::arg("valid") = torch::arg::none()})
+      .def("attend", &nexuskv::KVCache::attend, "",
+           {torch::arg("q"), torch::arg("scale") = torch::arg::none(), torch::arg("softcap") = torch::arg::none()})
+      .def("dense", &nexuskv::KVCache::dense, "", {torch::arg("dtype") = torch::arg::none()})
       .def("take_due_chunks", &nexuskv::KVCache::take_due_chunks)
-      .def("dense_with", &nexuskv::KVCache::dense_with)
+      .def("dense_with", &nexuskv::KVCache::dense_with, "",
+           {torch::arg("k_compressed"), torch::arg("v_compressed"), torch::arg("dtype") = torch::arg::none()})
+      .def("crop", &nexuskv::KVCache::crop)
+      .def("crop_with", &nexuskv::KVCache::crop_with)
       .def("reorder", &nexuskv::KVCache::reorder)
+      .def("to",
+           [](const c10::intrusive_ptr<nexuskv::KVCache>& self, const std::string& device) {
+             self->to(c10::Device(device));
+           })
+      .def("clone", &nexuskv::KVCache::clone)
+      .def("reset", &nexuskv::KVCache::reset)
+      .def("state_dict", &nexuskv::KVCache::state_dict)
+      .def_static("from_state_dict",
+                  [](const c10::Dict<std::string, at::Tensor>& state) {
+                    return nexuskv::KVCache::from_state_dict(state);
+                  })
       .def("lengths", &nexuskv::KVCache::lengths)
       .def("compressed_lengths", &nexuskv::KVCache::compressed_lengths)
+      .def("evicted_lengths", &nexuskv::KVCache::evicted_lengths)
       .def("max_length", &nexuskv::KVCache::max_length)
       .def("nbytes", &nexuskv::KVCache::nbytes)
       .def("used_nbytes", &nexuskv::KVCache::used_nbytes)
       .def("compressed_nbytes", &nexuskv::KVCache::compressed_nbytes)
       .def("chunk", &nexuskv::KVCache::chunk)
       .def("sinks", &nexuskv::KVCache::sinks)
+      .def("window", &nexuskv::KVCache::window)
       .def("is_external", &nexuskv::KVCache::is_external)
-      .def("reset", &nexuskv::KVCache::reset);
+      // pickle, torch.save and copy.deepcopy carry the state dict.
+      .def_pickle(
+          [](const c10::intrusive_ptr<nexuskv::KVCache>& self) { return self->state_dict(); },
+          [](c10::Dict<std::string, at::Tensor> state) { return nexuskv::KVCache::from_state_dict(state); });
 }
 
 // The meta kernels of the operators above, run by the fake kernels of

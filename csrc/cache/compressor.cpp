@@ -5,9 +5,33 @@
 
 #include <sstream>
 
+#include "nexuskv/core/nq_format.h"
 #include "nexuskv/ops.h"
 
 namespace nexuskv {
+
+void check_quant_spec(const QuantSpec& s, const char* who, const char* prefix) {
+  // Checked on the int64 (an int cast first would take 2**32 + 4 for 4).
+  TORCH_CHECK(s.bits == 2 || s.bits == 3 || s.bits == 4 || s.bits == 8, who, ": ", prefix,
+              "bits must be one of 2, 3, 4, 8, got ", s.bits);
+  TORCH_CHECK(s.group_size >= 1 && s.group_size <= core::kMaxGroupSize, who, ": ", prefix,
+              "group_size must be in [1, ", core::kMaxGroupSize, "], got ", s.group_size);
+  TORCH_CHECK(s.axis == -2 || s.axis == -1, who, ": ", prefix,
+              "axis must be -2 (groups of tokens per channel) or -1 (groups of channels per token), got ", s.axis);
+  TORCH_CHECK(s.num_outliers >= 0 && s.num_outliers < s.group_size, who, ": ", prefix,
+              "outliers must be in [0, group_size) = [0, ", s.group_size, "), got ", s.num_outliers);
+  if (s.meta_dtype)
+    TORCH_CHECK(*s.meta_dtype == at::kFloat || *s.meta_dtype == at::kHalf || *s.meta_dtype == at::kBFloat16, who,
+                ": ", prefix, "meta_dtype must be float32, float16, bfloat16 or None, got ", *s.meta_dtype);
+  if (!s.dynamic) return;
+  TORCH_CHECK(s.axis == -2, who, ": ", prefix, "dynamic (DGQ) groups need axis -2, got ", s.axis);
+  TORCH_CHECK(s.granule >= 1 && s.granule <= s.group_size, who, ": ", prefix,
+              "granule must be in [1, group_size] = [1, ", s.group_size, "], got ", s.granule);
+  TORCH_CHECK(s.dgq_max_len() <= core::kMaxGroupSize, who, ": ", prefix,
+              "dynamic (DGQ) groups need 2 * group_size rounded up to whole granules <= ", core::kMaxGroupSize,
+              " (the longest segment), got group_size ", s.group_size, " and granule ", s.granule, " -> ",
+              s.dgq_max_len());
+}
 
 int64_t CompressedTensor::numel() const {
   int64_t n = 1;
@@ -54,7 +78,7 @@ std::string spec_text(const char* name, const QuantSpec& s) {
 
 NQCompressor::NQCompressor(QuantSpec spec) : spec_(spec) {
   TORCH_CHECK(!spec_.dynamic, "NQCompressor: spec.dynamic is set; use DGQCompressor for data-chosen groups");
-  TORCH_CHECK(spec_.axis == -2 || spec_.axis == -1, "NQCompressor: axis must be -2 or -1, got ", spec_.axis);
+  check_quant_spec(spec_, "NQCompressor", "");
 }
 
 CompressedTensor NQCompressor::compress(const at::Tensor& x) const {
@@ -75,11 +99,12 @@ std::string NQCompressor::describe() const { return spec_text("NQ", spec_); }
 DGQCompressor::DGQCompressor(QuantSpec spec) : spec_(spec) {
   TORCH_CHECK(spec_.axis == -2, "DGQCompressor: axis must be -2 (token groups per channel), got ", spec_.axis);
   spec_.dynamic = true;
+  check_quant_spec(spec_, "DGQCompressor", "");
 }
 
 CompressedTensor DGQCompressor::compress(const at::Tensor& x) const {
   auto [codes, scale, zero, idx, val, starts] =
-      dgq_compress(x, spec_.bits, spec_.group_size, spec_.granule, std::nullopt, spec_.num_outliers,
+      dgq_compress(x, spec_.bits, spec_.group_size, spec_.granule, spec_.dgq_max_len(), spec_.num_outliers,
                    spec_.meta_dtype);
   return wrap({codes, scale, zero, idx, val, starts}, x);
 }

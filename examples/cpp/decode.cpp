@@ -30,12 +30,13 @@ int main(int argc, char** argv) {
   // groups of 32, 16 full-precision tokens, DGQ off, no rotation.  Configured by
   // KVCompressor objects (nexuskv/compressor.h): NQ is stored in place and read
   // by the fused kernel; a class of one's own would go through its decompress().
-  nexuskv::QuantSpec keys, values;
-  keys.bits = 4, keys.group_size = 32, keys.axis = -2;
-  values.bits = 4, values.group_size = 32, values.axis = -1;
-  auto cache = c10::make_intrusive<nexuskv::KVCache>(std::make_shared<nexuskv::NQCompressor>(keys),
-                                                     std::make_shared<nexuskv::NQCompressor>(values),
-                                                     /*residual=*/16);
+  nexuskv::CacheOptions options;
+  options.keys.bits = 4, options.keys.group_size = 32;      // axis -2 (per channel) by default
+  options.values.bits = 4, options.values.group_size = 32;  // axis -1 (per token) by default
+  options.key_compressor = std::make_shared<nexuskv::NQCompressor>(options.keys);
+  options.value_compressor = std::make_shared<nexuskv::NQCompressor>(options.values);
+  options.residual = 16;
+  auto cache = c10::make_intrusive<nexuskv::KVCache>(options);
   cache->append(data.attr("prefill_k").toTensor(), data.attr("prefill_v").toTensor(), std::nullopt);
 
   double worst = 0;

@@ -7,6 +7,7 @@
     out = nexuskv.fused_attention(q, ck, cv, lens)    # attention straight from the compressed cache
 """
 
+from . import cache  # noqa: F401  (nexuskv.cache.make_cache: the compressed KV cache)
 from .attention import fused_attention
 from .compressors import (DEFAULT_KEY_PER, DEFAULT_VALUE_PER, DGQ, NQ, KVCompressor, NQTensor, effective_bits,
                           rotation_signs)

@@ -80,9 +80,12 @@ TEST_CASE("NQ and DGQ compressors report their exact bytes and effective bits") 
 TEST_CASE("a KVCache configured by NQ compressors is the fused cache") {
   torch::manual_seed(1);
   torch::NoGradGuard no_grad;
-  KVCache a(std::make_shared<nexuskv::NQCompressor>(spec(4, 32, -2)),
-            std::make_shared<nexuskv::NQCompressor>(spec(4, 32, -1)), 16, /*sinks=*/4);
-  KVCache b(spec(4, 32, -2), spec(4, 32, -1), 16, false, 0, /*sinks=*/4);
+  nexuskv::CacheOptions by_compressors, by_specs;
+  by_compressors.key_compressor = std::make_shared<nexuskv::NQCompressor>(spec(4, 32, -2));
+  by_compressors.value_compressor = std::make_shared<nexuskv::NQCompressor>(spec(4, 32, -1));
+  by_specs.keys = spec(4, 32, -2), by_specs.values = spec(4, 32, -1);
+  for (auto* o : {&by_compressors, &by_specs}) o->residual = 16, o->sinks = 4;
+  KVCache a(by_compressors), b(by_specs);
   const at::Tensor k = torch::randn({2, 2, 90, 64}), v = torch::randn({2, 2, 90, 64}), q = torch::randn({2, 4, 2, 64});
   a.append(k, v, std::nullopt), b.append(k, v, std::nullopt);
   REQUIRE(at::equal(a.attend(q, std::nullopt), b.attend(q, std::nullopt)));
@@ -94,7 +97,10 @@ TEST_CASE("a user's own C++ compressor works through the cache") {
   torch::NoGradGuard no_grad;
   const int64_t B = 2, H = 2, D = 64, residual = 8, sinks = 3;
   auto half = std::make_shared<HalfCompressor>();
-  KVCache cache(half, half, residual, sinks);
+  nexuskv::CacheOptions options;
+  options.key_compressor = options.value_compressor = half;
+  options.residual = residual, options.sinks = sinks;
+  KVCache cache(options);
   REQUIRE(cache.chunk() == 1);
   const at::Tensor k = torch::randn({B, H, 40, D}), v = torch::randn({B, H, 40, D});
   at::Tensor valid = torch::ones({B, 40}, at::kBool);
@@ -119,9 +125,124 @@ TEST_CASE("a user's own C++ compressor works through the cache") {
   // Bytes: the fp16 chunks plus the sinks and tail buffers, all exact.
   const int64_t chunk_bytes = 2 * (29 + 19) * H * D * 2;
   const int64_t full = 2 * B * H * D * 4;  // one token of K and V per sequence, float32
-  // The tail buffer holds residual + chunk tokens, grown to the largest tail seen (residual + 1 here).
-  REQUIRE(cache.nbytes() == chunk_bytes + full * sinks + full * (residual + 1));
+  // The sink buffer holds the sinks; the tail buffer grows in steps of at least 16 tokens up to
+  // residual + chunk tokens (chunk 1 here).
+  REQUIRE(cache.nbytes() == chunk_bytes + full * sinks + full * (residual + cache.chunk()));
   REQUIRE(cache.used_nbytes() == chunk_bytes + 2 * (3 + 3 + 8 + 8) * H * D * 4);
   cache.reorder(torch::tensor({1, 1}, at::kLong));
   REQUIRE(cache.lengths().equal(torch::tensor({30, 30}, at::kLong)));
+}
+
+TEST_CASE("chunk storage with a sliding window, crop, and save/load through torch::pickle_save") {
+  torch::manual_seed(3);
+  torch::NoGradGuard no_grad;
+  const int64_t W = 12, D = 64;
+  auto half = std::make_shared<HalfCompressor>();
+  nexuskv::CacheOptions options;
+  options.key_compressor = options.value_compressor = half;
+  options.residual = 4, options.window = W;
+  KVCache cache(options);
+  cache.append(torch::randn({1, 2, 40, D}), torch::randn({1, 2, 40, D}), std::nullopt);
+  for (int step = 0; step < 10; ++step) {
+    cache.append(torch::randn({1, 2, 1, D}), torch::randn({1, 2, 1, D}), std::nullopt);
+    const at::Tensor q = torch::randn({1, 4, 1, D});
+    auto [kd, vd, lens] = cache.dense(at::kFloat);
+    // Windowed float64 reference over the cached keys: only the last W are visible.
+    const int64_t L = lens[0].item<int64_t>();
+    REQUIRE(L >= W);
+    const at::Tensor ref = attention_f64(q.select(0, 0), kd.select(0, 0).slice(1, L - W, L),
+                                         vd.select(0, 0).slice(1, L - W, L), 1.0 / 8);
+    REQUIRE(rel(cache.attend(q).select(0, 0), ref) < 1e-5);
+  }
+  // 50 positions: before the last append 49, so positions < 38 are dead (chunk 1).
+  REQUIRE(cache.evicted_lengths().equal(torch::tensor({38}, at::kLong)));
+  REQUIRE(cache.lengths().equal(torch::tensor({12}, at::kLong)));
+
+  // Save, load with the compressors, continue alike.
+  const std::vector<char> bytes = torch::pickle_save(c10::IValue(cache.state_dict()));
+  const auto state = c10::impl::toTypedDict<std::string, at::Tensor>(torch::pickle_load(bytes).toGenericDict());
+  REQUIRE_THROWS_WITH(KVCache::from_state_dict(state), Catch::Contains("chunk storage needs its compressors"));
+  const auto loaded = KVCache::from_state_dict(state, half, half);
+  const at::Tensor k = torch::randn({1, 2, 3, D}), v = torch::randn({1, 2, 3, D}), q = torch::randn({1, 4, 3, D});
+  cache.append(k, v, std::nullopt), loaded->append(k, v, std::nullopt);
+  REQUIRE(at::equal(cache.attend(q), loaded->attend(q)));
+  REQUIRE(cache.nbytes() == loaded->nbytes());
+
+  // Crop inside the compressed part: the cut object's survivors come back to the tail.
+  auto [k0, v0, l0] = cache.dense(at::kFloat);
+  const int64_t evicted = cache.evicted_lengths()[0].item<int64_t>();
+  REQUIRE(evicted == 39);  // 50 positions before the 3 new: < 39 dead
+  cache.crop(50);          // 53 positions -> 50
+  auto [k1, v1, l1] = cache.dense(at::kFloat);
+  REQUIRE(l1.equal(torch::tensor({50 - evicted}, at::kLong)));
+  REQUIRE(at::equal(k1, k0.slice(2, 0, 50 - evicted)));
+  REQUIRE(at::equal(v1, v0.slice(2, 0, 50 - evicted)));
+  REQUIRE_THROWS_WITH(cache.crop(48), Catch::Contains("would need positions the window already dropped"));
+}
+
+TEST_CASE("CacheOptions are checked by the constructor") {
+  nexuskv::CacheOptions o;
+  o.keys.group_size = 0;
+  REQUIRE_THROWS_WITH(KVCache(o), Catch::Contains("KVCache: key_group_size must be in [1, 256], got 0"));
+  o = {};
+  o.residual = int64_t(1) << 40;
+  REQUIRE_THROWS_WITH(KVCache(o), Catch::Contains("residual must be in [0, 2147483647]"));
+  o = {};
+  o.key_compressor = std::make_shared<HalfCompressor>();
+  REQUIRE_THROWS_WITH(KVCache(o), Catch::Contains("give both key_compressor and value_compressor"));
+}
+
+namespace {
+// A user's compressor that fails on the n-th call (a bad chunk, an allocator error...).
+class FailingCompressor final : public KVCompressor {
+ public:
+  explicit FailingCompressor(int fail_at) : fail_at_(fail_at) {}
+  CompressedTensor compress(const at::Tensor& x) const override {
+    TORCH_CHECK(++calls_ != fail_at_, "FailingCompressor: call ", calls_, " fails");
+    return {{x.to(at::kHalf)}, x.sizes().vec(), x.scalar_type()};
+  }
+  at::Tensor decompress(const CompressedTensor& c, std::optional<at::ScalarType> dtype) const override {
+    return c.parts.at(0).to(dtype.value_or(c.dtype));
+  }
+  int64_t token_multiple() const override { return multiple_; }
+  std::string describe() const override { return "failing"; }
+  int64_t multiple_ = 4;
+
+ private:
+  int fail_at_;
+  mutable int calls_ = 0;
+};
+}  // namespace
+
+TEST_CASE("an append that fails part-way through a batch leaves the cache as it was") {
+  torch::manual_seed(4);
+  torch::NoGradGuard no_grad;
+  // Keys of sequence 0, values of 0, keys of 1 (the second key call: fails); with a
+  // per-sequence loop that writes as it goes, sequence 0 would be applied alone.
+  nexuskv::CacheOptions options;
+  options.key_compressor = std::make_shared<FailingCompressor>(2);
+  options.value_compressor = std::make_shared<FailingCompressor>(99);
+  options.residual = 2;
+  KVCache cache(options);
+  cache.append(torch::randn({2, 2, 5, 32}), torch::randn({2, 2, 5, 32}), std::nullopt);  // all in the tail
+  const auto before = cache.state_dict();
+  REQUIRE_THROWS_WITH(cache.append(torch::randn({2, 2, 8, 32}), torch::randn({2, 2, 8, 32}), std::nullopt),
+                      Catch::Contains("call 2 fails"));
+  const auto after = cache.state_dict();
+  REQUIRE(before.size() == after.size());
+  for (const auto& item : before) REQUIRE(at::equal(item.value(), after.at(item.key())));
+  REQUIRE(cache.lengths().equal(torch::tensor({5, 5}, at::kLong)));
+  cache.append(torch::randn({2, 2, 8, 32}), torch::randn({2, 2, 8, 32}), std::nullopt);  // calls 3, 4: fine
+  REQUIRE(cache.lengths().equal(torch::tensor({13, 13}, at::kLong)));
+  REQUIRE(cache.compressed_lengths().equal(torch::tensor({8, 8}, at::kLong)));
+}
+
+TEST_CASE("a chunk (lcm of the token groups) too large for int32 positions is a clear error") {
+  auto a = std::make_shared<FailingCompressor>(0), b = std::make_shared<FailingCompressor>(0);
+  a->multiple_ = (int64_t(1) << 31) - 1, b->multiple_ = (int64_t(1) << 31) - 2;
+  nexuskv::CacheOptions o;
+  o.key_compressor = a, o.value_compressor = b;
+  REQUIRE_THROWS_WITH(KVCache(o), Catch::Contains("exceeds 2147483647 tokens"));
+  b->multiple_ = int64_t(1) << 62;
+  REQUIRE_THROWS_WITH(KVCache(o), Catch::Contains("token_multiple() must be in [1, 2147483647]"));
 }

@@ -8,17 +8,18 @@ import math
 import pytest
 import torch
 
-import nexuskv  # noqa: F401  (loads the library)
+from nexuskv.cache import make_cache
 from nq_reference import F64
 
 
 def make(bits=4, group=32, residual=16, key_outliers=0, dynamic=False, rotate=False, seed=0):
-    return torch.classes.nexuskv.KVCache(bits, group, -2, key_outliers, dynamic, bits, group, -1, 0, residual,
-                                         rotate, seed)
+    return make_cache(key_bits=bits, key_group_size=group, key_outliers=key_outliers, key_dynamic=dynamic,
+                      value_bits=bits, value_group_size=group, residual=residual, rotate=rotate, seed=seed)
 
 
-def attention_f64(q, k, v, lens, scale):
-    """Causal attention of the last q_len positions of each sequence over its first lens[b] tokens."""
+def attention_f64(q, k, v, lens, scale, window=None, softcap=None):
+    """Causal attention of the last q_len positions of each sequence over its first lens[b] tokens
+    (optionally: each query sees only the `window` newest keys up to itself; scores soft-capped)."""
     B, Hq, Lq, D = q.shape
     g = Hq // k.shape[1]
     out = torch.zeros(B, Hq, Lq, D, dtype=F64)
@@ -26,7 +27,13 @@ def attention_f64(q, k, v, lens, scale):
         L = int(lens[b])
         K, V = k[b, :, :L].to(F64).repeat_interleave(g, 0), v[b, :, :L].to(F64).repeat_interleave(g, 0)
         s = (q[b].to(F64) @ K.transpose(-1, -2)) * scale
-        s = s.masked_fill(torch.arange(L)[None, :] > torch.arange(L - Lq, L)[:, None], -math.inf)
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        key, query = torch.arange(L)[None, :], torch.arange(L - Lq, L)[:, None]
+        hidden = key > query
+        if window is not None:
+            hidden |= key <= query - window
+        s = s.masked_fill(hidden, -math.inf)
         out[b] = torch.softmax(s, -1) @ V
     return out
 
@@ -55,8 +62,10 @@ def test_policy_tail_and_chunks():
     cache.append(torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64), None)
     # 40 tokens: nothing beyond residual 16 fills a chunk of 32 -> all in the tail.
     assert cache.lengths().tolist() == [40] and cache.chunk() == 32
+    assert cache.compressed_lengths().tolist() == [0]
     cache.append(torch.randn(1, 2, 10, 64), torch.randn(1, 2, 10, 64), None)
     # 50 tokens: 32 compressed, 18 in the tail.
+    assert cache.compressed_lengths().tolist() == [32] and cache.lengths().tolist() == [50]
     kd, _, _ = cache.dense(None)
     assert kd.shape == (1, 2, 50, 64)
 

@@ -7,15 +7,16 @@ import math
 import pytest
 import torch
 
-import nexuskv  # noqa: F401  (loads the library)
+from nexuskv.cache import make_cache
 from nexuskv.compressors import NQ
 from nq_reference import F64
 from test_cache import Decoder, attention_f64
 
 
 def make(bits=4, group=32, residual=16, sinks=0, rotate=False, dynamic=False, external_chunk=0):
-    return torch.classes.nexuskv.KVCache(bits, group, -2, 0, dynamic, bits, group, -1, 0, residual, rotate, 0, sinks,
-                                         external_chunk)
+    return make_cache(key_bits=bits, key_group_size=group, key_dynamic=dynamic, value_bits=bits,
+                      value_group_size=group, residual=residual, sinks=sinks, rotate=rotate,
+                      external_chunk=external_chunk)
 
 
 def rel(a, b):
@@ -218,7 +219,7 @@ def test_misuse_after_reset_and_bad_input():
         cache.append(torch.ones(1, 2, 3, 64, dtype=torch.long), torch.ones(1, 2, 3, 64, dtype=torch.long), None)
     with pytest.raises(RuntimeError, match="k and v must have one dtype, got Float and Half"):
         cache.append(torch.randn(1, 2, 3, 64), torch.randn(1, 2, 3, 64).half(), None)
-    with pytest.raises(RuntimeError, match="sinks must be >= 0, got -1"):
+    with pytest.raises(RuntimeError, match=r"sinks must be in \[0, 2147483647\], got -1"):
         make(sinks=-1)
     cache.append(torch.randn(1, 2, 3, 64), torch.randn(1, 2, 3, 64), None)
     with pytest.raises(RuntimeError, match=r"q must have shape \[1, q_heads, q_len, 64\]"):

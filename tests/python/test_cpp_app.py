@@ -10,7 +10,7 @@ from typing import Optional
 import pytest
 import torch
 
-import nexuskv  # noqa: F401  (loads the library: torch.classes.nexuskv)
+import nexuskv  # loads the library (torch.classes.nexuskv) and has the cache factory
 
 APP = Path(os.environ.get("NEXUSKV_DECODE_APP", Path(__file__).resolve().parents[2] / "build" / "py" / "examples" / "cpp" / "nexuskv_decode"))
 
@@ -41,7 +41,7 @@ def run_decode_app(app: Path, tmp_path: Path, nexuskv_lib_dir: Optional[Path] = 
     k = torch.randn(steps, B, H, 1, D)
     v = torch.randn(steps, B, H, 1, D)
     prefill = (torch.randn(B, H, 40, D), torch.randn(B, H, 40, D))
-    cache = torch.classes.nexuskv.KVCache(4, 32, -2, 0, False, 4, 32, -1, 0, 16, False, 0)
+    cache = nexuskv.cache.make_cache(key_group_size=32, value_group_size=32, residual=16)
     cache.append(*prefill, None)
     decoder = torch.jit.script(Decoder())
     expected = torch.stack([decoder(q[i], k[i], v[i], cache) for i in range(steps)])

@@ -1,8 +1,9 @@
 // The compressed KV cache of one attention layer: the single implementation of
 // the caching policy (which tokens are compressed when, sink tokens, the
-// full-precision tail, growth, byte accounting, beam reordering), used from
-// C++ directly, from Python and TorchScript as torch.classes.nexuskv.KVCache,
-// and by the Hugging Face binding (python_stub/nexuskv/hf.py).
+// full-precision tail, a sliding window, growth, byte accounting, beam
+// reordering, cropping, save/load), used from C++ directly, from Python and
+// TorchScript as torch.classes.nexuskv.KVCache (Python factory:
+// nexuskv.cache.make_cache), and by the Hugging Face binding.
 //
 // Policy.  The first `sinks` tokens of each sequence stay in full precision
 // for good (attention sinks).  After them, each sequence keeps its newest
@@ -14,6 +15,14 @@
 // batches, left padding dropped at append).  Positions: sinks, compressed
 // part, tail.
 //
+// Sliding window (options.window = W).  The query at position p sees the keys
+// at (p - W, p].  At an append of n tokens to a sequence that then has L
+// positions, positions < L - n - W + 1 are seen by no current or future query:
+// whole compressed chunks below that line are dropped ("evicted"; they are
+// counted by evicted_lengths() and no longer by lengths()), and chunks that
+// would be dead on arrival are never compressed.  The bytes held are then
+// bounded by the window, not by the tokens appended.
+//
 // Storage, one of three:
 //   fused     NQ / DGQ buffers [B, H, capacity, ...] grown in place; attention
 //             reads them through dgq_fused_attention (no dense copy).
@@ -23,13 +32,38 @@
 //             to the front end (take_due_chunks), which compresses them with
 //             its own compressor (e.g. a Python class), keeps them, and gives
 //             them back dequantized to dense_with().  The policy stays here.
+//
+// Device and dtype.  A cache has none until its first append: it then
+// allocates every buffer on the device and in the dtype of that K/V (rotation
+// signs too: drawn from the seed on the CPU, moved there once), and later K/V,
+// queries, masks and beam indices must match them (to() moves the cache).
+//
+// Input contract (checked at append, before anything is stored): K/V finite
+// and, for compressed storage, within the range the meta dtype of the scales
+// and zeros can represent (so that a token accepted now can always be
+// compressed later: no append can fail for an earlier token); inference only
+// (K/V that require grad under grad mode are rejected).  These checks read one
+// flag back from the device per append (a synchronization on accelerators);
+// a `valid` mask and, for reorder(), the beam indices are read on the host
+// too.  Nothing else reads device data on the host: lengths live in host
+// vectors, their device copies are refreshed only when they change.
+//
+// Appends are atomic: an append that raises leaves the cache exactly as it
+// was (a failed first append leaves it new, shape and device unfixed).
+//
+// Thread safety: every method takes the cache's own (recursive) mutex, so one
+// cache may be shared by threads; calls are serialized, lengths stay exact.
+// The order of two concurrent appends is whichever takes the lock first.
 #pragma once
 
+#include <ATen/core/Dict.h>
 #include <ATen/core/Tensor.h>
 #include <torch/custom_class.h>
 
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -37,100 +71,116 @@
 
 namespace nexuskv {
 
+// Every setting of a KVCache, checked by its constructor (which names the bad
+// field: "KVCache: key_group_size must be in [1, 256], got 0").
+struct CacheOptions {
+  // Fused storage formats (keys per channel, values per token by default;
+  // each QuantSpec carries its meta dtype, unset = the input dtype).
+  QuantSpec keys = QuantSpec::for_keys();
+  QuantSpec values = QuantSpec::for_values();
+  // Any other pair of compressors (both or neither): NQ / DGQ compressors are
+  // stored fused with their own specs (keys/values above are then unused),
+  // others chunk by chunk through compress()/decompress().
+  std::shared_ptr<const KVCompressor> key_compressor, value_compressor;
+  int64_t residual = 128;  // newest tokens per sequence kept in full precision (at least)
+  int64_t sinks = 0;       // first tokens per sequence kept in full precision for good
+  bool rotate = false;     // store K and V in a randomized Hadamard basis drawn from seed
+  int64_t seed = 0;
+  std::optional<int64_t> window;  // sliding window W >= 1 (needs sinks = 0)
+  int64_t external_chunk = 0;     // > 0: external storage in chunks of this many tokens
+
+  // The largest residual, sinks, window or chunk accepted: positions and
+  // segment starts must fit the int32 the kernels use for them.
+  static constexpr int64_t kMaxTokens = (int64_t(1) << 31) - 1;
+};
+
 class KVCache : public torch::CustomClassHolder {
  public:
-  // Fused storage.  residual: newest tokens per sequence kept in full
-  // precision (at least the chunk size is held back anyway until a chunk is
-  // full).  rotate: store K and V in a randomized Hadamard basis drawn from
-  // seed.  sinks: first tokens per sequence kept in full precision.
-  KVCache(QuantSpec keys, QuantSpec values, int64_t residual, bool rotate = false, int64_t seed = 0,
-          int64_t sinks = 0);
-  // Any pair of compressors: fused storage when both have a fused_spec (NQ,
-  // DGQ), chunk storage otherwise.
-  KVCache(std::shared_ptr<const KVCompressor> keys, std::shared_ptr<const KVCompressor> values, int64_t residual,
-          int64_t sinks = 0, bool rotate = false, int64_t seed = 0);
-  // External storage with chunks of `chunk` tokens.
-  static c10::intrusive_ptr<KVCache> external(int64_t chunk, int64_t residual, int64_t sinks = 0);
+  explicit KVCache(CacheOptions options = {});
+  ~KVCache() override;
+  const CacheOptions& options() const;
 
-  // Appends k, v [B, H, n, D] (float32/16/bf16, fixed after the first call).
-  // valid [B, n] (bool) marks real tokens; false entries (left padding) are
-  // dropped.  B, H, D are fixed by the first call.
+  // Appends k, v [B, H, n, D] (float32/16/bf16).  valid [B, n] (bool) marks
+  // real tokens; false entries (left padding) are dropped.  B, H, D, the dtype
+  // and the device are fixed by the first call (reset() frees them).
   void append(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& valid);
 
-  // softmax(q K^T * scale + causal) V over each sequence's cached tokens;
-  // q [B, Hq, Lq, D] holds the queries of the last Lq appended positions.
-  // Fused and chunk storage.
-  at::Tensor attend(const at::Tensor& q, std::optional<double> scale) const;
+  // softmax(softcap(q K^T * scale) + causal [+ window]) V over each sequence's
+  // cached tokens; q [B, Hq, Lq, D] holds the queries of the last Lq appended
+  // positions.  Fused and chunk storage.
+  at::Tensor attend(const at::Tensor& q, std::optional<double> scale = std::nullopt,
+                    std::optional<double> softcap = std::nullopt) const;
 
-  // Dense K, V [B, H, max_len, D] (dequantized, zero-padded at the end of
-  // shorter sequences) and lengths [B]: the path for any attention code.
-  // Fused and chunk storage.
+  // Dense K, V [B, H, max_length(), D] of the cached tokens (dequantized,
+  // zero-padded at the end of shorter sequences) and lengths() [B]: the path
+  // for any attention code.  Evicted tokens are not included.  Fused and chunk storage.
   std::tuple<at::Tensor, at::Tensor, at::Tensor> dense(std::optional<at::ScalarType> dtype) const;
 
   // External storage: the chunks compressed since the last call, in order:
-  // (sequence [m], offset in the sequence's compressed part [m], k, v), each
-  // k/v [H, chunk tokens, D] in the input dtype.
+  // (sequence [m], offset [m], k, v), each k/v [H, chunk tokens, D] in the
+  // input dtype; offset counts the sequence's compressed tokens before the
+  // chunk, evicted ones included (chunks dead on arrival are never handed over).
   std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> take_due_chunks();
-  // External storage: dense() with the compressed part of sequence b given
-  // as k_compressed[b], v_compressed[b] [H, compressed tokens of b, D].
+  // External storage: dense() with the live compressed part of sequence b
+  // (its compressed tokens from evicted_lengths()[b] on) given as
+  // k_compressed[b], v_compressed[b] [H, compressed_lengths()[b], D].
   std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_with(const std::vector<at::Tensor>& k_compressed,
                                                             const std::vector<at::Tensor>& v_compressed,
                                                             std::optional<at::ScalarType> dtype) const;
 
-  // Beam search: sequence b becomes the old sequence beam_idx[b] (every
-  // stored tensor, length, sink and tail).
-  void reorder(const at::Tensor& beam_idx);
+  // Keeps the first `length` positions of every sequence (positions count
+  // sinks, evicted and cached tokens; longer sequences are cut, shorter ones
+  // kept).  A cut inside the compressed part keeps the surviving tokens of the
+  // cut chunk: they are dequantized into the full-precision tail (so they
+  // carry their quantization error, as they did in the cache, and are
+  // quantized again when their chunk is due).  With a window, a cut that would
+  // need evicted positions is an error.  Fused and chunk storage; external
+  // storage takes crop_with() when a cut falls inside a compressed part.
+  void crop(int64_t length);
+  // External storage: crop() with the dequantized live compressed parts (as
+  // dense_with() takes them); afterwards the front end keeps only the first
+  // compressed_lengths()[b] live compressed tokens of each sequence.
+  void crop_with(int64_t length, const std::vector<at::Tensor>& k_compressed,
+                 const std::vector<at::Tensor>& v_compressed);
 
-  at::Tensor lengths() const;            // [B] tokens cached per sequence (int64), sinks included
-  at::Tensor compressed_lengths() const; // [B] tokens in the compressed part
-  int64_t max_length() const;
+  // Beam search: sequence b becomes the old sequence beam_idx[b] (every
+  // stored tensor and length).  beam_idx: integer [B] on the CPU or the cache's device.
+  void reorder(const at::Tensor& beam_idx);
+  // Moves every tensor of the cache to `device` (offload / prefetch); later
+  // inputs must be there.  A new cache has no device yet: a no-op.
+  void to(const at::Device& device);
+  // An independent deep copy (options shared: compressors are immutable).
+  c10::intrusive_ptr<KVCache> clone() const;
+  void reset();  // drops all tokens, the batch shape, dtype and device
+
+  // Every option and every stored tensor, documented in csrc/cache/cache_state.cpp
+  // (plain tensors only: torch.save / torch.load(weights_only=True) keep it).
+  // from_state_dict() restores a cache that continues bit-exactly; chunk
+  // storage needs its compressors again (code is not state).
+  c10::Dict<std::string, at::Tensor> state_dict() const;
+  static c10::intrusive_ptr<KVCache> from_state_dict(const c10::Dict<std::string, at::Tensor>& state,
+                                                     std::shared_ptr<const KVCompressor> key_compressor = nullptr,
+                                                     std::shared_ptr<const KVCompressor> value_compressor = nullptr);
+
+  at::Tensor lengths() const;             // [B] cached tokens per sequence (int64, CPU): sinks + compressed + tail
+  at::Tensor compressed_lengths() const;  // [B] live tokens in the compressed part
+  at::Tensor evicted_lengths() const;     // [B] compressed tokens dropped by the window
+  int64_t max_length() const;             // max of lengths()
   // Every byte held, allocated capacity included (external storage: the
   // front end adds the bytes of the chunks it keeps).
   int64_t nbytes() const;
-  int64_t used_nbytes() const;  // bytes of the cached tokens only
+  int64_t used_nbytes() const;        // bytes of the cached tokens only (the format's exact count)
   int64_t compressed_nbytes() const;  // bytes of the compressed K/V parts (capacity included; no sinks, tail)
-  int64_t chunk() const { return chunk_; }
-  int64_t sinks() const { return sinks_; }
-  bool is_external() const { return mode_ == Mode::kExternal; }
-  void reset();                 // drops all tokens and the batch shape
+  int64_t chunk() const;
+  int64_t sinks() const;
+  std::optional<int64_t> window() const;
+  bool is_external() const;
+
+  struct Impl;  // csrc/cache/cache_impl.h
 
  private:
-  enum class Mode { kFused, kChunks, kExternal };
-  struct Store {  // one of K, V: compressed part [B, H, capacity, ...]
-    std::vector<at::Tensor> parts;  // codes, scale, zero, outlier_idx, outlier_val (+ segment_starts)
-  };
-  struct DueChunk {
-    int64_t seq, offset;
-    at::Tensor k, v;  // [H, n, D]
-  };
-  KVCache(Mode mode, int64_t chunk, int64_t residual, int64_t sinks, bool rotate, int64_t seed);
-  void check_started(const char* method) const;
-  void check_mode(const char* method, bool ok, const char* use) const;
-  void ensure_capacity(int64_t tokens);
-  void ensure_tail_capacity(int64_t tokens);
-  void store_chunk(int64_t b, int64_t offset, at::Tensor k, at::Tensor v);
-  void write_compressed(Store& s, const QuantSpec& spec, int64_t b, int64_t offset, const at::Tensor& x);
-  std::vector<int64_t> format(const QuantSpec& spec) const { return {spec.bits, spec.group_size, spec.axis}; }
-  at::Tensor dequantize(const Store& s, const QuantSpec& spec, int64_t b, at::ScalarType dtype) const;
-  at::Tensor decompress_chunks(bool keys, int64_t b, at::ScalarType dtype) const;
-  template <typename CompressedPart>
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> assemble(at::ScalarType dtype, CompressedPart part) const;
-
-  Mode mode_;
-  QuantSpec keys_, values_;                               // fused storage
-  std::shared_ptr<const KVCompressor> k_comp_, v_comp_;   // chunk storage
-  int64_t residual_, sinks_, chunk_;
-  bool rotate_;
-  int64_t seed_;
-  int64_t batch_ = 0, heads_ = 0, head_dim_ = 0, capacity_ = 0, tail_capacity_ = 0;
-  at::ScalarType dtype_ = at::kFloat;
-  Store k_, v_;
-  std::vector<std::vector<CompressedTensor>> k_chunks_, v_chunks_;  // chunk storage, per sequence
-  std::vector<DueChunk> due_;                                       // external storage
-  at::Tensor k_tail_, v_tail_;        // [B, H, tail_capacity, D] in the input dtype
-  at::Tensor k_sink_, v_sink_;        // [B, H, sinks, D] in the input dtype
-  at::Tensor signs_;                  // [D] when rotated
-  std::vector<int64_t> compressed_len_, tail_len_, sink_len_;
+  std::unique_ptr<Impl> impl_;
+  mutable std::recursive_mutex mutex_;
 };
 
 }  // namespace nexuskv

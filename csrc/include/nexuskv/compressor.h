@@ -28,7 +28,22 @@ struct QuantSpec {
   std::optional<at::ScalarType> meta_dtype;
   // Tokens that one compression step must cover: whole token groups.
   int64_t token_multiple() const { return axis == -2 ? group_size : 1; }
+  // DGQ's longest segment: 2 * group_size rounded up to whole granules (so
+  // that ceil(tokens / group_size) segments always suffice).
+  int64_t dgq_max_len() const { return (2 * group_size + granule - 1) / granule * granule; }
+
+  static QuantSpec for_keys() { return QuantSpec{}; }
+  static QuantSpec for_values() {
+    QuantSpec s;
+    s.axis = -1;
+    return s;
+  }
 };
+
+// Checks every field of a spec against what nq_compress / dgq_compress
+// accept; `who` names the caller and `prefix` the spec ("KVCache",
+// "key_" -> "KVCache: key_group_size must be in [1, 256], got 0").
+void check_quant_spec(const QuantSpec& spec, const char* who, const char* prefix);
 
 // One compressed tensor: the compressor's buffers and what was compressed.
 struct CompressedTensor {
