@@ -20,7 +20,9 @@
 // Quantization of one group (asymmetric, round to nearest):
 //   qmax  = 2^bits - 1
 //   zero  = min over the dense entries, rounded DOWN to the meta dtype
-//   scale = (max - zero) / qmax, rounded UP to the meta dtype
+//   scale = (max - zero) / qmax, rounded UP to the meta dtype (a positive
+//           value below FLT_MIN, the smallest normal float32, is raised to
+//           FLT_MIN first, so that 1 / scale is finite)
 //   code  = clamp(round((x - zero) / scale), 0, qmax)
 //   x_hat = code * scale + zero
 // Rounding zero down and scale up keeps every dense entry inside
@@ -115,34 +117,38 @@ NEXUSKV_HD inline constexpr int64_t row_bytes(int bits, int64_t head_dim) {
 
 // Sizes of one compressed tensor, derived from the parameters alone.
 struct NQDims {
-  int64_t rows = 0;       // N: product of the leading dims
-  int64_t tokens = 0;     // T
-  int64_t head_dim = 0;   // D
+  int64_t rows = 0;      // N: product of the leading dims
+  int64_t tokens = 0;    // T
+  int64_t head_dim = 0;  // D
   int bits = 4;
-  int group_size = 64;    // G
+  int group_size = 64;  // G
   GroupAxis axis = GroupAxis::kTokens;
-  int num_outliers = 0;   // k
+  int num_outliers = 0;  // k
 
-  NEXUSKV_HD int64_t packed_row_bytes() const { return row_bytes(bits, head_dim); }
+  NEXUSKV_HD_INLINE int64_t packed_row_bytes() const { return row_bytes(bits, head_dim); }
   // A: groups (or tokens) along the first meta dim of one row.
-  NEXUSKV_HD int64_t meta_a() const { return axis == GroupAxis::kTokens ? ceil_div(tokens, group_size) : tokens; }
+  NEXUSKV_HD_INLINE int64_t meta_a() const {
+    return axis == GroupAxis::kTokens ? ceil_div(tokens, group_size) : tokens;
+  }
   // B: channels (or channel groups) along the second meta dim.
-  NEXUSKV_HD int64_t meta_b() const { return axis == GroupAxis::kTokens ? head_dim : ceil_div(head_dim, group_size); }
-  NEXUSKV_HD int64_t groups_per_row() const { return meta_a() * meta_b(); }
+  NEXUSKV_HD_INLINE int64_t meta_b() const {
+    return axis == GroupAxis::kTokens ? head_dim : ceil_div(head_dim, group_size);
+  }
+  NEXUSKV_HD_INLINE int64_t groups_per_row() const { return meta_a() * meta_b(); }
 
   // DGQ: [rows, meta_a()] first token of each token group, or null for fixed
   // groups of group_size.  Only with axis kTokens.
   const int32_t* segment_starts = nullptr;
   // Token group a of row n (kTokens) covers [group_start, group_end).
-  NEXUSKV_HD int64_t group_start(int64_t n, int64_t a) const {
+  NEXUSKV_HD_INLINE int64_t group_start(int64_t n, int64_t a) const {
     return segment_starts ? segment_starts[n * meta_a() + a] : a * group_size;
   }
-  NEXUSKV_HD int64_t group_end(int64_t n, int64_t a) const {
+  NEXUSKV_HD_INLINE int64_t group_end(int64_t n, int64_t a) const {
     if (!segment_starts) return (a + 1) * group_size < tokens ? (a + 1) * group_size : tokens;
     return a + 1 < meta_a() ? segment_starts[n * meta_a() + a + 1] : tokens;
   }
   // Longest token group: what per-group scratch must hold.
-  NEXUSKV_HD int64_t max_group_tokens() const { return segment_starts ? kMaxGroupSize : group_size; }
+  NEXUSKV_HD_INLINE int64_t max_group_tokens() const { return segment_starts ? kMaxGroupSize : group_size; }
 };
 
 // Total bytes of the five buffers; effective bits = 8 * bytes / (N*T*D).

@@ -30,61 +30,82 @@ template <int kBits>
 inline constexpr int kChunkChannels = 16 * kPlanes<kBits>;
 template <int kBits>
 inline constexpr int kChunkBytes = kBits == 3 ? 24 : 16;
-static_assert(kChunkChannels<2> == 64 && kChunkChannels<3> == 64 && kChunkChannels<4> == 32 &&
-              kChunkChannels<8> == 16, "chunk widths of nq_format.h");
+static_assert(kChunkChannels<2> == 64 && kChunkChannels<3> == 64 && kChunkChannels<4> == 32 && kChunkChannels<8> == 16,
+              "chunk widths of nq_format.h");
 
 // Channels of a row of D codes rounded up to whole chunks (the padding codes are 0).
 NEXUSKV_HD inline constexpr int64_t padded_channels(int bits, int64_t D) {
   return ceil_div(D, chunk_channels(bits)) * chunk_channels(bits);
 }
 
+// Plane j of a chunk's 16 low bytes: byte lane l holds the code of channel
+// 16 j + l (its low 2 bits for 3-bit codes) at bit plane_shift(j), width
+// kLowBits.  A SIMD reader takes a plane from one 16-byte load with one shift
+// and one mask (kPlaneMask in every byte lane).
+template <int kBits>
+NEXUSKV_HD_INLINE constexpr int plane_shift(int j) {
+  return kLowBits<kBits> * j;
+}
+template <int kBits>
+inline constexpr uint32_t kPlaneMask = uint32_t(1 << kLowBits<kBits>) - 1u;
+
 // Code of plane j, lane l from the chunk's byte l (2/4/8 bits; the low 2 bits for 3).
 template <int kBits>
 NEXUSKV_HD_INLINE uint32_t plane_code(uint32_t byte, int j) {
-  return (byte >> (kLowBits<kBits> * j)) & ((1u << kLowBits<kBits>) - 1u);
+  return (byte >> plane_shift<kBits>(j)) & kPlaneMask<kBits>;
 }
 
 // 3 bits: where bit 2 of chunk channel i (0..63) lives.
 NEXUSKV_HD_INLINE constexpr int high_bit_byte(int i) { return 16 + i % 8; }
 NEXUSKV_HD_INLINE constexpr int high_bit_shift(int i) { return i / 8; }
 
-// Code of channel i (0 <= i < kChunkChannels) of one chunk.
+// Code of lane l of plane j of one chunk, i.e. of chunk channel 16 j + l.
+// For 3 bits, bit 2 is at high_bit_byte(16 j + l) = 16 + l % 8, bit
+// high_bit_shift(16 j + l) = 2 j + l / 8, written so that with j constant
+// (an unrolled plane loop) a CPU compiler vectorizes over l.
 template <int kBits>
-NEXUSKV_HD_INLINE uint32_t chunk_code(const uint8_t* chunk, int i) {
-  uint32_t code = plane_code<kBits>(chunk[i % 16], i / 16);
-  if constexpr (kBits == 3) code |= ((uint32_t(chunk[high_bit_byte(i)]) >> high_bit_shift(i)) & 1u) << 2;
+NEXUSKV_HD_INLINE uint32_t plane_lane_code(const uint8_t* chunk, int j, int l) {
+  uint32_t code = plane_code<kBits>(chunk[l], j);
+  if constexpr (kBits == 3) code |= ((uint32_t(chunk[16 + (l & 7)]) >> (2 * j + (l >> 3))) & 1u) << 2;
   return code;
 }
 
+// Code of channel i (0 <= i < kChunkChannels) of one chunk.
+template <int kBits>
+NEXUSKV_HD_INLINE uint32_t chunk_code(const uint8_t* chunk, int i) {
+  return plane_lane_code<kBits>(chunk, i / 16, i % 16);
+}
+
 // Packs kChunkChannels codes (each < 2^kBits) into one chunk of kChunkBytes.
-// Written as lane loops over constant planes, so that a CPU compiler
-// vectorizes them.
+// Written as 16-lane loops over constant planes, so that a CPU compiler
+// vectorizes them (one 16-byte vector per plane).
 template <int kBits>
 NEXUSKV_HD_INLINE void pack_chunk(const uint8_t* codes, uint8_t* out) {
   constexpr int kLow = kLowBits<kBits>;
   uint8_t acc[16] = {};
-NEXUSKV_UNROLL
+  // 3 bits: bit 2 of channel 16 j + l goes to byte 16 + l % 8, bit 2 j + l / 8
+  // (high_bit_byte / high_bit_shift); gathered over 16 lanes at bit 2 j first.
+  uint8_t high16[16] = {};
+  NEXUSKV_UNROLL
   for (int j = 0; j < kPlanes<kBits>; ++j)
-    for (int l = 0; l < 16; ++l)
-      acc[l] = uint8_t(acc[l] | ((uint32_t(codes[16 * j + l]) & ((1u << kLow) - 1u)) << (kLow * j)));
+    for (int l = 0; l < 16; ++l) {
+      const uint32_t c = codes[16 * j + l];
+      acc[l] = uint8_t(acc[l] | ((c & kPlaneMask<kBits>) << (kLow * j)));
+      if constexpr (kBits == 3) high16[l] = uint8_t(high16[l] | (((c >> 2) & 1u) << (2 * j)));
+    }
   for (int l = 0; l < 16; ++l) out[l] = acc[l];
-  if constexpr (kBits == 3) {
-    uint8_t high[8] = {};
-NEXUSKV_UNROLL
-    for (int j = 0; j < 8; ++j)
-      for (int l = 0; l < 8; ++l) high[l] = uint8_t(high[l] | (((uint32_t(codes[8 * j + l]) >> 2) & 1u) << j));
-    for (int l = 0; l < 8; ++l) out[16 + l] = high[l];
-  }
+  if constexpr (kBits == 3)
+    for (int l = 0; l < 8; ++l) out[16 + l] = uint8_t(high16[l] | (high16[l + 8] << 1));
 }
 
 // Inverse of pack_chunk: writes kChunkChannels codes.
 template <int kBits>
 NEXUSKV_HD_INLINE void unpack_chunk(const uint8_t* in, uint8_t* codes) {
-NEXUSKV_UNROLL
+  NEXUSKV_UNROLL
   for (int j = 0; j < kPlanes<kBits>; ++j)
     for (int l = 0; l < 16; ++l) codes[16 * j + l] = uint8_t(plane_code<kBits>(in[l], j));
   if constexpr (kBits == 3) {
-NEXUSKV_UNROLL
+    NEXUSKV_UNROLL
     for (int j = 0; j < 8; ++j)
       for (int l = 0; l < 8; ++l) codes[8 * j + l] = uint8_t(codes[8 * j + l] | (((in[16 + l] >> j) & 1u) << 2));
   }
@@ -106,8 +127,7 @@ NEXUSKV_HD_INLINE void unpack_row(const uint8_t* row, int64_t D, uint8_t* codes)
 // Code of channel ch of a packed row, bits known at compile time / at run time.
 template <int kBits>
 NEXUSKV_HD_INLINE uint32_t code_at(const uint8_t* row, int64_t ch) {
-  return chunk_code<kBits>(row + (ch / kChunkChannels<kBits>) * kChunkBytes<kBits>,
-                           int(ch % kChunkChannels<kBits>));
+  return chunk_code<kBits>(row + kChunkBytes<kBits> * (ch / kChunkChannels<kBits>), int(ch % kChunkChannels<kBits>));
 }
 NEXUSKV_HD_INLINE uint32_t code_at(const uint8_t* row, int bits, int64_t ch) {
   switch (bits) {
@@ -118,8 +138,10 @@ NEXUSKV_HD_INLINE uint32_t code_at(const uint8_t* row, int bits, int64_t ch) {
   }
 }
 
-// Calls f(std::integral_constant-like tag) with the bit width as a compile-time
-// constant: dispatch<F>(bits, f) -> f.template operator()<kBits>().
+// Calls f with the bit width as a compile-time constant:
+// with_bits(bits, f) -> f.template operator()<kBits>().  In CUDA device code
+// pass a `[&] __host__ __device__ <int kBits>() {...}` lambda (nvcc
+// --extended-lambda) or build with --expt-relaxed-constexpr.
 template <typename F>
 NEXUSKV_HD_INLINE decltype(auto) with_bits(int bits, F&& f) {
   switch (bits) {
