@@ -46,14 +46,13 @@ import statistics
 import time
 from pathlib import Path
 
-
 import torch
 import torch.nn.functional as F
 
 import nexuskv
 from nexuskv import profiling
-from nexuskv.profiling import peak_allocated_bytes
 from nexuskv.ops import dgq_fused_attention
+from nexuskv.profiling import peak_allocated_bytes
 
 KEY_AXIS, VALUE_AXIS = -2, -1
 
@@ -126,9 +125,18 @@ def bench_context(shape_name, batch, ctx, bits_list, group, gen, tm):
     q32 = torch.randn(batch, hq, 1, d, generator=gen)
     k16, v16, q16 = k32.bfloat16(), v32.bfloat16(), q32.bfloat16()
     lens = torch.full((batch,), ctx, dtype=torch.int64)
-    base = {"shape": shape_name, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "batch": batch, "context": ctx,
-            "q_len": 1, "group_size": group, "dense_bf16_kv_bytes": nbytes((k16, v16)),
-            "dense_fp32_kv_bytes": nbytes((k32, v32))}
+    base = {
+        "shape": shape_name,
+        "q_heads": hq,
+        "kv_heads": hkv,
+        "head_dim": d,
+        "batch": batch,
+        "context": ctx,
+        "q_len": 1,
+        "group_size": group,
+        "dense_bf16_kv_bytes": nbytes((k16, v16)),
+        "dense_fp32_kv_bytes": nbytes((k32, v32)),
+    }
 
     # Dense SDPA: both formulations in both dtypes, keep the faster per dtype.
     sdpa = {}
@@ -138,8 +146,13 @@ def bench_context(shape_name, batch, ctx, bits_list, group, gen, tm):
             times[form], _ = tm(lambda: fn(q, k, v))
         best = min(times, key=times.get)
         extra = peak_extra_bytes(lambda: SDPA[best](q, k, v))
-        sdpa[dname] = {"ms": times[best] * 1e3, "form": best, "fold_ms": times["fold"] * 1e3,
-                       "gqa_ms": times["gqa"] * 1e3, "extra_mib": extra / MiB}
+        sdpa[dname] = {
+            "ms": times[best] * 1e3,
+            "form": best,
+            "fold_ms": times["fold"] * 1e3,
+            "gqa_ms": times["gqa"] * 1e3,
+            "extra_mib": extra / MiB,
+        }
     best_dtype = min(sdpa, key=lambda n: sdpa[n]["ms"])
     bf16_sdpa = SDPA[sdpa["bfloat16"]["form"]]
     fp32_sdpa = SDPA[sdpa["float32"]["form"]]
@@ -174,22 +187,37 @@ def bench_context(shape_name, batch, ctx, bits_list, group, gen, tm):
         comp = nbytes(kc16) + nbytes(vc16)
         fused_same_q = t_f32 if best_dtype == "float32" else t_f16
         row = dict(base)
-        row.update({
-            "bits": bits, "compressed_kv_bytes": comp,
-            "effective_bits": 8.0 * comp / (k16.numel() + v16.numel()),
-            "fused_f32q_ms": t_f32 * 1e3, "fused_bf16q_ms": t_f16 * 1e3, "fused_reps": reps_f,
-            "sdpa_fp32_ms": sdpa["float32"]["ms"], "sdpa_fp32_form": sdpa["float32"]["form"],
-            "sdpa_fp32_fold_ms": sdpa["float32"]["fold_ms"], "sdpa_fp32_gqa_ms": sdpa["float32"]["gqa_ms"],
-            "sdpa_bf16_ms": sdpa["bfloat16"]["ms"], "sdpa_bf16_form": sdpa["bfloat16"]["form"],
-            "sdpa_bf16_fold_ms": sdpa["bfloat16"]["fold_ms"], "sdpa_bf16_gqa_ms": sdpa["bfloat16"]["gqa_ms"],
-            "best_sdpa_dtype": best_dtype, "best_sdpa_ms": sdpa[best_dtype]["ms"],
-            "deq_sdpa_ms": t_deq * 1e3, "deq_reps": reps_d,
-            "speedup_vs_best_sdpa": sdpa[best_dtype]["ms"] / (fused_same_q * 1e3),
-            "speedup_vs_deq_sdpa": t_deq / t_f16,
-            "extra_mib_fused": mem_fused / MiB, "extra_mib_deq_sdpa": mem_deq / MiB,
-            "extra_mib_sdpa_fp32": sdpa["float32"]["extra_mib"], "extra_mib_sdpa_bf16": sdpa["bfloat16"]["extra_mib"],
-            "rel_err_fused_vs_deq_fp32": err, "rel_err_deq_bf16_vs_deq_fp32": err_bf16, "check_ok": err < 1e-3,
-        })
+        row.update(
+            {
+                "bits": bits,
+                "compressed_kv_bytes": comp,
+                "effective_bits": 8.0 * comp / (k16.numel() + v16.numel()),
+                "fused_f32q_ms": t_f32 * 1e3,
+                "fused_bf16q_ms": t_f16 * 1e3,
+                "fused_reps": reps_f,
+                "sdpa_fp32_ms": sdpa["float32"]["ms"],
+                "sdpa_fp32_form": sdpa["float32"]["form"],
+                "sdpa_fp32_fold_ms": sdpa["float32"]["fold_ms"],
+                "sdpa_fp32_gqa_ms": sdpa["float32"]["gqa_ms"],
+                "sdpa_bf16_ms": sdpa["bfloat16"]["ms"],
+                "sdpa_bf16_form": sdpa["bfloat16"]["form"],
+                "sdpa_bf16_fold_ms": sdpa["bfloat16"]["fold_ms"],
+                "sdpa_bf16_gqa_ms": sdpa["bfloat16"]["gqa_ms"],
+                "best_sdpa_dtype": best_dtype,
+                "best_sdpa_ms": sdpa[best_dtype]["ms"],
+                "deq_sdpa_ms": t_deq * 1e3,
+                "deq_reps": reps_d,
+                "speedup_vs_best_sdpa": sdpa[best_dtype]["ms"] / (fused_same_q * 1e3),
+                "speedup_vs_deq_sdpa": t_deq / t_f16,
+                "extra_mib_fused": mem_fused / MiB,
+                "extra_mib_deq_sdpa": mem_deq / MiB,
+                "extra_mib_sdpa_fp32": sdpa["float32"]["extra_mib"],
+                "extra_mib_sdpa_bf16": sdpa["bfloat16"]["extra_mib"],
+                "rel_err_fused_vs_deq_fp32": err,
+                "rel_err_deq_bf16_vs_deq_fp32": err_bf16,
+                "check_ok": err < 1e-3,
+            }
+        )
         rows.append(row)
     return rows
 
@@ -213,35 +241,44 @@ def ctx_label(n: int) -> str:
 
 
 def print_table(rows, header: bool = True) -> None:
-    hdr = (f"{'ctx':>4}{'B':>3} {'shape':<12}{'bits':>4}{'eff':>5} | {'fused':>8}{'f32 q':>7}{'sdpa f32':>10}"
-           f"{'sdpa bf16':>11}"
-           f"{'deq+sdpa':>10} | {'x best':>7}{'x deq':>7} | {'MiB fused':>10}{'deq+sdpa':>9}{'sdpa':>7} | "
-           f"{'KV MiB: NQ':>10}{'bf16':>8} | {'err':>7}")
+    hdr = (
+        f"{'ctx':>4}{'B':>3} {'shape':<12}{'bits':>4}{'eff':>5} | {'fused':>8}{'f32 q':>7}{'sdpa f32':>10}"
+        f"{'sdpa bf16':>11}"
+        f"{'deq+sdpa':>10} | {'x best':>7}{'x deq':>7} | {'MiB fused':>10}{'deq+sdpa':>9}{'sdpa':>7} | "
+        f"{'KV MiB: NQ':>10}{'bf16':>8} | {'err':>7}"
+    )
     if header:
         print(hdr)
         print("-" * len(hdr))
     for r in rows:
         forms = f"{r['sdpa_fp32_form'][0]}{r['sdpa_bf16_form'][0]}"
         best_mib = r["extra_mib_sdpa_fp32" if r["best_sdpa_dtype"] == "float32" else "extra_mib_sdpa_bf16"]
-        print(f"{ctx_label(r['context']):>4}{r['batch']:>3} {r['shape']:<12}{r['bits']:>4}{r['effective_bits']:5.2f} | "
-              f"{r['fused_bf16q_ms']:8.2f}{r['fused_f32q_ms']:7.2f}{r['sdpa_fp32_ms']:10.2f}{r['sdpa_bf16_ms']:8.2f} {forms}"
-              f"{r['deq_sdpa_ms']:10.2f} | {r['speedup_vs_best_sdpa']:6.2f}x{r['speedup_vs_deq_sdpa']:6.2f}x | "
-              f"{r['extra_mib_fused']:10.3f}{r['extra_mib_deq_sdpa']:9.1f}{best_mib:7.2f} | "
-              f"{r['compressed_kv_bytes'] / MiB:10.1f}{r['dense_bf16_kv_bytes'] / MiB:8.1f} | "
-              f"{r['rel_err_fused_vs_deq_fp32']:7.1e}{'' if r['check_ok'] else ' FAIL'}")
+        print(
+            f"{ctx_label(r['context']):>4}{r['batch']:>3} {r['shape']:<12}{r['bits']:>4}{r['effective_bits']:5.2f} | "
+            f"{r['fused_bf16q_ms']:8.2f}{r['fused_f32q_ms']:7.2f}"
+            f"{r['sdpa_fp32_ms']:10.2f}{r['sdpa_bf16_ms']:8.2f} {forms}"
+            f"{r['deq_sdpa_ms']:10.2f} | {r['speedup_vs_best_sdpa']:6.2f}x{r['speedup_vs_deq_sdpa']:6.2f}x | "
+            f"{r['extra_mib_fused']:10.3f}{r['extra_mib_deq_sdpa']:9.1f}{best_mib:7.2f} | "
+            f"{r['compressed_kv_bytes'] / MiB:10.1f}{r['dense_bf16_kv_bytes'] / MiB:8.1f} | "
+            f"{r['rel_err_fused_vs_deq_fp32']:7.1e}{'' if r['check_ok'] else ' FAIL'}"
+        )
 
 
 def summarize(rows, target_ctx: int, target_bits: int) -> dict:
     """The issue's targets at target_bits and target_ctx, per (shape, batch), and whether the
     fused path's extra memory stays flat across contexts (does not grow from the second-smallest
     context up: within 5% + 64 KiB)."""
-    out = {"target": f"{target_bits}-bit at {ctx_label(target_ctx)}: fused >= 2x the faster dense SDPA, "
-                     f">= 3x dequantize-then-SDPA, extra memory independent of context",
-           "configs": []}
+    out = {
+        "target": f"{target_bits}-bit at {ctx_label(target_ctx)}: fused >= 2x the faster dense SDPA, "
+        f">= 3x dequantize-then-SDPA, extra memory independent of context",
+        "configs": [],
+    }
     keys = sorted({(r["shape"], r["batch"]) for r in rows})
     for shape, batch in keys:
-        sel = sorted((r for r in rows if r["shape"] == shape and r["batch"] == batch and r["bits"] == target_bits),
-                     key=lambda r: r["context"])
+        sel = sorted(
+            (r for r in rows if r["shape"] == shape and r["batch"] == batch and r["bits"] == target_bits),
+            key=lambda r: r["context"],
+        )
         if not sel:
             continue
         mems = {r["context"]: r["extra_mib_fused"] for r in sel}
@@ -250,14 +287,22 @@ def summarize(rows, target_ctx: int, target_bits: int) -> dict:
         flat = all(mems[c] <= mems[ref_ctx] * 1.05 + 1 / 16 for c in ctxs if c >= ref_ctx)
         deq_mems = {r["context"]: r["extra_mib_deq_sdpa"] for r in sel}
         at = [r for r in sel if r["context"] == target_ctx]
-        c = {"shape": shape, "batch": batch, "fused_extra_mib_by_context": mems,
-             "deq_sdpa_extra_mib_by_context": deq_mems, "fused_memory_flat": flat}
+        c = {
+            "shape": shape,
+            "batch": batch,
+            "fused_extra_mib_by_context": mems,
+            "deq_sdpa_extra_mib_by_context": deq_mems,
+            "fused_memory_flat": flat,
+        }
         if at:
             r = at[0]
             form = r["sdpa_fp32_form" if r["best_sdpa_dtype"] == "float32" else "sdpa_bf16_form"]
-            c.update(speedup_vs_best_sdpa=r["speedup_vs_best_sdpa"], speedup_vs_deq_sdpa=r["speedup_vs_deq_sdpa"],
-                     best_sdpa=f"{r['best_sdpa_dtype']} {form}",
-                     met=bool(r["speedup_vs_best_sdpa"] >= 2 and r["speedup_vs_deq_sdpa"] >= 3 and flat))
+            c.update(
+                speedup_vs_best_sdpa=r["speedup_vs_best_sdpa"],
+                speedup_vs_deq_sdpa=r["speedup_vs_deq_sdpa"],
+                best_sdpa=f"{r['best_sdpa_dtype']} {form}",
+                met=bool(r["speedup_vs_best_sdpa"] >= 2 and r["speedup_vs_deq_sdpa"] >= 3 and flat),
+            )
         out["configs"].append(c)
     return out
 
@@ -270,8 +315,9 @@ def plot(rows, path: Path, info: dict) -> None:
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
     keys = sorted({(r["shape"], r["batch"]) for r in rows})
-    fig, axes = plt.subplots(2, len(keys), figsize=(4.2 * len(keys), 7.5), squeeze=False,
-                             gridspec_kw={"height_ratios": [2, 1]})
+    fig, axes = plt.subplots(
+        2, len(keys), figsize=(4.2 * len(keys), 7.5), squeeze=False, gridspec_kw={"height_ratios": [2, 1]}
+    )
     styles = {8: ("tab:blue", "-"), 4: ("tab:orange", "-"), 2: ("tab:green", "-")}
     for j, (shape, batch) in enumerate(keys):
         ax, axm = axes[0][j], axes[1][j]
@@ -280,20 +326,43 @@ def plot(rows, path: Path, info: dict) -> None:
         for bits in sorted({r["bits"] for r in sel}, reverse=True):
             rb = sorted((r for r in sel if r["bits"] == bits), key=lambda r: r["context"])
             col, ls = styles.get(bits, ("tab:gray", "-"))
-            ax.plot([r["context"] for r in rb], [r["fused_bf16q_ms"] for r in rb], ls, color=col, marker="o",
-                    label=f"fused {bits}-bit")
-            axm.plot([r["context"] for r in rb], [r["extra_mib_fused"] for r in rb], ls, color=col, marker="o",
-                     label=f"fused {bits}-bit")
+            ax.plot(
+                [r["context"] for r in rb],
+                [r["fused_bf16q_ms"] for r in rb],
+                ls,
+                color=col,
+                marker="o",
+                label=f"fused {bits}-bit",
+            )
+            axm.plot(
+                [r["context"] for r in rb],
+                [r["extra_mib_fused"] for r in rb],
+                ls,
+                color=col,
+                marker="o",
+                label=f"fused {bits}-bit",
+            )
         first = {c: next(r for r in sel if r["context"] == c) for c in ctxs}
         ax.plot(ctxs, [first[c]["sdpa_fp32_ms"] for c in ctxs], "--", color="black", marker="s", label="SDPA fp32")
-        ax.plot(ctxs, [first[c]["sdpa_bf16_ms"] for c in ctxs], "--", color="tab:purple", marker="s",
-                label="SDPA bf16")
+        ax.plot(ctxs, [first[c]["sdpa_bf16_ms"] for c in ctxs], "--", color="tab:purple", marker="s", label="SDPA bf16")
         deq_bits = 4 if any(r["bits"] == 4 for r in sel) else sel[0]["bits"]
         rd = sorted((r for r in sel if r["bits"] == deq_bits), key=lambda r: r["context"])
-        ax.plot([r["context"] for r in rd], [r["deq_sdpa_ms"] for r in rd], ":", color="tab:red", marker="^",
-                label=f"deq+SDPA {deq_bits}-bit (bf16)")
-        axm.plot([r["context"] for r in rd], [r["extra_mib_deq_sdpa"] for r in rd], ":", color="tab:red",
-                 marker="^", label=f"deq+SDPA {deq_bits}-bit")
+        ax.plot(
+            [r["context"] for r in rd],
+            [r["deq_sdpa_ms"] for r in rd],
+            ":",
+            color="tab:red",
+            marker="^",
+            label=f"deq+SDPA {deq_bits}-bit (bf16)",
+        )
+        axm.plot(
+            [r["context"] for r in rd],
+            [r["extra_mib_deq_sdpa"] for r in rd],
+            ":",
+            color="tab:red",
+            marker="^",
+            label=f"deq+SDPA {deq_bits}-bit",
+        )
         hq, hkv, d = SHAPES[shape]
         ax.set_title(f"{shape} (GQA {hq}/{hkv}, D={d}), batch {batch}", fontsize=10)
         for a in (ax, axm):
@@ -310,8 +379,11 @@ def plot(rows, path: Path, info: dict) -> None:
         if j == 0:
             ax.legend(fontsize=8)
             axm.legend(fontsize=8)
-    fig.suptitle(f"decode attention (q_len 1) on CPU: {info['cpu_model']}, torch.set_num_threads({info['threads']}), "
-                 f"torch {info['torch']}", fontsize=10)
+    fig.suptitle(
+        f"decode attention (q_len 1) on CPU: {info['cpu_model']}, torch.set_num_threads({info['threads']}), "
+        f"torch {info['torch']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -330,8 +402,12 @@ def main(argv=None) -> int:
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
-    ap.add_argument("--budget", type=float, default=None,
-                    help="target seconds of timed runs per measurement (default 1.0, 0.5 with --quick)")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="target seconds of timed runs per measurement (default 1.0, 0.5 with --quick)",
+    )
     ap.add_argument("--min-reps", type=int, default=3)
     ap.add_argument("--max-reps", type=int, default=None, help="default 25 (15 with --quick)")
     args = ap.parse_args(argv)
@@ -348,17 +424,26 @@ def main(argv=None) -> int:
         return median_time(fn, args.warmup, budget, args.min_reps, max_reps)
 
     info = machine_info(args.threads)
-    print(f"nexuskv dgq_fused_attention vs torch SDPA on {info['cpu_model']} ({info['cpu_count']} cores), "
-          f"torch {info['torch']} ({info['torch_cpu_capability']}), torch.set_num_threads({args.threads})")
+    print(
+        f"nexuskv dgq_fused_attention vs torch SDPA on {info['cpu_model']} ({info['cpu_count']} cores), "
+        f"torch {info['torch']} ({info['torch_cpu_capability']}), torch.set_num_threads({args.threads})"
+    )
     if (info["load_1min_at_start"] or 0) > 0.6 * args.threads / 2:
-        print(f"WARNING: 1-minute load {info['load_1min_at_start']} at start: another process competes for the "
-              f"cores, and {args.threads}-thread torch ops then wait for a descheduled thread (timings unreliable)")
-    print(f"q_len 1, NQ keys per-channel / values per-token, group {args.group_size}, no outliers, no tail; "
-          f"median of >= {args.min_reps} runs (~{budget:g} s each) after {args.warmup} warmup")
-    print("fused = bf16 q, f32 q = float32 q (x best uses the q dtype of the faster SDPA); sdpa bf16 suffix: formulation of "
-          "fp32/bf16 (f = heads folded into q_len, g = enable_gqa); deq+sdpa = nq_decompress to bf16 + bf16 SDPA;\n"
-          "MiB = peak extra allocation during the call (sdpa = the faster dense one); err = fused vs "
-          "deq-to-fp32 + fp32 SDPA (must be < 1e-3)\n")
+        print(
+            f"WARNING: 1-minute load {info['load_1min_at_start']} at start: another process competes for the "
+            f"cores, and {args.threads}-thread torch ops then wait for a descheduled thread (timings unreliable)"
+        )
+    print(
+        f"q_len 1, NQ keys per-channel / values per-token, group {args.group_size}, no outliers, no tail; "
+        f"median of >= {args.min_reps} runs (~{budget:g} s each) after {args.warmup} warmup"
+    )
+    print(
+        "fused = bf16 q, f32 q = float32 q (x best uses the q dtype of the faster SDPA); "
+        "sdpa bf16 suffix: formulation of "
+        "fp32/bf16 (f = heads folded into q_len, g = enable_gqa); deq+sdpa = nq_decompress to bf16 + bf16 SDPA;\n"
+        "MiB = peak extra allocation during the call (sdpa = the faster dense one); err = fused vs "
+        "deq-to-fp32 + fp32 SDPA (must be < 1e-3)\n"
+    )
 
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -383,8 +468,10 @@ def main(argv=None) -> int:
         dmem = ", ".join(f"{ctx_label(k)} {v:.1f}" for k, v in c["deq_sdpa_extra_mib_by_context"].items())
         s = f"  {c['shape']:<12} batch {c['batch']}: "
         if "met" in c:
-            s += (f"{c['speedup_vs_best_sdpa']:.2f}x vs best SDPA ({c['best_sdpa']}), "
-                  f"{c['speedup_vs_deq_sdpa']:.2f}x vs deq+SDPA; ")
+            s += (
+                f"{c['speedup_vs_best_sdpa']:.2f}x vs best SDPA ({c['best_sdpa']}), "
+                f"{c['speedup_vs_deq_sdpa']:.2f}x vs deq+SDPA; "
+            )
         s += f"fused extra MiB {mem} ({'flat' if c['fused_memory_flat'] else 'GROWS'}); deq+SDPA MiB {dmem}"
         if "met" in c:
             s += f" -> {'MET' if c['met'] else 'not met'}"
@@ -394,16 +481,38 @@ def main(argv=None) -> int:
 
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "machine": {**info, "load_1min_at_end": load_1min()}, "elapsed_s": elapsed,
-        "settings": {"shapes": {s: dict(zip(("q_heads", "kv_heads", "head_dim"), SHAPES[s])) for s in shapes},
-                     "contexts": contexts, "batches": batches, "bits": bits_list, "group_size": args.group_size,
-                     "q_len": 1, "num_outliers": 0, "tail": 0, "key_axis": KEY_AXIS, "value_axis": VALUE_AXIS,
-                     "meta_dtype": "bfloat16 (cache compressed from bf16 K/V)", "warmup": args.warmup,
-                     "budget_s": budget, "min_reps": args.min_reps, "max_reps": max_reps},
-        "units": "ms = median milliseconds per call; extra_mib = peak MiB allocated through torch's CPU allocator "
-                 "during one call, inputs excluded; *_kv_bytes = K plus V of the one attention layer timed",
-        "summary": summary, "rows": rows}, indent=1) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "machine": {**info, "load_1min_at_end": load_1min()},
+                "elapsed_s": elapsed,
+                "settings": {
+                    "shapes": {s: dict(zip(("q_heads", "kv_heads", "head_dim"), SHAPES[s])) for s in shapes},
+                    "contexts": contexts,
+                    "batches": batches,
+                    "bits": bits_list,
+                    "group_size": args.group_size,
+                    "q_len": 1,
+                    "num_outliers": 0,
+                    "tail": 0,
+                    "key_axis": KEY_AXIS,
+                    "value_axis": VALUE_AXIS,
+                    "meta_dtype": "bfloat16 (cache compressed from bf16 K/V)",
+                    "warmup": args.warmup,
+                    "budget_s": budget,
+                    "min_reps": args.min_reps,
+                    "max_reps": max_reps,
+                },
+                "units": "ms = median milliseconds per call; "
+                "extra_mib = peak MiB allocated through torch's CPU allocator "
+                "during one call, inputs excluded; *_kv_bytes = K plus V of the one attention layer timed",
+                "summary": summary,
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
     try:
         plot(rows, Path(args.png), info)

@@ -73,8 +73,15 @@ def torch_compress(x: torch.Tensor, bits: int, group_size: int, axis: int):
     return packed, scale.squeeze(red), zero.squeeze(red)
 
 
-def torch_decompress(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int,
-                     axis: int, dtype: torch.dtype) -> torch.Tensor:
+def torch_decompress(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bits: int,
+    group_size: int,
+    axis: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     if bits == 8:
         q = packed
     else:
@@ -112,49 +119,68 @@ def check(x, ours, ours_scale, base, base_scale, group_size, axis) -> dict:
     s_ours = expand_meta(ours_scale, group_size, axis, x.shape)
     rnd = torch.finfo(x.dtype).eps * xf.abs()  # one ulp of the output dtype, generous
     err_ours = (ours.float() - xf).abs()
-    res = {"max_err_ours_over_scale": (err_ours / s_ours).max().item(),
-           "ours_ok": bool((err_ours <= 0.5 * s_ours * (1 + 1e-3) + rnd).all())}
+    res = {
+        "max_err_ours_over_scale": (err_ours / s_ours).max().item(),
+        "ours_ok": bool((err_ours <= 0.5 * s_ours * (1 + 1e-3) + rnd).all()),
+    }
     if base is not None:
         s_base = expand_meta(base_scale, group_size, axis, x.shape)
         err_base = (base.float() - xf).abs()
         diff = (ours.float() - base.float()).abs()
-        res.update({
-            "max_err_base_over_scale": (err_base / s_base).max().item(),
-            "max_diff_over_scale": (diff / torch.maximum(s_ours, s_base)).max().item(),
-            "rel_rmse_ours": ((err_ours.square().mean() / xf.square().mean()).sqrt().item()),
-            "rel_rmse_base": ((err_base.square().mean() / xf.square().mean()).sqrt().item()),
-            # baseline rounds its stored scale to nearest, so its top codes may clamp
-            # by a fraction of a step: allow one scale between the two.
-            "agree": bool((diff <= torch.maximum(s_ours, s_base) * 1.01 + rnd).all()),
-        })
+        res.update(
+            {
+                "max_err_base_over_scale": (err_base / s_base).max().item(),
+                "max_diff_over_scale": (diff / torch.maximum(s_ours, s_base)).max().item(),
+                "rel_rmse_ours": ((err_ours.square().mean() / xf.square().mean()).sqrt().item()),
+                "rel_rmse_base": ((err_base.square().mean() / xf.square().mean()).sqrt().item()),
+                # baseline rounds its stored scale to nearest, so its top codes may clamp
+                # by a fraction of a step: allow one scale between the two.
+                "agree": bool((diff <= torch.maximum(s_ours, s_base) * 1.01 + rnd).all()),
+            }
+        )
     return res
 
 
 def bench_config(x, bits, group_size, axis, num_outliers, warmup, reps, with_baseline):
     d = x.shape[-1]
     nbytes = x.numel() * x.element_size()
-    row = {"dtype": str(x.dtype).replace("torch.", ""), "shape": list(x.shape), "axis": axis, "bits": bits,
-           "group_size": group_size, "num_outliers": num_outliers, "bytes": nbytes}
+    row = {
+        "dtype": str(x.dtype).replace("torch.", ""),
+        "shape": list(x.shape),
+        "axis": axis,
+        "bits": bits,
+        "group_size": group_size,
+        "num_outliers": num_outliers,
+        "bytes": nbytes,
+    }
 
     parts = nexuskv.nq_compress(x, bits, group_size, axis, num_outliers)
     t_c = median_time(lambda: nexuskv.nq_compress(x, bits, group_size, axis, num_outliers), warmup, reps)
     t_d = median_time(lambda: nexuskv.nq_decompress(*parts, bits, group_size, axis, d), warmup, reps)
     ours = nexuskv.nq_decompress(*parts, bits, group_size, axis, d)
-    row.update(ours_compress_s=t_c, ours_decompress_s=t_d, ours_compress_gbps=nbytes / t_c / 1e9,
-               ours_decompress_gbps=nbytes / t_d / 1e9,
-               ours_effective_bits=8.0 * sum(p.numel() * p.element_size() for p in parts) / x.numel())
+    row.update(
+        ours_compress_s=t_c,
+        ours_decompress_s=t_d,
+        ours_compress_gbps=nbytes / t_c / 1e9,
+        ours_decompress_gbps=nbytes / t_d / 1e9,
+        ours_effective_bits=8.0 * sum(p.numel() * p.element_size() for p in parts) / x.numel(),
+    )
 
     base = base_scale = None
     if with_baseline:
         packed, scale, zero = torch_compress(x, bits, group_size, axis)
         tb_c = median_time(lambda: torch_compress(x, bits, group_size, axis), warmup, reps)
-        tb_d = median_time(lambda: torch_decompress(packed, scale, zero, bits, group_size, axis, x.dtype),
-                           warmup, reps)
+        tb_d = median_time(lambda: torch_decompress(packed, scale, zero, bits, group_size, axis, x.dtype), warmup, reps)
         base = torch_decompress(packed, scale, zero, bits, group_size, axis, x.dtype)
         base_scale = scale
-        row.update(base_compress_s=tb_c, base_decompress_s=tb_d, base_compress_gbps=nbytes / tb_c / 1e9,
-                   base_decompress_gbps=nbytes / tb_d / 1e9, compress_speedup=tb_c / t_c,
-                   decompress_speedup=tb_d / t_d)
+        row.update(
+            base_compress_s=tb_c,
+            base_decompress_s=tb_d,
+            base_compress_gbps=nbytes / tb_c / 1e9,
+            base_decompress_gbps=nbytes / tb_d / 1e9,
+            compress_speedup=tb_c / t_c,
+            decompress_speedup=tb_d / t_d,
+        )
     row["check"] = check(x, ours, parts.scale, base, base_scale, group_size, axis)
     return row
 
@@ -163,8 +189,10 @@ machine_info = profiling.machine_info
 
 
 def print_table(rows) -> None:
-    hdr = (f"{'dtype':<9}{'axis':<6}{'bits':>4}{'G':>5}{'k':>3} | {'compress GB/s: ours':>19}{'torch':>7}{'x':>7}"
-           f" | {'decompress GB/s: ours':>21}{'torch':>7}{'x':>7} | {'err/scale':>9} ok")
+    hdr = (
+        f"{'dtype':<9}{'axis':<6}{'bits':>4}{'G':>5}{'k':>3} | {'compress GB/s: ours':>19}{'torch':>7}{'x':>7}"
+        f" | {'decompress GB/s: ours':>21}{'torch':>7}{'x':>7} | {'err/scale':>9} ok"
+    )
     print(hdr)
     print("-" * len(hdr))
     base_of = {}
@@ -173,20 +201,33 @@ def print_table(rows) -> None:
         if "base_compress_gbps" in r:
             base_of[key] = r
         b = base_of.get(key)
-        bc = f"{b['base_compress_gbps']:7.2f}{r['ours_compress_gbps'] / b['base_compress_gbps']:6.1f}x" if b else " " * 14
-        bd = f"{b['base_decompress_gbps']:7.2f}{r['ours_decompress_gbps'] / b['base_decompress_gbps']:6.1f}x" if b else " " * 14
+        bc = (
+            f"{b['base_compress_gbps']:7.2f}{r['ours_compress_gbps'] / b['base_compress_gbps']:6.1f}x"
+            if b
+            else " " * 14
+        )
+        bd = (
+            f"{b['base_decompress_gbps']:7.2f}{r['ours_decompress_gbps'] / b['base_decompress_gbps']:6.1f}x"
+            if b
+            else " " * 14
+        )
         c = r["check"]
         ok = c["ours_ok"] and c.get("agree", True)
-        print(f"{r['dtype']:<9}{AXES[r['axis']]:<6}{r['bits']:>4}{r['group_size']:>5}{r['num_outliers']:>3} | "
-              f"{r['ours_compress_gbps']:19.2f}{bc} | {r['ours_decompress_gbps']:21.2f}{bd} | "
-              f"{c['max_err_ours_over_scale']:9.3f} {'yes' if ok else 'NO'}")
+        print(
+            f"{r['dtype']:<9}{AXES[r['axis']]:<6}{r['bits']:>4}{r['group_size']:>5}{r['num_outliers']:>3} | "
+            f"{r['ours_compress_gbps']:19.2f}{bc} | {r['ours_decompress_gbps']:21.2f}{bd} | "
+            f"{c['max_err_ours_over_scale']:9.3f} {'yes' if ok else 'NO'}"
+        )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="group size 64 only, fewer repetitions (~30 s)")
-    ap.add_argument("--json", default=str(REPO / "results" / "bench_compress.json"),
-                    help="where to write the results (default: results/bench_compress.json in the repository)")
+    ap.add_argument(
+        "--json",
+        default=str(REPO / "results" / "bench_compress.json"),
+        help="where to write the results (default: results/bench_compress.json in the repository)",
+    )
     ap.add_argument("--shape", default="1,8,8192,128", help="batch,kv_heads,tokens,head_dim")
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--bits", default="2,4,8")
@@ -207,16 +248,22 @@ def main(argv=None) -> int:
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
 
     info = machine_info(args.threads)
-    print(f"nexuskv NQ vs plain PyTorch on {info['cpu_model']} ({info['cpu_count']} cores), "
-          f"torch {info['torch']} ({info['torch_cpu_capability']}), torch.set_num_threads({args.threads})")
+    print(
+        f"nexuskv NQ vs plain PyTorch on {info['cpu_model']} ({info['cpu_count']} cores), "
+        f"torch {info['torch']} ({info['torch_cpu_capability']}), torch.set_num_threads({args.threads})"
+    )
     if info["load_1min_at_start"] > 1.0:
         # Other processes on the cores slow the OpenMP baseline far more than they slow a
         # single-threaded kernel (threads wait at barriers for a descheduled peer).
-        print(f"WARNING: load average {info['load_1min_at_start']:.2f} before the run: other processes "
-              "share the cores and the timings (the multi-threaded baseline most) are not reliable")
-    print(f"shape {list(shape)}, GB/s of the uncompressed tensor in its dtype, median of {reps} runs "
-          f"after {warmup} warmup; k = num_outliers (torch baseline has none, so k=1 rows compare "
-          f"against the k=0 baseline)\n")
+        print(
+            f"WARNING: load average {info['load_1min_at_start']:.2f} before the run: other processes "
+            "share the cores and the timings (the multi-threaded baseline most) are not reliable"
+        )
+    print(
+        f"shape {list(shape)}, GB/s of the uncompressed tensor in its dtype, median of {reps} runs "
+        f"after {warmup} warmup; k = num_outliers (torch baseline has none, so k=1 rows compare "
+        f"against the k=0 baseline)\n"
+    )
 
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -235,22 +282,38 @@ def main(argv=None) -> int:
     four = [r for r in rows if r["bits"] == 4 and "compress_speedup" in r]
     summary = {}
     if four:
-        summary = {"min_compress_speedup_4bit": min(r["compress_speedup"] for r in four),
-                   "min_decompress_speedup_4bit": min(r["decompress_speedup"] for r in four),
-                   "median_compress_speedup_4bit": statistics.median(r["compress_speedup"] for r in four),
-                   "median_decompress_speedup_4bit": statistics.median(r["decompress_speedup"] for r in four)}
-        print("\n4-bit speedup over plain PyTorch: compress min {min_compress_speedup_4bit:.1f}x "
-              "(median {median_compress_speedup_4bit:.1f}x), decompress min {min_decompress_speedup_4bit:.1f}x "
-              "(median {median_decompress_speedup_4bit:.1f}x)".format(**summary))
+        summary = {
+            "min_compress_speedup_4bit": min(r["compress_speedup"] for r in four),
+            "min_decompress_speedup_4bit": min(r["decompress_speedup"] for r in four),
+            "median_compress_speedup_4bit": statistics.median(r["compress_speedup"] for r in four),
+            "median_decompress_speedup_4bit": statistics.median(r["decompress_speedup"] for r in four),
+        }
+        print(
+            "\n4-bit speedup over plain PyTorch: compress min {min_compress_speedup_4bit:.1f}x "
+            "(median {median_compress_speedup_4bit:.1f}x), decompress min {min_decompress_speedup_4bit:.1f}x "
+            "(median {median_decompress_speedup_4bit:.1f}x)".format(**summary)
+        )
     bad = [r for r in rows if not (r["check"]["ours_ok"] and r["check"].get("agree", True))]
     print(f"checks: {len(rows) - len(bad)}/{len(rows)} configs agree; {elapsed:.0f} s")
 
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     info["load_1min_at_end"] = os.getloadavg()[0]
-    out.write_text(json.dumps({"machine": info, "shape": list(shape), "reps": reps, "warmup": warmup,
-                               "units": "GB/s = 1e9 bytes of the uncompressed tensor (input dtype) per second",
-                               "summary": summary, "rows": rows}, indent=1) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "machine": info,
+                "shape": list(shape),
+                "reps": reps,
+                "warmup": warmup,
+                "units": "GB/s = 1e9 bytes of the uncompressed tensor (input dtype) per second",
+                "summary": summary,
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
     return 1 if bad else 0
 

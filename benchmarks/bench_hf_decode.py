@@ -51,8 +51,9 @@ def main() -> None:
     import nexuskv.hf as nhf
     from nexuskv import models
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model", default=None, help="local HF directory or .gguf (default: embedded SmolLM2-135M)")
     p.add_argument("--prompt-tokens", type=int, default=512, help="tokens in the cache before decoding")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps")
@@ -65,32 +66,50 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch._dynamo.config.cache_size_limit = 256
-    model, tok = models.load_model(getattr(torch, args.dtype), attn_implementation=nhf.ATTN_IMPLEMENTATION,
-                                   path=args.model)
+    model, tok = models.load_model(
+        getattr(torch, args.dtype), attn_implementation=nhf.ATTN_IMPLEMENTATION, path=args.model
+    )
     ids = models.tokenize(tok, models.load_text(), args.prompt_tokens)
-    caches = {"nexuskv fused": lambda: nhf.cache_for(model, bits=args.bits),
-              "dense (DynamicCache, sdpa)": None}
+    caches = {"nexuskv fused": lambda: nhf.cache_for(model, bits=args.bits), "dense (DynamicCache, sdpa)": None}
     rows = []
     for label, make in caches.items():
         if make is None:
             model.set_attn_implementation("sdpa")
             from transformers import DynamicCache
+
             make = DynamicCache
         graphs, breaks = graph_count(model, ids, make)
         eager = decode_rate(model, ids, make, args.steps, args.warmup, model.forward)
         torch._dynamo.reset()
         compiled = decode_rate(model, ids, make, args.steps, args.warmup, torch.compile(model.forward))
-        rows.append({"cache": label, "graphs": graphs, "graph_breaks": breaks, "eager_tokens_per_s": eager,
-                     "compiled_tokens_per_s": compiled})
+        rows.append(
+            {
+                "cache": label,
+                "graphs": graphs,
+                "graph_breaks": breaks,
+                "eager_tokens_per_s": eager,
+                "compiled_tokens_per_s": compiled,
+            }
+        )
         model.set_attn_implementation(nhf.ATTN_IMPLEMENTATION)
-    print(f"| cache | graphs / breaks of one decode step | eager tokens/s | compiled tokens/s |")
+    print("| cache | graphs / breaks of one decode step | eager tokens/s | compiled tokens/s |")
     print("|---|---|---|---|")
     for r in rows:
-        print(f"| {r['cache']} | {r['graphs']} / {r['graph_breaks']} | {r['eager_tokens_per_s']:.1f} | "
-              f"{r['compiled_tokens_per_s']:.1f} |")
+        print(
+            f"| {r['cache']} | {r['graphs']} / {r['graph_breaks']} | {r['eager_tokens_per_s']:.1f} | "
+            f"{r['compiled_tokens_per_s']:.1f} |"
+        )
     if args.json:
-        doc = {"model": models.model_name(args.model), "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,
-               "steps": args.steps, "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.platform(), "rows": rows}
+        doc = {
+            "model": models.model_name(args.model),
+            "dtype": args.dtype,
+            "prompt_tokens": args.prompt_tokens,
+            "steps": args.steps,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "machine": platform.platform(),
+            "rows": rows,
+        }
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"wrote {args.json}")

@@ -23,11 +23,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> nq_compre
 }
 
 at::Tensor nq_decompress(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zero,
-                         const at::Tensor& outlier_idx, const at::Tensor& outlier_val, int64_t bits,
-                         int64_t group_size, int64_t axis, int64_t head_dim,
-                         std::optional<at::ScalarType> out_dtype) {
-  using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         const at::Tensor&, int64_t, int64_t, int64_t, int64_t, std::optional<at::ScalarType>);
+                         const at::Tensor& outlier_idx, const at::Tensor& outlier_val, int64_t bits, int64_t group_size,
+                         int64_t axis, int64_t head_dim, std::optional<at::ScalarType> out_dtype) {
+  using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         int64_t, int64_t, int64_t, int64_t, std::optional<at::ScalarType>);
   static const auto op = find_op<Sig>("nexuskv::nq_decompress");
   return op.call(codes, scale, zero, outlier_idx, outlier_val, bits, group_size, axis, head_dim, out_dtype);
 }
@@ -45,12 +44,10 @@ at::Tensor dgq_decompress(const at::Tensor& codes, const at::Tensor& scale, cons
                           const at::Tensor& outlier_idx, const at::Tensor& outlier_val,
                           const at::Tensor& segment_starts, int64_t bits, int64_t group_size, int64_t head_dim,
                           std::optional<at::ScalarType> out_dtype) {
-  using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
-                         std::optional<at::ScalarType>);
+  using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, int64_t, int64_t, int64_t, std::optional<at::ScalarType>);
   static const auto op = find_op<Sig>("nexuskv::dgq_decompress");
-  return op.call(codes, scale, zero, outlier_idx, outlier_val, segment_starts, bits, group_size, head_dim,
-                 out_dtype);
+  return op.call(codes, scale, zero, outlier_idx, outlier_val, segment_starts, bits, group_size, head_dim, out_dtype);
 }
 
 at::Tensor dgq_fused_attention(const at::Tensor& q, at::TensorList k_cache, at::TensorList v_cache,

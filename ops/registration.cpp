@@ -1,12 +1,19 @@
 // The nexuskv operator surface: every schema, in one block.  Kernels register
 // beside their code (csrc/cpu, csrc/cuda) with TORCH_LIBRARY_IMPL; the
-// inference-only guard lives in ops/inference_only.cpp.
+// inference-only guard lives in ops/inference_only.cpp.  The nexuskv_meta
+// library repeats the operator schemas for the meta kernels that the Python
+// fake kernels run (csrc/aten/meta_kernels.cpp).
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include "nexuskv/cache.h"
 
-TORCH_LIBRARY(nexuskv, m) {
+namespace {
+
+// Every operator schema.  nexuskv's carry `tags` (pt2_compliant: the fake
+// kernels of nexuskv/ops.py let torch.compile trace them); nexuskv_meta's are
+// the same schemas for the meta kernels.
+void define_operators(torch::Library& m, const std::vector<at::Tag>& tags) {
   // NQ block quantization; the compressed format is documented in
   // csrc/include/nexuskv/core/nq_format.h.  axis = -2: groups of group_size
   // tokens per channel (keys); axis = -1: groups of group_size channels per
@@ -15,27 +22,31 @@ TORCH_LIBRARY(nexuskv, m) {
       "nq_compress(Tensor x, int bits, int group_size, int axis, int num_outliers=0, "
       "ScalarType? meta_dtype=None) -> "
       "(Tensor codes, Tensor scale, Tensor zero, Tensor outlier_idx, Tensor outlier_val)",
-      {at::Tag::pt2_compliant_tag});
+      tags);
   // Inverse of nq_compress: x_hat [..., tokens, head_dim] in out_dtype
-  // (default: outlier_val's dtype, i.e. the dtype that was compressed).
+  // (default: outlier_val's dtype, i.e. the dtype that was compressed).  The
+  // format parameters must be those of the compression: a mismatch is an
+  // error where it changes the buffers' sizes, undetectable where it does not
+  // (nexuskv.ops.nq_decompress lists the cases).
   m.def(
       "nq_decompress(Tensor codes, Tensor scale, Tensor zero, Tensor outlier_idx, Tensor outlier_val, "
       "int bits, int group_size, int axis, int head_dim, ScalarType? out_dtype=None) -> Tensor",
-      {at::Tag::pt2_compliant_tag});
+      tags);
 
   // DGQ: per-channel quantization over token groups chosen from the data
-  // (segments of whole granules, at most max_len tokens, default 2*group_size;
+  // (segments of whole granules, at most max_len tokens, default the smallest
+  // multiple of granule >= 2*group_size;
   // S = ceil(tokens / group_size) per row).  Returns the NQ buffers plus
   // segment_starts [..., S] (int32).  Allocates its outputs.
   m.def(
       "dgq_compress(Tensor x, int bits, int group_size, int granule=16, int? max_len=None, int num_outliers=0, "
       "ScalarType? meta_dtype=None) -> "
       "(Tensor codes, Tensor scale, Tensor zero, Tensor outlier_idx, Tensor outlier_val, Tensor segment_starts)",
-      {at::Tag::pt2_compliant_tag});
+      tags);
   m.def(
       "dgq_decompress(Tensor codes, Tensor scale, Tensor zero, Tensor outlier_idx, Tensor outlier_val, "
       "Tensor segment_starts, int bits, int group_size, int head_dim, ScalarType? out_dtype=None) -> Tensor",
-      {at::Tag::pt2_compliant_tag});
+      tags);
   // Fused attention straight over the compressed cache:
   //   out = softmax(q . K^T * scale + causal) . V        [batch, q_heads, q_len, head_dim]
   // k_cache / v_cache: [codes, scale, zero, outlier_idx, outlier_val] (NQ) or
@@ -58,10 +69,16 @@ TORCH_LIBRARY(nexuskv, m) {
       "Tensor compressed_lens, Tensor? k_tail=None, Tensor? v_tail=None, Tensor? tail_lens=None, "
       "Tensor? rotation_signs=None, float? scale=None, Tensor? k_sink=None, Tensor? v_sink=None, "
       "Tensor? sink_lens=None, int? window=None, float? softcap=None) -> Tensor",
-      {at::Tag::pt2_compliant_tag});
+      tags);
   // Randomized Hadamard rotation of the last dim (a power of two):
   // y = H (signs * x) / sqrt(n); inverse=True undoes it.  Allocates its output.
-  m.def("hadamard_rotate(Tensor x, Tensor signs, bool inverse=False) -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def("hadamard_rotate(Tensor x, Tensor signs, bool inverse=False) -> Tensor", tags);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(nexuskv, m) {
+  define_operators(m, {at::Tag::pt2_compliant_tag});
 
   // The compressed KV cache of one attention layer (policy and methods:
   // nexuskv/cache.h), for Python and TorchScript as
@@ -133,3 +150,7 @@ TORCH_LIBRARY(nexuskv, m) {
           [](const c10::intrusive_ptr<nexuskv::KVCache>& self) { return self->state_dict(); },
           [](c10::Dict<std::string, at::Tensor> state) { return nexuskv::KVCache::from_state_dict(state); });
 }
+
+// The meta kernels of the operators above, run by the fake kernels of
+// nexuskv/ops.py on meta copies of their inputs (csrc/aten/meta_kernels.cpp).
+TORCH_LIBRARY(nexuskv_meta, m) { define_operators(m, {}); }

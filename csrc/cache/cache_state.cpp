@@ -55,8 +55,7 @@ const at::Tensor& entry(const State& st, const std::string& key) {
 }
 bool has(const State& st, const std::string& key) { return st.find(key) != st.end(); }
 
-// Host copy of a state entry (load time only).
-at::Tensor host(const at::Tensor& t) { return t.to(at::kCPU).contiguous(); }
+at::Tensor host(const at::Tensor& t) { return to_host(t); }  // load time only
 
 int64_t int_of(const State& st, const std::string& key) {
   const at::Tensor& t = entry(st, key);
@@ -252,8 +251,8 @@ void KVCache::Impl::load_state(const c10::Dict<std::string, at::Tensor>& st) {
       if (!spec->dynamic) continue;
       // The readers need ordered segments from 0 within [0, capacity] in every row.
       const at::Tensor s = host((*parts)[5]).to(at::kLong);
-      TORCH_CHECK(s.select(2, 0).eq(0).all().item<bool>() && s.le(capacity).all().item<bool>() &&
-                      (s.size(2) < 2 || s.diff(1, 2).ge(0).all().item<bool>()),
+      TORCH_CHECK(host_flag(s.select(2, 0).eq(0).all()) && host_flag(s.le(capacity).all()) &&
+                      (s.size(2) < 2 || host_flag(s.diff(1, 2).ge(0).all())),
                   kCls, ": segment_starts must list ordered segments from 0 within [0, ", capacity, "]");
     }
   std::vector<DueChunk> d;

@@ -1,5 +1,6 @@
-// Fused attention: run-time choice of the instruction set, key-range splits,
-// the log-sum-exp merge of splits, and the Hadamard rotation.
+// Fused attention: the kernel of the instruction set chosen at run time
+// (nexuskv/core/cpu_isa.h), key-range splits, the log-sum-exp merge of
+// splits, and the Hadamard rotation.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -8,55 +9,16 @@
 #include <string>
 #include <vector>
 
+#include "isa_kernels.h"
 #include "nexuskv/core/attention.h"
+#include "nexuskv/core/cpu_isa.h"
 
 namespace nexuskv::core {
 
-// One definition per compiled instruction set (attention_kernel.cpp).
-#define NEXUSKV_DECLARE_ISA(isa) \
-  namespace isa {                \
-  void attention_tasks_impl(const AttentionProblem&, int64_t, float*, int64_t, int64_t); \
-  }
-NEXUSKV_DECLARE_ISA(generic)
-#if defined(NEXUSKV_HAVE_X86_ISAS)
-NEXUSKV_DECLARE_ISA(avx2)
-NEXUSKV_DECLARE_ISA(avx512)
-#endif
+const char* attention_isa() { return cpu_isa_name(cpu_isa()); }
 
-namespace {
-
-using TasksFn = void (*)(const AttentionProblem&, int64_t, float*, int64_t, int64_t);
-
-struct Isa {
-  const char* name;
-  TasksFn fn;
-};
-
-Isa pick_isa() {
-  const char* cap = std::getenv("NEXUSKV_CPU_ISA");
-  const std::string want = cap ? cap : "";
-#if defined(NEXUSKV_HAVE_X86_ISAS)
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                      __builtin_cpu_supports("avx512vnni");
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx512 && (want.empty() || want == "avx512")) return {"avx512", &avx512::attention_tasks_impl};
-  if (avx2 && (want.empty() || want == "avx512" || want == "avx2")) return {"avx2", &avx2::attention_tasks_impl};
-#endif
-  return {"generic", &generic::attention_tasks_impl};
-}
-
-const Isa& isa() {
-  static const Isa chosen = pick_isa();
-  return chosen;
-}
-
-}  // namespace
-
-const char* attention_isa() { return isa().name; }
-
-int64_t attention_num_splits(const AttentionProblem& p, int64_t min_tasks) {
+template <typename Meta, typename Val>
+int64_t attention_num_splits(const CpuAttentionParams<Meta, Val>& p, int64_t min_tasks) {
   int64_t longest = 0;
   for (int64_t b = 0; b < p.batch; ++b) longest = std::max(longest, p.seq_len(b) - p.first_visible(b));
   const int64_t pairs = p.batch * p.kv_heads;
@@ -65,13 +27,22 @@ int64_t attention_num_splits(const AttentionProblem& p, int64_t min_tasks) {
   return std::clamp<int64_t>(ceil_div(min_tasks, pairs), 1, max_splits);
 }
 
-void attention_tasks(const AttentionProblem& p, int64_t splits, float* partials, int64_t begin, int64_t end) {
-  isa().fn(p, splits, partials, begin, end);
+template <typename Meta, typename Val>
+void attention_tasks(const CpuAttentionParams<Meta, Val>& p, int64_t splits, float* partials, int64_t begin,
+                     int64_t end) {
+  switch (cpu_isa()) {
+#if defined(NEXUSKV_HAVE_X86_ISAS)
+    case CpuIsa::kAvx512: return avx512::attention_tasks<Meta, Val>(p, splits, partials, begin, end);
+    case CpuIsa::kAvx2: return avx2::attention_tasks<Meta, Val>(p, splits, partials, begin, end);
+#endif
+    default: return generic::attention_tasks<Meta, Val>(p, splits, partials, begin, end);
+  }
 }
 
-void attention_merge(const AttentionProblem& p, int64_t splits, const float* partials, float* out, int64_t begin,
-                     int64_t end) {
-  const int64_t D = p.head_dim, rows = p.rows_per_task(), group = p.q_heads / p.kv_heads;
+template <typename Meta, typename Val>
+void attention_merge(const CpuAttentionParams<Meta, Val>& p, int64_t splits, const float* partials, float* out,
+                     int64_t begin, int64_t end) {
+  const int64_t D = p.head_dim, rows = p.rows_per_kv_head();
   const int64_t stride = partial_floats(p);
   std::vector<float> row(static_cast<size_t>(D));
   for (int64_t bh = begin; bh < end; ++bh) {
@@ -97,18 +68,34 @@ void attention_merge(const AttentionProblem& p, int64_t splits, const float* par
         for (int64_t d = 0; d < D; ++d) row[size_t(d)] /= l;
         if (p.rotation_signs) hadamard_rotate_rows(row.data(), row.data(), 1, D, p.rotation_signs, true);
       }
-      const int64_t gq = r / p.q_len, i = r % p.q_len;
-      std::memcpy(out + ((b * p.q_heads + h * group + gq) * p.q_len + i) * D, row.data(), size_t(D) * sizeof(float));
+      const int64_t i = r % p.q_len;
+      std::memcpy(out + ((b * p.q_heads + p.q_head(h, r)) * p.q_len + i) * D, row.data(), size_t(D) * sizeof(float));
     }
   }
 }
 
+#define NEXUSKV_INSTANTIATE_ATTENTION(Meta, Val)                                                                     \
+  template int64_t attention_num_splits<Meta, Val>(const CpuAttentionParams<Meta, Val>&, int64_t);                   \
+  template void attention_tasks<Meta, Val>(const CpuAttentionParams<Meta, Val>&, int64_t, float*, int64_t, int64_t); \
+  template void attention_merge<Meta, Val>(const CpuAttentionParams<Meta, Val>&, int64_t, const float*, float*,      \
+                                           int64_t, int64_t);
+NEXUSKV_FOR_EACH_FLOAT_PAIR(NEXUSKV_INSTANTIATE_ATTENTION)
+
 void hadamard_rotate_rows(const float* x, float* y, int64_t rows, int64_t n, const float* signs, bool inverse) {
   const float norm = 1.f / std::sqrt(float(n));
+  // The butterflies grow a row by up to n; below this bound they cannot
+  // overflow and the norm is applied last (as always: results unchanged).
+  const float safe = std::numeric_limits<float>::max() / float(n);
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * n;
     float* yr = y + r * n;
-    for (int64_t i = 0; i < n; ++i) yr[i] = inverse ? xr[i] : xr[i] * signs[i];
+    float amax = 0.f;
+    for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(xr[i]));
+    // A row near FLT_MAX is scaled first: the butterflies then grow it by at
+    // most sqrt(n), which overflows only where the exact result does too.
+    const bool prescale = amax > safe;
+    const float pre = prescale ? norm : 1.f, post = prescale ? 1.f : norm;
+    for (int64_t i = 0; i < n; ++i) yr[i] = (inverse ? xr[i] : xr[i] * signs[i]) * pre;
     // In-place fast Walsh-Hadamard transform (Sylvester order; H is symmetric).
     for (int64_t len = 1; len < n; len <<= 1)
       for (int64_t i = 0; i < n; i += 2 * len)
@@ -116,7 +103,7 @@ void hadamard_rotate_rows(const float* x, float* y, int64_t rows, int64_t n, con
           const float a = yr[j], b = yr[j + len];
           yr[j] = a + b, yr[j + len] = a - b;
         }
-    for (int64_t i = 0; i < n; ++i) yr[i] *= inverse ? norm * signs[i] : norm;
+    for (int64_t i = 0; i < n; ++i) yr[i] *= inverse ? post * signs[i] : post;
   }
 }
 

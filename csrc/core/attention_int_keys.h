@@ -1,6 +1,6 @@
-// Integer scores for per-channel keys (AVX512-VNNI), included by
-// attention_kernel.cpp inside its per-ISA namespace; only the avx512 build
-// defines __AVX512VNNI__.
+// Integer scores for per-channel keys (AVX512-VNNI), for the fused attention
+// kernel (attention_kernel.cpp, compiled per ISA: isa.h).  Empty unless the
+// compiler targets AVX512-VNNI (__AVX512VNNI__, the avx512 build).
 //
 // Why: converting every 2/4/8-bit key code to float costs as much as the
 // float FMAs themselves.  With the key group's scales folded into the
@@ -27,13 +27,25 @@
 // Every integer sum is exact: |l| * code * D <= 127 * 255 * 256 < 2^31.
 //
 // Layout of the limbs (QueryLimbs::data): [rows, limbs, padded D] in channel
-// order.  Plane j of packed chunk c (nq_format.h: channels c*C + 16j + [0, 16),
+// order.  Plane j of packed chunk c (nq_layout.h: channels c*C + 16j + [0, 16),
 // C = 16 * planes) is then the 16 bytes at block c * planes + j, which a
 // 128-bit broadcast spreads over four keys whose chunk c sit in the four
 // 128-bit lanes of one register.
 #pragma once
 
 #if defined(__AVX512VNNI__)
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "isa.h"
+#include "nexuskv/core/attention.h"
+#include "nexuskv/core/nq_layout.h"
+
+namespace nexuskv::core::NEXUSKV_ISA {
 
 // Limbs of the folded queries of one task (all its rows), for the current key group.
 struct QueryLimbs {
@@ -42,7 +54,7 @@ struct QueryLimbs {
   float* a = nullptr;      // [rows] limb unit (NaN when the row's x is not finite)
 
   QueryLimbs(int64_t rows_, int64_t D, int bits, int limbs_)
-      : rows(rows_), padded(row_bytes(bits, D) * 8 / bits), limbs(limbs_),
+      : rows(rows_), padded(layout::padded_channels(bits, D)), limbs(limbs_),
         data(new int8_t[size_t(rows_ * limbs_ * padded)]()), a(new float[size_t(rows_)]) {}
   ~QueryLimbs() {
     delete[] data;
@@ -53,7 +65,8 @@ struct QueryLimbs {
 
   // The 16 limbs l of row r for packed block `block` (chunk * planes + plane).
   __m512i block(int64_t r, int64_t l, int64_t block) const {
-    return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(data + (r * limbs + l) * padded + 16 * block)));
+    return _mm512_broadcast_i32x4(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + (r * limbs + l) * padded + 16 * block)));
   }
 
   // Writes the limbs of x [rows, D], D % 16 == 0 (channels past D stay zero).
@@ -92,20 +105,24 @@ struct QueryLimbs {
 template <int kBits, int R, int L>
 void int_scores_block(const QueryLimbs& ql, int64_t r0, const uint8_t* const* key_rows, const float* bias,
                       float* scores, int64_t j0, int64_t n) {
-  constexpr int kPlanes = 8 / kBits;
-  const __m512i mask = _mm512_set1_epi8(char((1u << kBits) - 1u));
+  static_assert(kBits != 3, "3-bit chunks are not 16-byte planes");
+  constexpr int kPlanes = layout::kPlanes<kBits>, kChunk = layout::kChunkBytes<kBits>;
+  const __m512i mask = _mm512_set1_epi8(char(layout::kPlaneMask<kBits>));
   __m512i acc[R][L];
   for (int i = 0; i < R; ++i)
     for (int l = 0; l < L; ++l) acc[i][l] = _mm512_setzero_si512();
-  for (int64_t c = 0; c < ql.padded / (16 * kPlanes); ++c) {
+  for (int64_t c = 0; c < ql.padded / layout::kChunkChannels<kBits>; ++c) {
     // Chunk c of the four keys, one per 128-bit lane.
-    __m512i z = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(key_rows[0] + 16 * c)));
-    z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(key_rows[1] + 16 * c)), 1);
-    z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(key_rows[2] + 16 * c)), 2);
-    z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(key_rows[3] + 16 * c)), 3);
-#pragma GCC unroll 4
+    auto chunk = [&](int k) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(key_rows[k] + kChunk * c)); };
+    __m512i z = _mm512_castsi128_si512(chunk(0));
+    z = _mm512_inserti32x4(z, chunk(1), 1);
+    z = _mm512_inserti32x4(z, chunk(2), 2);
+    z = _mm512_inserti32x4(z, chunk(3), 3);
+    NEXUSKV_UNROLL
     for (int j = 0; j < kPlanes; ++j) {
-      const __m512i plane = kBits == 8 ? z : _mm512_and_si512(_mm512_srli_epi16(z, kBits * j), mask);
+      // Plane j: every byte lane shifted by plane_shift(j), masked (nq_layout.h).
+      const __m512i plane =
+          kBits == 8 ? z : _mm512_and_si512(_mm512_srli_epi16(z, layout::plane_shift<kBits>(j)), mask);
       for (int i = 0; i < R; ++i)
         for (int l = 0; l < L; ++l)
           acc[i][l] = _mm512_dpbusd_epi32(acc[i][l], plane, ql.block(r0 + i, l, c * kPlanes + j));
@@ -154,17 +171,25 @@ void int_scores_rows(const QueryLimbs& ql, const uint8_t* codes, int64_t row_byt
 }
 
 // Scores of the n keys whose packed rows start at codes (bits 2, 4 or 8).
-inline void int_scores(const QueryLimbs& ql, int bits, const uint8_t* codes, int64_t row_bytes, int64_t n,
-                       const float* bias, float* scores) {
+NEXUSKV_INLINE void int_scores(const QueryLimbs& ql, int bits, const uint8_t* codes, int64_t row_bytes, int64_t n,
+                               const float* bias, float* scores) {
   const bool three = ql.limbs == 3;
   switch (bits) {
-    case 2: three ? int_scores_rows<2, 3>(ql, codes, row_bytes, n, bias, scores)
-                  : int_scores_rows<2, 2>(ql, codes, row_bytes, n, bias, scores); break;
-    case 4: three ? int_scores_rows<4, 3>(ql, codes, row_bytes, n, bias, scores)
-                  : int_scores_rows<4, 2>(ql, codes, row_bytes, n, bias, scores); break;
-    default: three ? int_scores_rows<8, 3>(ql, codes, row_bytes, n, bias, scores)
-                   : int_scores_rows<8, 2>(ql, codes, row_bytes, n, bias, scores); break;
+    case 2:
+      three ? int_scores_rows<2, 3>(ql, codes, row_bytes, n, bias, scores)
+            : int_scores_rows<2, 2>(ql, codes, row_bytes, n, bias, scores);
+      break;
+    case 4:
+      three ? int_scores_rows<4, 3>(ql, codes, row_bytes, n, bias, scores)
+            : int_scores_rows<4, 2>(ql, codes, row_bytes, n, bias, scores);
+      break;
+    default:
+      three ? int_scores_rows<8, 3>(ql, codes, row_bytes, n, bias, scores)
+            : int_scores_rows<8, 2>(ql, codes, row_bytes, n, bias, scores);
+      break;
   }
 }
+
+}  // namespace nexuskv::core::NEXUSKV_ISA
 
 #endif  // __AVX512VNNI__

@@ -1,6 +1,6 @@
-// The fused attention inner loop, compiled once per instruction set (the
-// namespace NEXUSKV_ISA is generic, avx2 or avx512; CMake sets the flags) and
-// picked at run time by attention.cpp.  Per task (batch, kv head, key split):
+// The fused attention inner loop, compiled once per instruction set (isa.h:
+// namespace generic, avx2 or avx512, CMake sets the flags) and picked at run
+// time by attention.cpp.  Per task (batch, kv head, key split):
 //   for each tile of <= kTileTokens keys that stays inside one quantization
 //   group/segment of K and of V:
 //     keys: per-channel groups -> the group's scales are folded into the
@@ -16,22 +16,25 @@
 //       registers straight from the packed rows (AVX-512, 2/4/8 bits) or
 //       through a float tile; otherwise dequantized; acc += p . V, 4 query
 //       rows per value load.
-// Layout and math of the compressed rows: nq_format.h.
+// Layout and math of the compressed rows: nq_format.h; the code that reads
+// them: nq_layout.h.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
+#include "attention_int_keys.h"
+#include "isa.h"
+#include "isa_kernels.h"
 #include "nexuskv/core/attention.h"
 #include "nexuskv/core/half.h"
-
-#ifndef NEXUSKV_ISA
-#define NEXUSKV_ISA generic
-#endif
+#include "nexuskv/core/nq_layout.h"
+#include "rows.h"
 
 namespace nexuskv::core::NEXUSKV_ISA {
 namespace {
@@ -55,20 +58,6 @@ inline float exp_nonpos(float x) {
   p = p * r + 1.f;
   const float two_n = bits_float(uint32_t(int32_t(n) + 127) << 23);
   return x < -87.f ? 0.f : p * two_n;
-}
-
-// dst[0..n) = p[off .. off + n) as float32; the dtype switch is outside the
-// loops so that they vectorize.
-void load_floats(const void* p, DType t, int64_t off, int64_t n, float* __restrict dst) {
-  if (t == DType::kFloat32) {
-    std::memcpy(dst, static_cast<const float*>(p) + off, size_t(n) * sizeof(float));
-  } else if (t == DType::kBFloat16) {
-    const uint16_t* src = static_cast<const uint16_t*>(p) + off;
-    for (int64_t i = 0; i < n; ++i) dst[i] = bits_float(uint32_t(src[i]) << 16);
-  } else {
-    const uint16_t* src = static_cast<const uint16_t*>(p) + off;
-    for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(src[i]);
-  }
 }
 
 // Sum of v[0..n) with 16 independent partial sums (an in-order float sum
@@ -108,34 +97,22 @@ inline bool all_finite(const float* __restrict v, int64_t n) {
   return s == 0.f;
 }
 
-inline float load_float(const void* p, DType t, int64_t i) {
-  switch (t) {
-    case DType::kFloat16: return half_to_float(static_cast<const uint16_t*>(p)[i]);
-    case DType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
-
 // dst[c] = code(c) * s[c] + z[c] for one packed row, c < D (D % 16 == 0);
 // with kAffine false just dst[c] = code(c) (scales are folded elsewhere).
+// Plane by plane (nq_layout.h), so that every shift is a constant.
 template <int kBits, bool kAffine = true>
-void dequant_row(const uint8_t* __restrict packed, int64_t D, const float* __restrict s,
-                 const float* __restrict z, float* __restrict dst) {
-  constexpr int kChunk = kBits == 8 ? 16 : kBits == 4 ? 32 : 64;
-  constexpr int kChunkBytes = kBits == 3 ? 24 : 16;
-  constexpr int kLowBits = kBits == 3 ? 2 : kBits;
-  constexpr int kPlanes = 8 / kLowBits;
-  constexpr uint8_t kMask = uint8_t((1u << kLowBits) - 1u);
-  for (int64_t base = 0; base < D; base += kChunk, packed += kChunkBytes) {
-    // Full chunks unroll over a constant number of planes (constant shifts).
+void dequant_row(const uint8_t* __restrict packed, int64_t D, const float* __restrict s, const float* __restrict z,
+                 float* __restrict dst) {
+  constexpr int kChunk = layout::kChunkChannels<kBits>, kPlanes = layout::kPlanes<kBits>;
+  for (int64_t base = 0; base < D; base += kChunk, packed += layout::kChunkBytes<kBits>) {
+    // Full chunks unroll over a constant number of planes; a partial last chunk holds D - base channels.
     const int planes = base + kChunk <= D ? kPlanes : int((D - base) / 16);
-#pragma GCC unroll 8
+    NEXUSKV_UNROLL
     for (int j = 0; j < kPlanes; ++j) {
       if (j >= planes) break;
       const int64_t c0 = base + 16 * j;
       for (int l = 0; l < 16; ++l) {
-        uint32_t code = (packed[l] >> (kLowBits * j)) & kMask;
-        if constexpr (kBits == 3) code |= ((uint32_t(packed[16 + (l & 7)]) >> (2 * j + (l >> 3))) & 1u) << 2;
+        const uint32_t code = layout::plane_lane_code<kBits>(packed, j, l);
         if constexpr (kAffine)
           dst[c0 + l] = float(code) * s[c0 + l] + z[c0 + l];
         else
@@ -163,25 +140,27 @@ void codes_row_bits(int bits, const uint8_t* packed, int64_t D, float* dst) {
   }
 }
 
-// Walks the quantization groups of one (b, h) row of a compressed view along
+// Walks the quantization groups of one (b, h) row of a compressed cache along
 // the tokens: which group holds token t and where it ends.
+template <typename Cache>
 class GroupCursor {
  public:
-  GroupCursor(const CompressedView& c, int64_t bh) : c_(c), bh_(bh) {}
+  GroupCursor(const Cache& c, int64_t bh) : c_(c), bh_(bh) {}
 
   // Positions the cursor on the group holding token t (t only grows between calls).
   void seek(int64_t t) {
     const NQDims& d = c_.dims;
     if (d.axis == GroupAxis::kChannels) {
       group_ = -1, start_ = t, end_ = std::numeric_limits<int64_t>::max();
-    } else if (!c_.segment_starts) {
+    } else if (!d.segment_starts) {
       group_ = t / d.group_size, start_ = group_ * d.group_size, end_ = start_ + d.group_size;
     } else {
-      const int32_t* starts = c_.segment_starts + bh_ * c_.meta_a;
+      const int64_t S = d.meta_a();
+      const int32_t* starts = d.segment_starts + bh_ * S;
       if (group_ < 0 || t < start_) group_ = 0;
-      while (group_ + 1 < c_.meta_a && starts[group_ + 1] <= t) ++group_;
+      while (group_ + 1 < S && starts[group_ + 1] <= t) ++group_;
       start_ = starts[group_];
-      end_ = group_ + 1 < c_.meta_a ? starts[group_ + 1] : d.tokens;
+      end_ = group_ + 1 < S ? starts[group_ + 1] : d.tokens;
     }
   }
   int64_t group() const { return group_; }
@@ -189,44 +168,45 @@ class GroupCursor {
   int64_t end() const { return end_; }
 
  private:
-  const CompressedView& c_;
+  const Cache& c_;
   int64_t bh_;
   int64_t group_ = -1, start_ = 0, end_ = 0;
 };
 
 // Dequantizes tokens [t0, t1) of row bh (inside the cursor's group when the
 // grouping runs along tokens) into dst [t1 - t0, D], outliers included.
-void dequant_tile(const CompressedView& c, int64_t bh, const GroupCursor& cur, int64_t t0, int64_t t1,
+template <typename Cache>
+void dequant_tile(const Cache& c, int64_t bh, const GroupCursor<Cache>& cur, int64_t t0, int64_t t1,
                   float* __restrict dst, float* __restrict s_buf, float* __restrict z_buf) {
+  using Meta = std::remove_cv_t<std::remove_pointer_t<decltype(c.scale)>>;
   const NQDims& d = c.dims;
-  const int64_t D = d.head_dim, rb = d.packed_row_bytes(), Bm = d.meta_b(), k = d.num_outliers;
-  const uint8_t* codes = c.codes + (bh * d.tokens) * rb;
+  const int64_t D = d.head_dim, Bm = d.meta_b();
+  const int k = d.num_outliers;
   if (d.axis == GroupAxis::kTokens) {
-    const int64_t g = (bh * c.meta_a + cur.group()) * Bm;  // first meta entry of the group
-    load_floats(c.scale, c.meta_dtype, g, D, s_buf);
-    load_floats(c.zero, c.meta_dtype, g, D, z_buf);
-    for (int64_t t = t0; t < t1; ++t) dequant_row_bits(d.bits, codes + t * rb, D, s_buf, z_buf, dst + (t - t0) * D);
+    const int64_t g = c.meta_index(bh, cur.group(), 0);  // first meta entry of the group
+    Rows<Meta>::widen(c.scale + g, D, s_buf);
+    Rows<Meta>::widen(c.zero + g, D, z_buf);
+    for (int64_t t = t0; t < t1; ++t) dequant_row_bits(d.bits, c.code_row(bh, t), D, s_buf, z_buf, dst + (t - t0) * D);
     for (int64_t ch = 0; k && ch < D; ++ch)
-      for (int64_t slot = 0; slot < k; ++slot) {
-        const int64_t e = (g + ch) * k + slot;
-        const int64_t t = cur.start() + c.outlier_idx[e];
-        if (t >= t0 && t < t1) dst[(t - t0) * D + ch] = load_float(c.outlier_val, c.val_dtype, e);
+      for (int slot = 0; slot < k; ++slot) {
+        const int64_t t = cur.start() + c.outlier_pos(g + ch, slot);
+        if (t >= t0 && t < t1) dst[(t - t0) * D + ch] = c.outlier_value(g + ch, slot);
       }
   } else {
     const int64_t G = d.group_size;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t g = (bh * c.meta_a + t) * Bm;  // meta entries of token t
+      const int64_t g = c.meta_index(bh, t, 0);  // meta entries of token t
       for (int64_t b = 0; b < Bm; ++b) {
-        const float s = load_float(c.scale, c.meta_dtype, g + b), z = load_float(c.zero, c.meta_dtype, g + b);
+        const float s = c.scale_at(g + b), z = c.zero_at(g + b);
         const int64_t c1 = std::min(D, (b + 1) * G);
         for (int64_t ch = b * G; ch < c1; ++ch) s_buf[ch] = s, z_buf[ch] = z;
       }
       float* row = dst + (t - t0) * D;
-      dequant_row_bits(d.bits, codes + t * rb, D, s_buf, z_buf, row);
+      dequant_row_bits(d.bits, c.code_row(bh, t), D, s_buf, z_buf, row);
       for (int64_t b = 0; k && b < Bm; ++b)
-        for (int64_t slot = 0; slot < k; ++slot) {
-          const int64_t e = (g + b) * k + slot, ch = b * G + c.outlier_idx[e];
-          if (ch < D) row[ch] = load_float(c.outlier_val, c.val_dtype, e);
+        for (int slot = 0; slot < k; ++slot) {
+          const int64_t ch = b * G + c.outlier_pos(g + b, slot);
+          if (ch < D) row[ch] = c.outlier_value(g + b, slot);
         }
     }
   }
@@ -333,10 +313,11 @@ void pv_block(float* const* acc, const float* const* w, int64_t bstride, int64_t
 template <int R, int kBits>
 void pv_codes_block(float* const* acc, const float* const* w, int64_t bstride, int64_t G,
                     const uint8_t* __restrict codes, int64_t row_bytes, int64_t n, int64_t D) {
-  constexpr int kPlanes = 8 / kBits, kChunk = 16 * kPlanes;
-  const __m128i mask = _mm_set1_epi8(char((1u << kBits) - 1u));
+  static_assert(kBits != 3, "3-bit chunks are not 16-byte planes");
+  constexpr int kPlanes = layout::kPlanes<kBits>, kChunk = layout::kChunkChannels<kBits>;
+  const __m128i mask = _mm_set1_epi8(char(layout::kPlaneMask<kBits>));
   for (int64_t c0 = 0; c0 < D; c0 += kChunk) {  // one packed chunk: kPlanes blocks of 16 channels
-    const uint8_t* src = codes + 16 * (c0 / kChunk);
+    const uint8_t* src = codes + layout::kChunkBytes<kBits> * (c0 / kChunk);
     const int64_t planes = (D - c0) / 16 < kPlanes ? (D - c0) / 16 : kPlanes;  // a partial last chunk
     int64_t woff[kPlanes];  // where the weights of block j's channel group start
     __m512 a[kPlanes][R];
@@ -346,11 +327,13 @@ void pv_codes_block(float* const* acc, const float* const* w, int64_t bstride, i
     }
     for (int64_t t = 0; t < n; ++t, src += row_bytes) {
       const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-#pragma GCC unroll 4
+      NEXUSKV_UNROLL
       for (int j = 0; j < kPlanes; ++j) {
         if (j >= planes) break;
+        // Plane j: every byte lane shifted by plane_shift(j), masked (nq_layout.h).
         __m128i code = c;
-        if constexpr (kBits != 8) code = _mm_and_si128(j == 0 ? c : _mm_srli_epi16(c, kBits * j), mask);
+        if constexpr (kBits != 8)
+          code = _mm_and_si128(j == 0 ? c : _mm_srli_epi16(c, layout::plane_shift<kBits>(j)), mask);
         const __m512 vt = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(code));
         for (int i = 0; i < R; ++i) a[j][i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i][woff[j] + t]), vt, a[j][i]);
       }
@@ -361,8 +344,8 @@ void pv_codes_block(float* const* acc, const float* const* w, int64_t bstride, i
 }
 
 template <int R>
-void pv_codes_bits(int bits, float* const* acc, const float* const* w, int64_t bstride, int64_t G,
-                   const uint8_t* codes, int64_t row_bytes, int64_t n, int64_t D) {
+void pv_codes_bits(int bits, float* const* acc, const float* const* w, int64_t bstride, int64_t G, const uint8_t* codes,
+                   int64_t row_bytes, int64_t n, int64_t D) {
   switch (bits) {
     case 2: pv_codes_block<R, 2>(acc, w, bstride, G, codes, row_bytes, n, D); break;
     case 4: pv_codes_block<R, 4>(acc, w, bstride, G, codes, row_bytes, n, D); break;
@@ -384,8 +367,8 @@ constexpr bool kPackedValues = true;
 constexpr bool kPackedValues = false;
 #endif
 
-void pv_rows(int R, float* const* acc, const float* const* w, int64_t bstride, int64_t G, const float* v,
-             int64_t n, int64_t D) {
+void pv_rows(int R, float* const* acc, const float* const* w, int64_t bstride, int64_t G, const float* v, int64_t n,
+             int64_t D) {
   switch (R) {
     case 1: pv_block<1>(acc, w, bstride, G, v, n, D); break;
     case 2: pv_block<2>(acc, w, bstride, G, v, n, D); break;
@@ -394,44 +377,19 @@ void pv_rows(int R, float* const* acc, const float* const* w, int64_t bstride, i
   }
 }
 
-// Scratch floats of one task: plain new[] and loops only.  This file is
-// compiled once per instruction set, so it avoids std:: templates over float
-// (std::vector<float>, std::fill, std::max<float>): their instantiations are
-// shared symbols, and the linker could hand the AVX copy to portable code.
-struct FloatBuf {
-  explicit FloatBuf(int64_t n) : p(new float[size_t(n)]) {}
-  ~FloatBuf() { delete[] p; }
-  FloatBuf(const FloatBuf&) = delete;
-  FloatBuf& operator=(const FloatBuf&) = delete;
-  float* p;
-};
+// Scratch floats of one task (isa.h's Buffer: no std:: containers in per-ISA code).
+using FloatBuf = Buffer<float>;
 
-inline float max_f(float a, float b) { return a > b ? a : b; }
-
-inline void fill_f(float* p, int64_t n, float v) {
-  for (int64_t i = 0; i < n; ++i) p[i] = v;
-}
-
-// Code of channel ch in one packed row (nq_format.h), for the few reads that
-// need a single code (outlier corrections).
-inline uint32_t code_at(const uint8_t* row, int bits, int64_t ch) {
-  if (bits == 3) {
-    const uint8_t* chunk = row + (ch / 64) * 24;
-    const int64_t i = ch % 64;
-    return ((chunk[i % 16] >> (2 * (i / 16))) & 3u) | (((chunk[16 + i % 8] >> (i / 8)) & 1u) << 2);
-  }
-  const int64_t C = chunk_channels(bits), i = ch % C;
-  return (row[(ch / C) * 16 + i % 16] >> (bits * (i / 16))) & ((1u << bits) - 1u);
-}
-
-#include "attention_int_keys.h"
+// Code of channel ch in one packed row, for the few reads that need a single
+// code (outlier corrections).
+using layout::code_at;
 
 // A tile of keys/values ready for attend(): float rows plus how to read them.
 struct Tile {
-  const float* k = nullptr;        // [n, D] keys, or raw codes when k_query is the folded one
-  const float* k_query = nullptr;  // [rows, D] queries to dot with k (scaled by the key group's scales)
-  const float* k_bias = nullptr;   // [rows] added to every score (q . key zeros), or null
-  const float* v = nullptr;        // [n, D] values, or raw codes when v_scale is set
+  const float* k = nullptr;          // [n, D] keys, or raw codes when k_query is the folded one
+  const float* k_query = nullptr;    // [rows, D] queries to dot with k (scaled by the key group's scales)
+  const float* k_bias = nullptr;     // [rows] added to every score (q . key zeros), or null
+  const float* v = nullptr;          // [n, D] values, or raw codes when v_scale is set
   const uint8_t* v_codes = nullptr;  // [n, v_row_bytes] packed value codes, read in place (instead of v), or null
   int64_t v_row_bytes = 0;
   int v_bits = 0;
@@ -457,10 +415,10 @@ struct TaskState {
   // outlier correction of every later tile of the group still reads them.
   FloatBuf ks, kz;
   FloatBuf meta_tmp;  // [2, kTileTokens, D / 16] a value tile's scales and zeros as stored
-  FloatBuf spare;    // [4, D] keys of a partial block of four
-  int64_t* pos;      // [rows] position of each query row
-  int64_t window;    // sliding window (0: none)
-  float softcap;     // logit soft-cap (0: none)
+  FloatBuf spare;     // [4, D] keys of a partial block of four
+  int64_t* pos;       // [rows] position of each query row
+  int64_t window;     // sliding window (0: none)
+  float softcap;      // logit soft-cap (0: none)
 
   TaskState(int64_t rows_, int64_t D_, int64_t window_, float softcap_)
       : rows(rows_), D(D_), q(rows_ * D_), qk(rows_ * D_), kbias(rows_), acc(rows_ * D_), zacc(rows_ * (D_ / 16)),
@@ -469,6 +427,8 @@ struct TaskState {
         vz(kTileTokens * (D_ / 16)), ks(D_), kz(D_), meta_tmp(2 * kTileTokens * (D_ / 16)), spare(4 * D_),
         pos(new int64_t[size_t(rows_)]), window(window_), softcap(softcap_) {}
   ~TaskState() { delete[] pos; }
+  TaskState(const TaskState&) = delete;
+  TaskState& operator=(const TaskState&) = delete;
 
   void reset() {
     fill_f(acc.p, rows * D, 0.f);
@@ -562,10 +522,12 @@ struct TaskState {
 };
 
 // Folded keys: qk = q * scale and kbias = q . zero of key group g.
-void load_key_group(const CompressedView& c, int64_t bh, int64_t g, TaskState& st) {
-  const int64_t D = st.D, e0 = (bh * c.meta_a + g) * D;
-  load_floats(c.scale, c.meta_dtype, e0, D, st.ks.p);
-  load_floats(c.zero, c.meta_dtype, e0, D, st.kz.p);
+template <typename Cache>
+void load_key_group(const Cache& c, int64_t bh, int64_t g, TaskState& st) {
+  using Meta = std::remove_cv_t<std::remove_pointer_t<decltype(c.scale)>>;
+  const int64_t D = st.D, e0 = c.meta_index(bh, g, 0);
+  Rows<Meta>::widen(c.scale + e0, D, st.ks.p);
+  Rows<Meta>::widen(c.zero + e0, D, st.kz.p);
   for (int64_t r = 0; r < st.rows; ++r) {
     const float* q = st.q.p + r * D;
     float* qk = st.qk.p + r * D;
@@ -575,37 +537,38 @@ void load_key_group(const CompressedView& c, int64_t bh, int64_t g, TaskState& s
 }
 
 // Folded keys: scores saw code*scale+zero at outlier positions; add q * (exact - that).
-void correct_key_outliers(const CompressedView& c, int64_t bh, const GroupCursor& cur, int64_t t0, int64_t t1,
+template <typename Cache>
+void correct_key_outliers(const Cache& c, int64_t bh, const GroupCursor<Cache>& cur, int64_t t0, int64_t t1,
                           TaskState& st) {
-  const int64_t k = c.dims.num_outliers, D = st.D;
+  const int k = c.num_outliers();
+  const int64_t D = st.D;
   if (k == 0) return;
-  const int64_t g = (bh * c.meta_a + cur.group()) * D;
+  const int64_t g = c.meta_index(bh, cur.group(), 0);
   for (int64_t ch = 0; ch < D; ++ch)
-    for (int64_t slot = 0; slot < k; ++slot) {
-      const int64_t e = (g + ch) * k + slot, t = cur.start() + c.outlier_idx[e];
+    for (int slot = 0; slot < k; ++slot) {
+      const int64_t t = cur.start() + c.outlier_pos(g + ch, slot);
       // A group with fewer entries than slots repeats its last slot (nq_format.h):
       // correct each position once.
-      if (t < t0 || t >= t1 || (slot > 0 && c.outlier_idx[e] == c.outlier_idx[e - 1])) continue;
-      const uint8_t* row = c.codes + (bh * c.dims.tokens + t) * c.dims.packed_row_bytes();
-      const float approx = float(code_at(row, c.dims.bits, ch)) * st.ks.p[ch] + st.kz.p[ch];
-      const float delta = load_float(c.outlier_val, c.val_dtype, e) - approx;
+      if (t < t0 || t >= t1 || c.repeated_slot(g + ch, slot)) continue;
+      const float approx = float(c.code(bh, t, ch)) * st.ks.p[ch] + st.kz.p[ch];
+      const float delta = c.outlier_value(g + ch, slot) - approx;
       for (int64_t r = 0; r < st.rows; ++r) st.scores.p[r * kTileTokens + (t - t0)] += st.q.p[r * D + ch] * delta;
     }
 }
 
 // Folded values: the per-group scales and zeros of tokens [t0, t1) into vs / vz,
 // and their codes as floats into v_tile unless the kernel reads them packed.
-void load_value_rows(const CompressedView& c, int64_t bh, int64_t t0, int64_t t1, bool packed, TaskState& st) {
+template <typename Cache>
+void load_value_rows(const Cache& c, int64_t bh, int64_t t0, int64_t t1, bool packed, TaskState& st) {
+  using Meta = std::remove_cv_t<std::remove_pointer_t<decltype(c.scale)>>;
   const NQDims& d = c.dims;
-  const int64_t D = st.D, nb = d.meta_b(), rb = d.packed_row_bytes();
-  for (int64_t t = t0; !packed && t < t1; ++t) {
-    codes_row_bits(d.bits, c.codes + (bh * d.tokens + t) * rb, D, st.v_tile.p + (t - t0) * D);
-  }
+  const int64_t D = st.D, nb = d.meta_b();
+  for (int64_t t = t0; !packed && t < t1; ++t) codes_row_bits(d.bits, c.code_row(bh, t), D, st.v_tile.p + (t - t0) * D);
   // The tile's scales and zeros, [t0, t1) x nb in memory, into [nb, kTileTokens]
   // (converted in one vectorized pass each, then transposed).
-  const int64_t e0 = (bh * c.meta_a + t0) * nb, n = t1 - t0;
-  load_floats(c.scale, c.meta_dtype, e0, n * nb, st.meta_tmp.p);
-  load_floats(c.zero, c.meta_dtype, e0, n * nb, st.meta_tmp.p + n * nb);
+  const int64_t e0 = c.meta_index(bh, t0, 0), n = t1 - t0;
+  Rows<Meta>::widen(c.scale + e0, n * nb, st.meta_tmp.p);
+  Rows<Meta>::widen(c.zero + e0, n * nb, st.meta_tmp.p + n * nb);
   for (int64_t b = 0; b < nb; ++b)
     for (int64_t j = 0; j < n; ++j) {
       st.vs.p[b * kTileTokens + j] = st.meta_tmp.p[j * nb + b];
@@ -614,27 +577,32 @@ void load_value_rows(const CompressedView& c, int64_t bh, int64_t t0, int64_t t1
 }
 
 // Folded values: acc saw code*scale+zero at outlier positions; add p * (exact - that).
-void correct_value_outliers(const CompressedView& c, int64_t bh, int64_t t0, int64_t t1, TaskState& st) {
+template <typename Cache>
+void correct_value_outliers(const Cache& c, int64_t bh, int64_t t0, int64_t t1, TaskState& st) {
   const NQDims& d = c.dims;
-  const int64_t k = d.num_outliers, D = st.D, nb = d.meta_b(), G = d.group_size;
+  const int k = d.num_outliers;
+  const int64_t D = st.D, nb = d.meta_b(), G = d.group_size;
   if (k == 0) return;
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t b = 0; b < nb; ++b)
-      for (int64_t slot = 0; slot < k; ++slot) {
-        const int64_t e = ((bh * c.meta_a + t) * nb + b) * k + slot, ch = b * G + c.outlier_idx[e];
-        if (ch >= D || (slot > 0 && c.outlier_idx[e] == c.outlier_idx[e - 1])) continue;  // repeated slot
+      for (int slot = 0; slot < k; ++slot) {
+        const int64_t m = c.meta_index(bh, t, b), ch = b * G + c.outlier_pos(m, slot);
+        if (ch >= D || c.repeated_slot(m, slot)) continue;  // past the row, or a repeated slot
         const int64_t j = t - t0;
-        const float code = float(code_at(c.codes + (bh * d.tokens + t) * d.packed_row_bytes(), d.bits, ch));
-        const float approx = code * st.vs.p[b * kTileTokens + j] + st.vz.p[b * kTileTokens + j];
-        const float delta = load_float(c.outlier_val, c.val_dtype, e) - approx;
+        const float approx = float(c.code(bh, t, ch)) * st.vs.p[b * kTileTokens + j] + st.vz.p[b * kTileTokens + j];
+        const float delta = c.outlier_value(m, slot) - approx;
         for (int64_t r = 0; r < st.rows; ++r) st.acc.p[r * D + ch] += st.scores.p[r * kTileTokens + j] * delta;
       }
 }
 
 }  // namespace
 
-void attention_tasks_impl(const AttentionProblem& p, int64_t splits, float* partials, int64_t begin, int64_t end) {
-  const int64_t D = p.head_dim, group = p.q_heads / p.kv_heads, rows = p.rows_per_task();
+template <typename Meta, typename Val>
+void attention_tasks(const CpuAttentionParams<Meta, Val>& p, int64_t splits, float* partials, int64_t begin,
+                     int64_t end) {
+  using Cache = CompressedKV<Meta, Val>;
+  note_kernel_isa(kThisIsa);
+  const int64_t D = p.head_dim, rows = p.rows_per_kv_head();
   TaskState st(rows, D, p.window, p.softcap);
   FloatBuf rotated(2 * kTileTokens * D);
   // Scales folded out of the inner loops: per-channel key scales into the
@@ -652,33 +620,30 @@ void attention_tasks_impl(const AttentionProblem& p, int64_t splits, float* part
   const bool packed_v = kPackedValues && fold_v && p.v.dims.bits != 3;
   for (int64_t task = begin; task < end; ++task) {
     const int64_t s = task % splits, bh = task / splits, b = bh / p.kv_heads, h = bh % p.kv_heads;
-    const int64_t L = p.seq_len(b), comp = p.compressed_lens[b], sink = p.sink_len(b);
+    const int64_t L = p.seq_len(b), comp = p.compressed_len(b), sink = p.sink_len(b);
     // Split s covers key positions [lo, hi), whole tiles from the first position
     // any query sees (keys before a sliding window are never read).
     const int64_t first = p.first_visible(b);
     const int64_t span = ceil_div(ceil_div(L - first, splits), kTileTokens) * kTileTokens;
     const int64_t lo = std::min(L, first + s * span), hi = std::min(L, lo + span);
     st.reset();
-    const uint8_t* k_codes = p.k.codes + bh * p.k.dims.tokens * k_rb;
-    const uint8_t* v_codes = p.v.codes + bh * p.v.dims.tokens * v_rb;
-    for (int64_t gq = 0; gq < group; ++gq)
-      for (int64_t i = 0; i < p.q_len; ++i) {
-        const int64_t r = gq * p.q_len + i;
-        const float* src = p.q + ((b * p.q_heads + h * group + gq) * p.q_len + i) * D;
-        float* dst = st.q.p + r * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * p.scale;
-        if (p.rotation_signs) hadamard_rotate_rows(dst, dst, 1, D, p.rotation_signs, false);
-        st.pos[r] = L - p.q_len + i;
-      }
-    // Full-precision keys/values (sinks, tail) at positions [from, to): rows of a
-    // [B, Hkv, capacity, D] buffer whose row 0 is position `first`, rotated on the fly when the cache is.
-    auto attend_full_precision = [&](const float* k_rows, const float* v_rows, int64_t capacity, int64_t first,
-                                     int64_t from, int64_t to) {
+    const uint8_t* k_codes = p.k.code_row(bh, 0);
+    const uint8_t* v_codes = p.v.code_row(bh, 0);
+    for (int64_t r = 0; r < rows; ++r) {  // row r: query r % q_len of query head q_head(h, r)
+      const float* src = p.q_row(b, h, r);
+      float* dst = st.q.p + r * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * p.scale;
+      if (p.rotation_signs) hadamard_rotate_rows(dst, dst, 1, D, p.rotation_signs, false);
+      st.pos[r] = p.query_position(b, r % p.q_len);
+    }
+    // Full-precision keys/values (sinks, tail) at positions [from, to): rows
+    // [B, Hkv, capacity, D] whose row 0 is position `first` (consecutive rows:
+    // the CPU glue makes them contiguous), rotated on the fly when the cache is.
+    auto attend_full_precision = [&](const DenseKV<float>& rows_kv, int64_t first, int64_t from, int64_t to) {
       for (int64_t t = from; t < to; t += kTileTokens) {
         const int64_t n = std::min(kTileTokens, to - t);
-        const int64_t off = (bh * capacity + (t - first)) * D;
-        const float* k = k_rows + off;
-        const float* v = v_rows + off;
+        const float* k = rows_kv.k.row(b, h, t - first);
+        const float* v = rows_kv.v.row(b, h, t - first);
         if (p.rotation_signs) {
           hadamard_rotate_rows(k, rotated.p, n, D, p.rotation_signs, false);
           hadamard_rotate_rows(v, rotated.p + kTileTokens * D, n, D, p.rotation_signs, false);
@@ -690,10 +655,10 @@ void attention_tasks_impl(const AttentionProblem& p, int64_t splits, float* part
         st.update(tile, n, t);
       }
     };
-    attend_full_precision(p.k_sink, p.v_sink, p.sink_capacity, 0, lo, std::min(hi, sink));
+    attend_full_precision(p.sink, 0, lo, std::min(hi, sink));
     // Compressed tokens [c_lo, c_hi) at positions sink + t, in tiles that never straddle a group.
     const int64_t c_lo = std::max<int64_t>(lo - sink, 0), c_hi = std::min(hi - sink, comp);
-    GroupCursor kc(p.k, bh), vc(p.v, bh);
+    GroupCursor<Cache> kc(p.k, bh), vc(p.v, bh);
     int64_t k_group_loaded = -1;
     for (int64_t t = c_lo; t < c_hi;) {
       kc.seek(t), vc.seek(t);
@@ -738,7 +703,7 @@ void attention_tasks_impl(const AttentionProblem& p, int64_t splits, float* part
       }
       t = te;
     }
-    attend_full_precision(p.k_tail, p.v_tail, p.tail_capacity, sink + comp, std::max(lo, sink + comp), hi);
+    attend_full_precision(p.tail, sink + comp, std::max(lo, sink + comp), hi);
     float* out = partials + task * partial_floats(p);
     for (int64_t r = 0; r < rows; ++r) {
       if (fold_v)  // the values' zeros, summed per channel group
@@ -749,5 +714,9 @@ void attention_tasks_impl(const AttentionProblem& p, int64_t splits, float* part
     }
   }
 }
+
+#define NEXUSKV_INSTANTIATE_ATTENTION(Meta, Val) \
+  template void attention_tasks<Meta, Val>(const CpuAttentionParams<Meta, Val>&, int64_t, float*, int64_t, int64_t);
+NEXUSKV_FOR_EACH_FLOAT_PAIR(NEXUSKV_INSTANTIATE_ATTENTION)
 
 }  // namespace nexuskv::core::NEXUSKV_ISA

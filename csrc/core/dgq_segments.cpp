@@ -10,7 +10,7 @@ namespace nexuskv::core {
 namespace {
 
 struct Candidate {
-  double delta;   // cost increase of merging segment `left` with its right neighbour
+  double delta;  // cost increase of merging segment `left` with its right neighbour
   int64_t left;
   uint64_t version;  // of `left` when pushed; stale entries are skipped
   bool operator<(const Candidate& o) const { return delta > o.delta || (delta == o.delta && left > o.left); }
@@ -110,8 +110,8 @@ bool dgq_segment_rows(const StridedRows<In>& x, int64_t T, int64_t D, const DGQP
   return true;
 }
 
-template bool dgq_segment_rows<float>(const StridedRows<float>&, int64_t, int64_t, const DGQParams&, int32_t*,
-                                      int64_t, int64_t);
+template bool dgq_segment_rows<float>(const StridedRows<float>&, int64_t, int64_t, const DGQParams&, int32_t*, int64_t,
+                                      int64_t);
 template bool dgq_segment_rows<half_t>(const StridedRows<half_t>&, int64_t, int64_t, const DGQParams&, int32_t*,
                                        int64_t, int64_t);
 template bool dgq_segment_rows<bf16_t>(const StridedRows<bf16_t>&, int64_t, int64_t, const DGQParams&, int32_t*,

@@ -8,8 +8,8 @@
 
 #include "../aten/core_dispatch.h"
 #include "../aten/nq_args.h"
-#include "nq_cpu.h"
 #include "nexuskv/core/nq_kernels.h"
+#include "nq_cpu.h"
 
 namespace nexuskv {
 namespace {
@@ -21,33 +21,34 @@ int64_t grain_for(int64_t elements_per_task) {
   return std::max<int64_t>(1, kElementsPerChunk / std::max<int64_t>(1, elements_per_task));
 }
 
-NQTensors nq_compress_cpu(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t axis,
-                          int64_t num_outliers, std::optional<at::ScalarType> meta_dtype) {
+NQTensors nq_compress_cpu(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t axis, int64_t num_outliers,
+                          std::optional<at::ScalarType> meta_dtype) {
   const core::NQDims d = nq_compress_dims(x, bits, group_size, axis, num_outliers);
   const at::ScalarType meta = nq_meta_dtype(x.scalar_type(), meta_dtype);
   NQTensors out = nq_allocate_outputs(d, x, meta);
   const std::vector<int64_t> row_offset = leading_row_offsets(x);
   const int64_t tasks = core::nq_num_tasks(d);
   const int64_t per_task = d.axis == core::GroupAxis::kTokens ? int64_t(d.group_size) * d.head_dim : d.head_dim;
-  std::atomic<bool> non_finite{false}, overflow{false};
+  std::atomic<bool> non_finite{false}, range_overflow{false}, overflow{false};
 
   dispatch_core_float(x.scalar_type(), "nq_compress", [&](auto in_tag) {
     using In = decltype(in_tag);
     dispatch_core_float(meta, "nq_compress", [&](auto meta_tag) {
       using Meta = decltype(meta_tag);
       const core::StridedRows<In> rows{core_ptr<const In>(x), row_offset.data(), x.stride(-2), x.stride(-1)};
-      const core::NQBuffers<In, Meta> buffers{
-          std::get<0>(out).data_ptr<uint8_t>(), core_ptr<Meta>(std::get<1>(out)), core_ptr<Meta>(std::get<2>(out)),
-          std::get<3>(out).data_ptr<uint8_t>(), core_ptr<In>(std::get<4>(out))};
+      const core::NQBuffers<In, Meta> buffers{std::get<0>(out).data_ptr<uint8_t>(), core_ptr<Meta>(std::get<1>(out)),
+                                              core_ptr<Meta>(std::get<2>(out)), std::get<3>(out).data_ptr<uint8_t>(),
+                                              core_ptr<In>(std::get<4>(out))};
       at::parallel_for(0, tasks, grain_for(per_task), [&](int64_t begin, int64_t end) {
         core::CompressStatus status;
         core::nq_compress_tasks<In, Meta>(d, rows, buffers, begin, end, &status);
         if (status.non_finite_input) non_finite = true;
+        if (status.range_overflow) range_overflow = true;
         if (status.meta_overflow) overflow = true;
       });
     });
   });
-  nq_check_compress_status(non_finite, overflow, meta);
+  nq_check_compress_status("nq_compress", non_finite, range_overflow, overflow, meta);
   return out;
 }
 
@@ -67,9 +68,7 @@ at::Tensor nq_decompress_cpu_dims(const char* op, const core::NQDims& d, const a
   // The compressed tensors are ours and contiguous; views of them are copied.
   const at::Tensor codes = codes_in.contiguous(), scale = scale_in.contiguous(), zero = zero_in.contiguous();
   const at::Tensor idx = idx_in.contiguous(), val = val_in.contiguous();
-  const at::ScalarType out_type = out_dtype.value_or(val.scalar_type());
-  TORCH_CHECK(out_type == at::kFloat || out_type == at::kHalf || out_type == at::kBFloat16, op,
-              ": out_dtype must be float32, float16 or bfloat16, got ", out_type);
+  const at::ScalarType out_type = nq_out_dtype(op, val.scalar_type(), out_dtype);
   at::Tensor out = at::empty(nq_decompressed_sizes(codes, d.head_dim), codes.options().dtype(out_type));
   const int64_t tasks = core::nq_num_tasks(d);
   const int64_t per_task = d.axis == core::GroupAxis::kTokens ? int64_t(d.group_size) * d.head_dim : d.head_dim;
@@ -95,13 +94,9 @@ at::Tensor nq_decompress_cpu_dims(const char* op, const core::NQDims& d, const a
       });
     });
   });
-  TORCH_CHECK(!bad_index, op, ": outlier_idx holds a position outside its group (group_size ", d.group_size,
-              "); the compressed tensors are corrupt or were made with other parameters");
+  nq_check_outlier_positions(op, "", !bad_index, d.group_size);
   return out;
 }
-
-namespace {
-}  // namespace
 
 TORCH_LIBRARY_IMPL(nexuskv, CPU, m) {
   m.impl("nq_compress", &nq_compress_cpu);

@@ -29,7 +29,8 @@ def load() -> None:
     if not os.path.exists(path):
         raise NativeLibraryError(
             f"nexuskv: the native operator library {path} is missing (an import from the "
-            f"source tree instead of an installed package?); {reinstall}")
+            f"source tree instead of an installed package?); {reinstall}"
+        )
     from . import _build_info
 
     built_for = _build_info.TORCH_VERSION
@@ -43,5 +44,6 @@ def load() -> None:
     if built_for.split("+")[0] != torch.__version__.split("+")[0]:
         raise NativeLibraryError(
             f"nexuskv: {path} was built against torch {built_for}, but torch {torch.__version__} "
-            f"is installed; the C++ ABI differs between releases, {reinstall}")
+            f"is installed; the C++ ABI differs between releases, {reinstall}"
+        )
     _loaded = True

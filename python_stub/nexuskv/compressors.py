@@ -59,9 +59,12 @@ def effective_bits(compressor: KVCompressor, c: Any, numel: int) -> float:
     return 8.0 * compressor.nbytes(c) / numel
 
 
-@dataclass
+@dataclass(frozen=True)
 class NQTensor:
-    """One NQ- or DGQ-compressed tensor: the buffers plus what is needed to read them."""
+    """One NQ- or DGQ-compressed tensor: the buffers plus every format parameter needed to
+    read them (bits, group_size, axis, head_dim = shape[-1], meta dtype, DGQ or not,
+    rotation signs), checked against the buffers when it is made and immutable after, so
+    that it cannot be read with the wrong parameters through NQ / DGQ."""
 
     parts: tuple  # NQParts, or DGQParts (+ segment_starts)
     bits: int
@@ -70,6 +73,35 @@ class NQTensor:
     shape: torch.Size  # of the original tensor
     dtype: torch.dtype  # of the original tensor
     signs: Optional[torch.Tensor] = None  # [head_dim] when stored in the rotated basis
+    dynamic: bool = False  # DGQ: data-chosen token groups (parts has segment_starts)
+    meta_dtype: Optional[torch.dtype] = None  # of scale/zero; None: read off the parts
+
+    def __post_init__(self):
+        kind = "DGQ" if self.dynamic else "NQ"
+        want = 6 if self.dynamic else 5
+        if len(self.parts) != want:
+            raise ValueError(f"NQTensor: a {kind} tensor has {want} parts, got {len(self.parts)}")
+        meta = self.parts[1].dtype
+        if self.meta_dtype is not None and self.meta_dtype != meta:
+            raise ValueError(f"NQTensor: meta_dtype {self.meta_dtype} but the scales are {meta}")
+        object.__setattr__(self, "meta_dtype", meta)
+        object.__setattr__(self, "shape", torch.Size(self.shape))
+        codes = self.parts[0]
+        want_bytes = _format.row_bytes(self.bits, self.head_dim)
+        if codes.shape[-1] != want_bytes or tuple(codes.shape[:-1]) != tuple(self.shape[:-1]):
+            raise ValueError(f"NQTensor: codes of shape {tuple(codes.shape)} do not hold a {tuple(self.shape)} "
+                             f"tensor at {self.bits} bits ({want_bytes} bytes per token)")
+        if self.signs is not None and tuple(self.signs.shape) != (self.head_dim,):
+            raise ValueError(f"NQTensor: rotation signs must have shape [{self.head_dim}], "
+                             f"got {tuple(self.signs.shape)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def num_outliers(self) -> int:
+        return self.parts[3].shape[-1]
 
     @property
     def format(self) -> List[int]:
@@ -107,6 +139,25 @@ class _Quantizer:
 
     def _unrotate(self, x: torch.Tensor, c: NQTensor) -> torch.Tensor:
         return hadamard_rotate(x, c.signs, inverse=True) if c.signs is not None else x
+
+    def _check_readable(self, c) -> None:
+        """decompress(c) only for a tensor this compressor's format made."""
+        name, dynamic = type(self).__name__, isinstance(self, DGQ)
+        if not isinstance(c, NQTensor):
+            raise TypeError(f"{name}.decompress: expected the NQTensor that {name}.compress returns, "
+                            f"got {type(c).__name__}")
+        if c.dynamic != dynamic:
+            other = "DGQ (data-chosen token groups)" if c.dynamic else "NQ (fixed groups)"
+            raise TypeError(f"{name}.decompress: this tensor was compressed by {other}; decompress it with "
+                            f"{'DGQ' if c.dynamic else 'NQ'}")
+        mine = dict(bits=self.bits, group_size=self.group_size, axis=self.axis, num_outliers=self.num_outliers,
+                    meta_dtype=self.meta_dtype or c.dtype, rotate=self.rotate)
+        theirs = dict(bits=c.bits, group_size=c.group_size, axis=c.axis, num_outliers=c.num_outliers,
+                      meta_dtype=c.meta_dtype, rotate=c.signs is not None)
+        wrong = [f"{k}={theirs[k]}" + f" (this {name} has {mine[k]})" for k in mine if mine[k] != theirs[k]]
+        if wrong:
+            raise ValueError(f"{name}.decompress: this tensor was compressed with " + ", ".join(wrong) +
+                             f"; decompress it with the {name} that compressed it")
 
     def nbytes(self, c: NQTensor) -> int:
         return c.nbytes
@@ -155,7 +206,8 @@ class NQ(_Quantizer):
         return NQTensor(parts, self.bits, self.group_size, self.axis, x.shape, x.dtype, signs)
 
     def decompress(self, c: NQTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        return self._unrotate(nq_decompress(*c.parts, c.bits, c.group_size, c.axis, c.shape[-1], dtype), c)
+        self._check_readable(c)
+        return self._unrotate(nq_decompress(*c.parts, c.bits, c.group_size, c.axis, c.head_dim, dtype), c)
 
     def expected_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
         """Bytes of compress(x) for x of this shape and dtype, from the format alone
@@ -197,10 +249,11 @@ class DGQ(_Quantizer):
         xr, signs = self._rotate(x)
         parts = dgq_compress(xr, self.bits, self.group_size, self.granule, self.max_len, self.num_outliers,
                              self.meta_dtype)
-        return NQTensor(parts, self.bits, self.group_size, self.axis, x.shape, x.dtype, signs)
+        return NQTensor(parts, self.bits, self.group_size, self.axis, x.shape, x.dtype, signs, dynamic=True)
 
     def decompress(self, c: NQTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        return self._unrotate(dgq_decompress(*c.parts, c.bits, c.group_size, c.shape[-1], dtype), c)
+        self._check_readable(c)
+        return self._unrotate(dgq_decompress(*c.parts, c.bits, c.group_size, c.head_dim, dtype), c)
 
     def describe(self) -> str:
         return f"DGQ{self.bits} g{self.group_size}/{self.granule}" + self._suffix()

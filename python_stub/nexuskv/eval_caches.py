@@ -7,7 +7,6 @@ the full-precision tail is reported separately, never averaged in)."""
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 

@@ -40,8 +40,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import hf_compat
-from . import ops  # noqa: F401  (loads the operator library, which defines torch.classes.nexuskv)
+from . import (
+    hf_compat,
+    ops,  # noqa: F401  (loads the operator library, which defines torch.classes.nexuskv)
+)
 from .cache import from_state_dict, make_cache
 from .compressors import DGQ, NQ, KVCompressor
 from .hf_compat import LayerGeometry, cache_argument  # noqa: F401  (cache_argument: public helper)

@@ -91,8 +91,9 @@ def layer_geometries(model) -> list[LayerGeometry]:
         raise ValueError(f"nexuskv: config.layer_types has {len(types)} entries for {n} layers")
     unknown = sorted({t for t in types if t not in (_FULL, _SLIDING)})
     if unknown:
-        raise NotImplementedError(f"nexuskv: layer types {unknown} are not supported (full_attention and "
-                                  f"sliding_attention are)")
+        raise NotImplementedError(
+            f"nexuskv: layer types {unknown} are not supported (full_attention and sliding_attention are)"
+        )
     if _SLIDING in types and not window:
         raise ValueError("nexuskv: the config has sliding_attention layers but no sliding_window")
     return [LayerGeometry(heads, key_dim, value_dim, window if t == _SLIDING else None, t) for t in types]

@@ -1,12 +1,16 @@
 // Fused attention of the torch-free core against a plain double-precision
 // attention over the decompressed cache (ctest runs this file once per
 // instruction set through NEXUSKV_CPU_ISA).
+#include <cfloat>
 #include <cmath>
+#include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "catch_compat.h"
 #include "nexuskv/core/attention.h"
+#include "nexuskv/core/cpu_isa.h"
 #include "nexuskv/core/nq_kernels.h"
 
 using namespace nexuskv::core;
@@ -39,20 +43,27 @@ struct Cache {
     REQUIRE(nq_scatter_outliers<float, float>(d, idx.data(), val.data(), dense.data(), 0, groups));
   }
 
-  CompressedView view() const {
-    CompressedView v;
+  CompressedKV<float, float> view() const {
+    CompressedKV<float, float> v;
     v.codes = codes.data(), v.scale = scale.data(), v.zero = zero.data();
     v.outlier_idx = idx.data(), v.outlier_val = val.data();
-    v.dims = d, v.meta_a = d.meta_a();
+    v.dims = d;
     return v;
   }
 };
+
+using Params = CpuAttentionParams<float, float>;
+
+// Rows [B, H, T, D] of a contiguous float tensor.
+DenseRows<float> rows_of(const std::vector<float>& t, int64_t H, int64_t T, int64_t D) {
+  return {t.data(), H * T * D, T * D, D};
+}
 
 // Runs the fused kernel with `splits` splits of the key range and returns its
 // relative (Frobenius) error against double-precision causal attention whose
 // key / value row of position t of sequence b, kv head h, is row(key, b, h, t).
 template <typename RowFn>
-double fused_vs_reference(const AttentionProblem& p, int64_t splits, RowFn row) {
+double fused_vs_reference(const Params& p, int64_t splits, RowFn row) {
   const int64_t B = p.batch, Hq = p.q_heads, Hkv = p.kv_heads, Lq = p.q_len, D = p.head_dim;
   std::vector<float> partials(size_t(B * Hkv * splits * partial_floats(p))), out(size_t(B * Hq * Lq * D));
   attention_tasks(p, splits, partials.data(), 0, B * Hkv * splits);
@@ -62,7 +73,7 @@ double fused_vs_reference(const AttentionProblem& p, int64_t splits, RowFn row) 
     for (int64_t hq = 0; hq < Hq; ++hq)
       for (int64_t i = 0; i < Lq; ++i) {
         const int64_t h = hq / (Hq / Hkv), P = p.seq_len(b) - Lq + i;
-        const float* qr = p.q + ((b * Hq + hq) * Lq + i) * D;
+        const float* qr = p.q.row(b, hq, i);
         std::vector<double> w(size_t(P + 1));
         double mx = -INFINITY, sum = 0;
         for (int64_t t = 0; t <= P; ++t) {
@@ -95,9 +106,9 @@ TEST_CASE("fused attention equals attention over the decompressed cache", "[atte
     std::vector<float> q(size_t(B * Hq * Lq * D));
     for (auto& x : q) x = nd(rng);
     const int64_t lens[2] = {150, 41};
-    AttentionProblem p;
+    Params p;
     p.batch = B, p.q_heads = Hq, p.kv_heads = Hkv, p.q_len = Lq, p.head_dim = D;
-    p.q = q.data(), p.k = k.view(), p.v = v.view(), p.compressed_lens = lens, p.scale = 0.125f;
+    p.q = rows_of(q, Hq, Lq, D), p.k = k.view(), p.v = v.view(), p.compressed_lens.i64 = lens, p.scale = 0.125f;
     auto row = [&](bool key, int64_t b, int64_t h, int64_t t) {
       return (key ? k.dense : v.dense).data() + ((b * Hkv + h) * T + t) * D;
     };
@@ -133,11 +144,11 @@ TEST_CASE("full-precision sinks and tail sit before and after the compressed tok
     for (auto& x : *buf) x = nd(rng);
   // Ragged: all three parts; no compressed part; queries inside the sinks (nothing else).
   const int64_t comp[3] = {96, 0, 0}, sinks[3] = {5, 3, 5}, tails[3] = {7, 20, 0};
-  AttentionProblem p;
+  Params p;
   p.batch = B, p.q_heads = Hq, p.kv_heads = Hkv, p.q_len = Lq, p.head_dim = D, p.scale = 0.2f;
-  p.q = q.data(), p.k = k.view(), p.v = v.view(), p.compressed_lens = comp;
-  p.k_sink = ks.data(), p.v_sink = vs.data(), p.sink_capacity = S, p.sink_lens = sinks;
-  p.k_tail = kt.data(), p.v_tail = vt.data(), p.tail_capacity = Tt, p.tail_lens = tails;
+  p.q = rows_of(q, Hq, Lq, D), p.k = k.view(), p.v = v.view(), p.compressed_lens.i64 = comp;
+  p.sink.k = rows_of(ks, Hkv, S, D), p.sink.v = rows_of(vs, Hkv, S, D), p.sink.capacity = S, p.sink.lens.i64 = sinks;
+  p.tail.k = rows_of(kt, Hkv, Tt, D), p.tail.v = rows_of(vt, Hkv, Tt, D), p.tail.capacity = Tt, p.tail.lens.i64 = tails;
   // Key / value row of position t of sequence b (one kv head), from whichever part holds it.
   auto row = [&](bool key, int64_t b, int64_t, int64_t t) -> const float* {
     if (t < sinks[b]) return (key ? ks : vs).data() + (b * S + t) * D;
@@ -149,4 +160,73 @@ TEST_CASE("full-precision sinks and tail sit before and after the compressed tok
     INFO("splits=" << splits << " isa=" << attention_isa());
     REQUIRE(fused_vs_reference(p, splits, row) < 1e-5);
   }
+}
+
+TEST_CASE("the attention kernel of the ISA under test runs", "[attention][isa]") {
+  // ctest runs this binary with NEXUSKV_CPU_ISA=generic and =avx2 too.
+  const char* env = std::getenv("NEXUSKV_CPU_ISA");
+  const std::string cap = env ? env : "";
+  CpuIsa want = cpu_isa_supported(CpuIsa::kAvx512) ? CpuIsa::kAvx512
+                : cpu_isa_supported(CpuIsa::kAvx2) ? CpuIsa::kAvx2
+                                                   : CpuIsa::kGeneric;
+  if (cap == "generic") want = CpuIsa::kGeneric;
+  if (cap == "avx2" && want == CpuIsa::kAvx512) want = CpuIsa::kAvx2;
+  std::mt19937 rng(14);
+  const Cache k(1, 40, 32, 4, 32, GroupAxis::kTokens, 0, rng), v(1, 40, 32, 4, 32, GroupAxis::kChannels, 0, rng);
+  std::vector<float> q(32, 0.5f);
+  const int64_t lens[1] = {40};
+  Params p;
+  p.batch = 1, p.q_heads = 1, p.kv_heads = 1, p.q_len = 1, p.head_dim = 32;
+  p.q = rows_of(q, 1, 1, 32), p.k = k.view(), p.v = v.view(), p.compressed_lens.i64 = lens;
+  std::vector<float> partials(size_t(partial_floats(p)));
+  attention_tasks(p, 1, partials.data(), 0, 1);
+  INFO("cap=" << cap);
+  REQUIRE(last_kernel_isa() == want);
+  REQUIRE(std::string(attention_isa()) == cpu_isa_name(want));
+}
+
+TEST_CASE("AttentionParams accessors: lengths as given, DGQ segments, positions", "[attention]") {
+  const int32_t lens32[2] = {7, 0};
+  SeqLengths l;
+  REQUIRE_FALSE(l.given());
+  l.i32 = lens32;
+  REQUIRE((l.given() && l.at(0) == 7 && l.at(1) == 0));
+  // Two rows of DGQ segments over 100 tokens: [0, 32) [32, 48) [48, 100) and [0, 16) [16, 100) [100, 100).
+  const int32_t starts[6] = {0, 32, 48, 0, 16, 100};
+  CompressedKV<float, float> c;
+  c.dims.rows = 2, c.dims.tokens = 100, c.dims.head_dim = 16, c.dims.group_size = 40, c.dims.axis = GroupAxis::kTokens;
+  c.dims.segment_starts = starts;
+  REQUIRE(c.dims.meta_a() == 3);
+  for (int64_t t : {0, 31, 32, 47, 48, 99}) REQUIRE(c.token_group(0, t) == (t < 32 ? 0 : t < 48 ? 1 : 2));
+  for (int64_t t : {0, 15, 16, 99}) REQUIRE(c.token_group(1, t) == (t < 16 ? 0 : 1));
+  REQUIRE((c.group_begin(0, 1) == 32 && c.group_end(0, 1) == 48 && c.group_end(0, 2) == 100));
+  c.dims.segment_starts = nullptr;
+  REQUIRE((c.token_group(0, 79) == 1 && c.group_end(0, 2) == 100));
+  CpuAttentionParams<float, float> p;
+  p.batch = 2, p.q_heads = 6, p.kv_heads = 2, p.q_len = 3, p.head_dim = 16, p.window = 4;
+  const int64_t comp[2] = {10, 0}, sink[2] = {2, 2};
+  p.compressed_lens.i64 = comp;
+  std::vector<float> ks(2 * 2 * 2 * 16);
+  p.sink.k = rows_of(ks, 2, 2, 16), p.sink.v = p.sink.k, p.sink.capacity = 2, p.sink.lens.i64 = sink;
+  REQUIRE((p.seq_len(0) == 12 && p.seq_len(1) == 2 && p.tail_len(0) == 0));
+  REQUIRE((p.rows_per_kv_head() == 9 && p.q_head(1, 4) == 4 && p.query_position(0, 2) == 11));
+  REQUIRE(p.first_visible(0) == 12 - 3 - 4 + 1);
+  REQUIRE((p.visible(11, 8) && !p.visible(11, 7) && !p.visible(10, 11)));
+}
+
+TEST_CASE("Hadamard rotation near FLT_MAX stays finite where the exact result is", "[attention]") {
+  const int64_t n = 4;
+  const float big = 3e38f;
+  std::vector<float> x = {big, big, 0.f, 0.f}, y(4), signs = {1.f, 1.f, 1.f, 1.f}, z(4);
+  // Exact: H x / 2 = (3e38, 0, 3e38, 0); summing first would overflow.
+  hadamard_rotate_rows(x.data(), y.data(), 1, n, signs.data(), false);
+  for (int i = 0; i < 4; ++i) REQUIRE(std::isfinite(y[size_t(i)]));
+  REQUIRE(std::fabs(y[0] - big) <= 1e-6f * big);
+  REQUIRE((y[1] == 0.f && y[3] == 0.f && std::fabs(y[2] - big) <= 1e-6f * big));
+  hadamard_rotate_rows(y.data(), z.data(), 1, n, signs.data(), true);
+  for (int i = 0; i < 4; ++i) REQUIRE(std::fabs(z[size_t(i)] - x[size_t(i)]) <= 1e-6f * big);
+  // Rows whose result is finite but large keep the old order of operations (bit-identical).
+  std::vector<float> small = {1.f, 2.f, 3.f, 4.f}, a(4);
+  hadamard_rotate_rows(small.data(), a.data(), 1, n, signs.data(), false);
+  REQUIRE((a[0] == 5.f && a[1] == -1.f && a[2] == -2.f && a[3] == 0.f));
 }

@@ -191,3 +191,58 @@ TEST_CASE("CacheOptions are checked by the constructor") {
   o.key_compressor = std::make_shared<HalfCompressor>();
   REQUIRE_THROWS_WITH(KVCache(o), Catch::Contains("give both key_compressor and value_compressor"));
 }
+
+namespace {
+// A user's compressor that fails on the n-th call (a bad chunk, an allocator error...).
+class FailingCompressor final : public KVCompressor {
+ public:
+  explicit FailingCompressor(int fail_at) : fail_at_(fail_at) {}
+  CompressedTensor compress(const at::Tensor& x) const override {
+    TORCH_CHECK(++calls_ != fail_at_, "FailingCompressor: call ", calls_, " fails");
+    return {{x.to(at::kHalf)}, x.sizes().vec(), x.scalar_type()};
+  }
+  at::Tensor decompress(const CompressedTensor& c, std::optional<at::ScalarType> dtype) const override {
+    return c.parts.at(0).to(dtype.value_or(c.dtype));
+  }
+  int64_t token_multiple() const override { return multiple_; }
+  std::string describe() const override { return "failing"; }
+  int64_t multiple_ = 4;
+
+ private:
+  int fail_at_;
+  mutable int calls_ = 0;
+};
+}  // namespace
+
+TEST_CASE("an append that fails part-way through a batch leaves the cache as it was") {
+  torch::manual_seed(4);
+  torch::NoGradGuard no_grad;
+  // Keys of sequence 0, values of 0, keys of 1 (the second key call: fails); with a
+  // per-sequence loop that writes as it goes, sequence 0 would be applied alone.
+  nexuskv::CacheOptions options;
+  options.key_compressor = std::make_shared<FailingCompressor>(2);
+  options.value_compressor = std::make_shared<FailingCompressor>(99);
+  options.residual = 2;
+  KVCache cache(options);
+  cache.append(torch::randn({2, 2, 5, 32}), torch::randn({2, 2, 5, 32}), std::nullopt);  // all in the tail
+  const auto before = cache.state_dict();
+  REQUIRE_THROWS_WITH(cache.append(torch::randn({2, 2, 8, 32}), torch::randn({2, 2, 8, 32}), std::nullopt),
+                      Catch::Contains("call 2 fails"));
+  const auto after = cache.state_dict();
+  REQUIRE(before.size() == after.size());
+  for (const auto& item : before) REQUIRE(at::equal(item.value(), after.at(item.key())));
+  REQUIRE(cache.lengths().equal(torch::tensor({5, 5}, at::kLong)));
+  cache.append(torch::randn({2, 2, 8, 32}), torch::randn({2, 2, 8, 32}), std::nullopt);  // calls 3, 4: fine
+  REQUIRE(cache.lengths().equal(torch::tensor({13, 13}, at::kLong)));
+  REQUIRE(cache.compressed_lengths().equal(torch::tensor({8, 8}, at::kLong)));
+}
+
+TEST_CASE("a chunk (lcm of the token groups) too large for int32 positions is a clear error") {
+  auto a = std::make_shared<FailingCompressor>(0), b = std::make_shared<FailingCompressor>(0);
+  a->multiple_ = (int64_t(1) << 31) - 1, b->multiple_ = (int64_t(1) << 31) - 2;
+  nexuskv::CacheOptions o;
+  o.key_compressor = a, o.value_compressor = b;
+  REQUIRE_THROWS_WITH(KVCache(o), Catch::Contains("exceeds 2147483647 tokens"));
+  b->multiple_ = int64_t(1) << 62;
+  REQUIRE_THROWS_WITH(KVCache(o), Catch::Contains("token_multiple() must be in [1, 2147483647]"));
+}

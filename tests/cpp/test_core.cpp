@@ -1,14 +1,21 @@
-// Unit tests of the torch-free core: packing, 16-bit conversions, the
-// quantization error bound and exact outliers, with plain std:: references.
+// Unit tests of the torch-free core: the layout and conversion headers that
+// production runs (nq_layout.h, half.h), packing, the quantization error bound
+// and exact outliers, with plain std:: references; every NQ kernel path (ISA)
+// against the others.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "catch_compat.h"
+#include "nexuskv/core/cpu_isa.h"
 #include "nexuskv/core/nq_kernels.h"
+#include "nexuskv/core/nq_layout.h"
 
 using namespace nexuskv::core;
 
@@ -50,8 +57,7 @@ struct Compressed {
   std::vector<float> decompress() const {
     std::vector<float> out(size_t(d.rows * d.tokens * d.head_dim));
     nq_decompress_tasks<Meta, float>(d, codes.data(), scale.data(), zero.data(), out.data(), 0, nq_num_tasks(d));
-    REQUIRE(nq_scatter_outliers<In, float>(d, idx.data(), val.data(), out.data(), 0,
-                                           d.rows * d.groups_per_row()));
+    REQUIRE(nq_scatter_outliers<In, float>(d, idx.data(), val.data(), out.data(), 0, d.rows * d.groups_per_row()));
     return out;
   }
 
@@ -99,7 +105,165 @@ void check_error_bound(const Compressed<In, Meta>& c, const std::vector<In>& x) 
       }
 }
 
+// The packed row of nq_format.h, bit by bit from its text: channel i of a
+// 2/4/8-bit chunk sits in byte i % 16 at bit offset bits * (i / 16); 3-bit
+// chunks hold the low 2 bits as a 2-bit chunk, bit 2 of channel i at byte
+// 16 + i % 8, bit i / 8.
+std::vector<uint8_t> reference_pack(const std::vector<uint8_t>& codes, int bits, int64_t D) {
+  const int64_t C = bits == 8 ? 16 : bits == 4 ? 32 : 64, CB = bits == 3 ? 24 : 16;
+  std::vector<uint8_t> row(size_t((D + C - 1) / C * CB), 0);
+  for (int64_t c = 0; c < D; ++c) {
+    uint8_t* chunk = row.data() + (c / C) * CB;
+    const int64_t i = c % C;
+    const unsigned code = codes[size_t(c)];
+    const int low_bits = bits == 3 ? 2 : bits;
+    for (int bit = 0; bit < low_bits; ++bit)
+      if ((code >> bit) & 1u) chunk[i % 16] = uint8_t(chunk[i % 16] | (1u << (low_bits * (i / 16) + bit)));
+    if (bits == 3 && ((code >> 2) & 1u)) chunk[16 + i % 8] = uint8_t(chunk[16 + i % 8] | (1u << (i / 8)));
+  }
+  return row;
+}
+
+// Finite float32 values near every boundary of a 16-bit format: each
+// representable 16-bit value v (as float) and the midpoints to its neighbours,
+// one float32 ulp either side.
+template <typename Back>
+std::vector<float> boundary_floats(Back to_f) {
+  std::vector<float> out;
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    const float v = to_f(uint16_t(h)), w = to_f(uint16_t(h + 1));
+    if (!std::isfinite(v) || !std::isfinite(w) || (h & 0x7fffu) == 0x7fffu) continue;
+    const float mid = float((double(v) + double(w)) / 2);
+    for (float f : {v, mid, std::nextafter(mid, -INFINITY), std::nextafter(mid, INFINITY)}) out.push_back(f);
+  }
+  return out;
+}
+
+// bfloat16 round to nearest even, from float64 arithmetic: the two bf16
+// candidates around f, the nearer one, the even one on a tie.
+uint16_t reference_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (!std::isfinite(f)) return uint16_t(u >> 16);
+  const uint32_t lo = u >> 16, hi = lo + 1;  // towards zero, and one step away from it
+  auto value = [](uint32_t b) {
+    // The step past the largest finite value counts as 2^128 (it rounds to Inf).
+    if ((b & 0x7fffu) == 0x7f80u) return (b & 0x8000u) ? -std::ldexp(1.0, 128) : std::ldexp(1.0, 128);
+    const uint32_t w = b << 16;
+    float x;
+    std::memcpy(&x, &w, 4);
+    return double(x);
+  };
+  const double dl = std::fabs(double(f) - value(lo)), dh = std::fabs(value(hi) - double(f));
+  if (dl < dh) return uint16_t(lo);
+  if (dh < dl) return uint16_t(hi);
+  return uint16_t((lo & 1u) ? hi : lo);
+}
+
 }  // namespace
+
+TEST_CASE("nq_layout.h reads and writes the layout nq_format.h documents") {
+  std::mt19937 rng(21);
+  for (int bits : {2, 3, 4, 8})
+    for (int64_t D : {16, 48, 64, 96, 128, 200, 256}) {
+      INFO("bits=" << bits << " D=" << D);
+      const int64_t Dp = layout::padded_channels(bits, D);
+      REQUIRE(Dp % chunk_channels(bits) == 0);
+      REQUIRE(Dp >= D);
+      REQUIRE(Dp < D + chunk_channels(bits));
+      std::vector<uint8_t> codes = random_codes(Dp, bits, rng);
+      std::fill(codes.begin() + D, codes.end(), 0);  // the padding codes are 0
+      const std::vector<uint8_t> want = reference_pack(codes, bits, D);
+      REQUIRE(int64_t(want.size()) == row_bytes(bits, D));
+      std::vector<uint8_t> row(want.size(), 0xAB), back(size_t(Dp), 0xCD);
+      layout::with_bits(bits, [&]<int kBits>() {
+        layout::pack_row<kBits>(codes.data(), D, row.data());
+        layout::unpack_row<kBits>(row.data(), D, back.data());
+        for (int64_t c = 0; c < D; ++c) {
+          REQUIRE(layout::code_at<kBits>(row.data(), c) == codes[size_t(c)]);
+          const uint8_t* chunk = row.data() + layout::kChunkBytes<kBits> * (c / layout::kChunkChannels<kBits>);
+          const int i = int(c % layout::kChunkChannels<kBits>);
+          REQUIRE(layout::plane_lane_code<kBits>(chunk, i / 16, i % 16) == codes[size_t(c)]);
+          if constexpr (kBits != 3)  // a SIMD reader's plane: shift + mask of the chunk's byte lane
+            REQUIRE(((uint32_t(chunk[i % 16]) >> layout::plane_shift<kBits>(i / 16)) & layout::kPlaneMask<kBits>) ==
+                    codes[size_t(c)]);
+        }
+      });
+      REQUIRE(row == want);
+      REQUIRE(back == codes);
+      for (int64_t c = 0; c < D; ++c) REQUIRE(layout::code_at(row.data(), bits, c) == codes[size_t(c)]);
+    }
+}
+
+TEST_CASE("nq_layout.h metadata index and groups") {
+  NQDims d;
+  d.rows = 3, d.tokens = 70, d.head_dim = 48, d.group_size = 32, d.axis = GroupAxis::kTokens;
+  REQUIRE(d.meta_a() == 3);
+  REQUIRE(layout::meta_index(d, 2, 1, 5) == (2 * 3 + 1) * 48 + 5);
+  REQUIRE(layout::group_a(d, 69) == 2);
+  REQUIRE(layout::group_b(d, 47) == 47);
+  d.axis = GroupAxis::kChannels;
+  REQUIRE(d.meta_b() == 2);
+  REQUIRE(layout::meta_index(d, 1, 69, 1) == (70 + 69) * 2 + 1);
+  REQUIRE(layout::group_a(d, 69) == 69);
+  REQUIRE(layout::group_b(d, 40) == 1);
+}
+
+TEST_CASE("half.h conversions against independent references") {
+  SECTION("fp16 -> float is exact: every one of the 65536 values") {
+    for (uint32_t h = 0; h < 0x10000u; ++h) {
+      const float f = half_to_float(uint16_t(h));
+      const bool inf_nan = (h & 0x7c00u) == 0x7c00u;
+      if (inf_nan && (h & 0x3ffu)) {
+        REQUIRE(std::isnan(f));
+        continue;
+      }
+      // value = (-1)^s * 2^(e-15) * (1 + m/1024), subnormal 2^-14 * m/1024
+      const int e = int((h >> 10) & 31u), m = int(h & 0x3ffu);
+      const double mag = inf_nan ? INFINITY : e == 0 ? std::ldexp(double(m), -24) : std::ldexp(1024.0 + m, e - 25);
+      REQUIRE(double(f) == ((h & 0x8000u) ? -mag : mag));
+    }
+  }
+#if defined(__FLT16_MAX__)
+  SECTION("float -> fp16 rounds to nearest even as the compiler's _Float16 does") {
+    std::vector<float> floats = boundary_floats([](uint16_t h) { return half_to_float(h); });
+    std::mt19937 rng(22);
+    for (int i = 0; i < 200000; ++i) {
+      uint32_t u = rng();
+      float f;
+      std::memcpy(&f, &u, 4);
+      floats.push_back(f);
+    }
+    for (float f : {0.f, -0.f, 65504.f, 65519.99f, 65520.f, 1e9f, INFINITY, -INFINITY, 5.96046448e-8f, 2.98023224e-8f,
+                    2.98023254e-8f, 1e-30f})
+      floats.push_back(f);
+    for (float f : floats) {
+      if (std::isnan(f)) continue;
+      const _Float16 want = static_cast<_Float16>(f);
+      uint16_t want_bits;
+      std::memcpy(&want_bits, &want, 2);
+      INFO("f=" << f);
+      REQUIRE(float_to_half(f) == want_bits);
+    }
+    REQUIRE((float_to_half(NAN) & 0x7e00u) == 0x7e00u);
+  }
+#endif
+  SECTION("float -> bf16 rounds to nearest even (float64 reference)") {
+    std::vector<float> floats = boundary_floats([](uint16_t b) { return bf16_to_float(b); });
+    std::mt19937 rng(23);
+    for (int i = 0; i < 200000; ++i) {
+      uint32_t u = rng();
+      float f;
+      std::memcpy(&f, &u, 4);
+      if (!std::isnan(f)) floats.push_back(f);
+    }
+    for (float f : floats) {
+      INFO("f=" << f);
+      REQUIRE(float_to_bf16(f) == reference_bf16(f));
+    }
+    REQUIRE(std::isnan(bf16_to_float(float_to_bf16(NAN))));
+  }
+}
 
 TEST_CASE("pack_row / unpack_row round trip every width and odd lengths") {
   std::mt19937 rng(1);
@@ -149,15 +313,20 @@ TEST_CASE("fp16 and bf16 conversions") {
     REQUIRE(bf16_to_float(float_to_bf16(1.f + 1.f / 256)) == 1.f);
     REQUIRE(std::isnan(bf16_to_float(float_to_bf16(NAN))));
   }
-  SECTION("directed rounding brackets the value") {
+  SECTION("directed rounding brackets the value with adjacent neighbours") {
     std::mt19937 rng(2);
     std::uniform_real_distribution<float> u(-3e4f, 3e4f);
     for (int i = 0; i < 100000; ++i) {
       const float v = u(rng) * (i % 3 == 0 ? 1e-6f : 1.f);
-      REQUIRE(to_float(round_down<half_t>(v)) <= v);
-      REQUIRE(to_float(round_up<half_t>(v)) >= v);
-      REQUIRE(to_float(round_down<bf16_t>(v)) <= v);
-      REQUIRE(to_float(round_up<bf16_t>(v)) >= v);
+      const half_t hd = round_down<half_t>(v), hu = round_up<half_t>(v);
+      const bf16_t bd = round_down<bf16_t>(v), bu = round_up<bf16_t>(v);
+      REQUIRE(to_float(hd) <= v);
+      REQUIRE(to_float(hu) >= v);
+      REQUIRE(to_float(bd) <= v);
+      REQUIRE(to_float(bu) >= v);
+      // The tightest such values: equal, or one step apart.
+      REQUIRE((hd.bits == hu.bits || to_float(half_t{bits16_next_up(hd.bits)}) == to_float(hu)));
+      REQUIRE((bd.bits == bu.bits || to_float(bf16_t{bits16_next_up(bd.bits)}) == to_float(bu)));
     }
   }
 }
@@ -254,6 +423,69 @@ TEST_CASE("corrupt outlier indices are reported, not written out of bounds") {
   c.idx[3] = 200;
   std::vector<float> out(16 * 16);
   REQUIRE_FALSE(nq_scatter_outliers<float, float>(d, c.idx.data(), c.val.data(), out.data(), 0, 16));
+}
+
+TEST_CASE("the kernels of the ISA under test run", "[isa]") {
+  // ctest runs this binary with NEXUSKV_CPU_ISA=generic and =avx2 too: the
+  // kernels that ran must be that path (NQ is built up to AVX2), not merely
+  // the one asked for.
+  const char* env = std::getenv("NEXUSKV_CPU_ISA");
+  const std::string cap = env ? env : "";
+  CpuIsa want = cpu_isa_supported(CpuIsa::kAvx512) ? CpuIsa::kAvx512
+                : cpu_isa_supported(CpuIsa::kAvx2) ? CpuIsa::kAvx2
+                                                   : CpuIsa::kGeneric;
+  if (cap == "generic") want = CpuIsa::kGeneric;
+  if (cap == "avx2" && want == CpuIsa::kAvx512) want = CpuIsa::kAvx2;
+  REQUIRE(cpu_isa() == want);
+  const NQDims d = dims(1, 16, 32, 4, 16, GroupAxis::kTokens, 0);
+  std::mt19937 rng(8);
+  const auto x = random_input<float>(d, rng);
+  const Compressed<float, float> c(d, x);
+  const CpuIsa nq_want = int(want) < int(CpuIsa::kAvx2) ? want : CpuIsa::kAvx2;
+  INFO("cap=" << cap << " want=" << cpu_isa_name(nq_want));
+  REQUIRE(last_kernel_isa() == nq_want);
+  REQUIRE(std::string(nq_kernel_isa()) == cpu_isa_name(nq_want));
+}
+
+TEST_CASE("NQ kernels give identical bits on every ISA") {
+  std::vector<CpuIsa> isas;
+  for (CpuIsa isa : {CpuIsa::kGeneric, CpuIsa::kAvx2, CpuIsa::kAvx512})
+    if (cpu_isa_supported(isa)) isas.push_back(isa);
+  INFO("ISAs on this CPU: " << isas.size());
+  const CpuIsa saved = set_cpu_isa_cap(CpuIsa::kAvx512);
+  std::mt19937 rng(9);
+  for (int bits : {2, 3, 4, 8})
+    for (GroupAxis axis : {GroupAxis::kTokens, GroupAxis::kChannels})
+      for (int k : {0, 2}) {
+        const NQDims d = dims(2, 45, 80, bits, 16, axis, k);
+        const auto xh = random_input<half_t>(d, rng);
+        const auto xf = random_input<float>(d, rng);
+        std::vector<std::vector<uint8_t>> seen_h, seen_f;
+        std::vector<std::vector<float>> back;
+        for (CpuIsa isa : isas) {
+          set_cpu_isa_cap(isa);
+          const Compressed<half_t, half_t> ch(d, xh);  // fp16: F16C on AVX2, half.h on the portable path
+          const Compressed<float, bf16_t> cf(d, xf);
+          REQUIRE(last_kernel_isa() == (int(isa) < int(CpuIsa::kAvx2) ? isa : CpuIsa::kAvx2));
+          auto bytes = [](const auto&... v) {
+            std::vector<uint8_t> all;
+            (all.insert(all.end(), reinterpret_cast<const uint8_t*>(v.data()),
+                        reinterpret_cast<const uint8_t*>(v.data()) + v.size() * sizeof(v[0])),
+             ...);
+            return all;
+          };
+          seen_h.push_back(bytes(ch.codes, ch.scale, ch.zero, ch.idx, ch.val));
+          seen_f.push_back(bytes(cf.codes, cf.scale, cf.zero, cf.idx, cf.val));
+          back.push_back(ch.decompress());
+        }
+        for (size_t i = 1; i < isas.size(); ++i) {
+          INFO("bits=" << bits << " axis=" << int(axis) << " k=" << k << " isa=" << cpu_isa_name(isas[i]));
+          REQUIRE(seen_h[i] == seen_h[0]);
+          REQUIRE(seen_f[i] == seen_f[0]);
+          REQUIRE(std::memcmp(back[i].data(), back[0].data(), back[0].size() * sizeof(float)) == 0);
+        }
+      }
+  set_cpu_isa_cap(saved);
 }
 
 TEST_CASE("byte accounting formula") {

@@ -11,11 +11,13 @@ import math
 import torch
 
 F64 = torch.float64
+FLT_MIN = torch.finfo(torch.float32).tiny  # smallest normal float32, 2^-126
 
 
 # ---------------------------------------------------------------------------------------------
 # Reference: grouping
 # ---------------------------------------------------------------------------------------------
+
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -54,6 +56,7 @@ def per_element(meta: torch.Tensor, T: int, D: int, G: int, axis: int) -> torch.
 # Reference: directed rounding into the meta dtype, ulps
 # ---------------------------------------------------------------------------------------------
 
+
 def round_directed(v: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
     """Float64 v rounded towards +inf (up) or -inf (down) into dtype.  A nearest
     conversion gives one of the two neighbours of v in dtype (also through an
@@ -80,10 +83,11 @@ def ulp(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # Reference: quantization parameters and outliers
 # ---------------------------------------------------------------------------------------------
 
+
 def reference_params(x: torch.Tensor, bits: int, G: int, axis: int, k: int, meta_dtype: torch.dtype):
     """x: [N, T, D] (any float dtype).  Returns dict of [N, A, B] float64 tensors
     (zero, scale, dense min/max, n) and sorted outlier positions [N, A, B, k]."""
-    qmax = 2 ** bits - 1
+    qmax = 2**bits - 1
     x64 = x.to(F64)
     g = to_groups(x64, G, axis, pad_value=math.inf)
     N, A, B, _ = g.shape
@@ -125,18 +129,28 @@ def reference_params(x: torch.Tensor, bits: int, G: int, axis: int, k: int, meta
     else:
         pos = torch.zeros(M, 0, dtype=torch.long)
     zero = round_directed(mn, meta_dtype, up=False)
-    scale = round_directed((mx - zero.to(F64)) / qmax, meta_dtype, up=True)
+    # nq_format.h: a positive scale is at least the smallest normal float32 (FLT_MIN), so that
+    # 1 / scale stays finite; a subnormal one is clamped up to it before the rounding into the
+    # meta dtype (a larger scale still covers the range).
+    exact = (mx - zero.to(F64)) / qmax
+    exact = torch.where((exact > 0) & (exact < FLT_MIN), torch.full_like(exact, FLT_MIN), exact)
+    scale = round_directed(exact, meta_dtype, up=True)
     shape = (N, A, B)
     return {
-        "zero": zero.reshape(shape), "scale": scale.reshape(shape),
-        "mn": mn.reshape(shape), "mx": mx.reshape(shape), "n": n.reshape(shape),
-        "pos": pos.reshape(N, A, B, k), "valid": valid,
+        "zero": zero.reshape(shape),
+        "scale": scale.reshape(shape),
+        "mn": mn.reshape(shape),
+        "mx": mx.reshape(shape),
+        "n": n.reshape(shape),
+        "pos": pos.reshape(N, A, B, k),
+        "valid": valid,
     }
 
 
 # ---------------------------------------------------------------------------------------------
 # Reference: unpacking of the documented bit layout
 # ---------------------------------------------------------------------------------------------
+
 
 def reference_unpack(codes: torch.Tensor, bits: int, D: int) -> torch.Tensor:
     """codes uint8 [R, row_bytes] -> int64 [R, padded D] (padding channels included)."""
@@ -147,7 +161,7 @@ def reference_unpack(codes: torch.Tensor, bits: int, D: int) -> torch.Tensor:
         ch = c.reshape(R, rb // 16, 1, 16)
         shifts = (torch.arange(planes) * bits).reshape(1, 1, planes, 1)
         # channel 16*j + l of a chunk = (byte l >> bits*j) & mask
-        out = (ch >> shifts) & (2 ** bits - 1)
+        out = (ch >> shifts) & (2**bits - 1)
         return out.reshape(R, -1)
     assert bits == 3
     ch = c.reshape(R, rb // 24, 24)
@@ -164,6 +178,7 @@ def chunk_geometry(bits: int):
 # ---------------------------------------------------------------------------------------------
 # Reference: dequantization of compressed buffers
 # ---------------------------------------------------------------------------------------------
+
 
 def reference_dequantize(parts, bits: int, G: int, axis: int, D: int, segment_starts=None) -> torch.Tensor:
     """The five buffers (codes, scale, zero, outlier_idx, outlier_val) [..., ] -> x_hat [..., T, D]

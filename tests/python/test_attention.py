@@ -12,6 +12,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
 
 import nexuskv
 from nexuskv.ops import dgq_fused_attention, hadamard_rotate
@@ -39,8 +41,21 @@ def random_signs(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 2, (n,), generator=g).float() * 2 - 1
 
 
-def reference_attention(q, k, v, comp_lens, k_tail, v_tail, tail_lens, scale, k_sink=None, v_sink=None,
-                        sink_lens=None, window=None, softcap=None):
+def reference_attention(
+    q,
+    k,
+    v,
+    comp_lens,
+    k_tail,
+    v_tail,
+    tail_lens,
+    scale,
+    k_sink=None,
+    v_sink=None,
+    sink_lens=None,
+    window=None,
+    softcap=None,
+):
     """float64 causal attention; k, v [B, Hkv, Tc, D] dense float64 (original basis); positions:
     sinks, compressed, tail.  window: key j is visible from query position p when
     p - window < j <= p; softcap: scores -> softcap * tanh(scores / softcap)."""
@@ -76,10 +91,34 @@ def reference_attention(q, k, v, comp_lens, k_tail, v_tail, tail_lens, scale, k_
 class Case:
     """A random cache: compressed K/V (optionally rotated, optionally DGQ keys) and a tail."""
 
-    def __init__(self, *, bits=4, group=32, ratio=4, kv_heads=2, q_len=1, head_dim=64, comp_lens=(70, 33),
-                 tail=0, tail_lens=None, rotate=False, dgq=False, k_outliers=1, dtype=torch.float32, seed=0,
-                 sinks=0, sink_lens=None, v_bits=None, v_group=None, v_axis=VALUE_AXIS, v_outliers=1,
-                 window=None, softcap=None, q_dtype=None, key_scale=1.0):
+    def __init__(
+        self,
+        *,
+        bits=4,
+        group=32,
+        ratio=4,
+        kv_heads=2,
+        q_len=1,
+        head_dim=64,
+        comp_lens=(70, 33),
+        tail=0,
+        tail_lens=None,
+        rotate=False,
+        dgq=False,
+        k_outliers=1,
+        dtype=torch.float32,
+        seed=0,
+        sinks=0,
+        sink_lens=None,
+        v_bits=None,
+        v_group=None,
+        v_axis=VALUE_AXIS,
+        v_outliers=1,
+        window=None,
+        softcap=None,
+        q_dtype=None,
+        key_scale=1.0,
+    ):
         g = torch.Generator().manual_seed(seed)
         B = len(comp_lens)
         self.capacity = max(max(comp_lens), 1)
@@ -114,16 +153,24 @@ class Case:
             self.v_sink = torch.randn(B, kv_heads, sinks, D, generator=g).to(dtype)
             self.k_sink[..., 3] += 4.0
             self.sink_lens = torch.tensor(sink_lens if sink_lens is not None else [sinks] * B)
-        self.scale = D ** -0.5
+        self.scale = D**-0.5
 
     def run(self, **overrides):
-        kw = dict(k_tail=self.k_tail, v_tail=self.v_tail, tail_lens=self.tail_lens, rotation_signs=self.signs,
-                  scale=self.scale, window=self.window, softcap=self.softcap)
+        kw = dict(
+            k_tail=self.k_tail,
+            v_tail=self.v_tail,
+            tail_lens=self.tail_lens,
+            rotation_signs=self.signs,
+            scale=self.scale,
+            window=self.window,
+            softcap=self.softcap,
+        )
         if self.k_sink is not None:
             kw.update(k_sink=self.k_sink, v_sink=self.v_sink, sink_lens=self.sink_lens)
         kw.update(overrides)
-        return dgq_fused_attention(self.q, self.k_cache, self.v_cache, self.k_format, self.v_format, self.comp_lens,
-                                   **kw)
+        return dgq_fused_attention(
+            self.q, self.k_cache, self.v_cache, self.k_format, self.v_format, self.comp_lens, **kw
+        )
 
     def reference(self):
         D = self.q.shape[-1]
@@ -132,8 +179,21 @@ class Case:
         if self.signs is not None:
             R = rotation_matrix(self.signs)
             k, v = k @ R, v @ R  # rotate(x) = x R^T, so x = rotate(x) R
-        return reference_attention(self.q, k, v, self.comp_lens, self.k_tail, self.v_tail, self.tail_lens,
-                                   self.scale, self.k_sink, self.v_sink, self.sink_lens, self.window, self.softcap)
+        return reference_attention(
+            self.q,
+            k,
+            v,
+            self.comp_lens,
+            self.k_tail,
+            self.v_tail,
+            self.tail_lens,
+            self.scale,
+            self.k_sink,
+            self.v_sink,
+            self.sink_lens,
+            self.window,
+            self.softcap,
+        )
 
 
 def rel_err(a, b):
@@ -144,14 +204,16 @@ def has_dgq():
     return hasattr(torch.ops.nexuskv, "dgq_compress")
 
 
-GRID = list(itertools.product(
-    (2, 3, 4, 8),              # bits
-    (1, 3, 4),                 # GQA ratio
-    (1, 4, 17),                # q_len
-    (0, 24),                   # tail tokens
-    (False, True),             # rotation
-    (False, True),             # DGQ keys
-))
+GRID = list(
+    itertools.product(
+        (2, 3, 4, 8),  # bits
+        (1, 3, 4),  # GQA ratio
+        (1, 4, 17),  # q_len
+        (0, 24),  # tail tokens
+        (False, True),  # rotation
+        (False, True),  # DGQ keys
+    )
+)
 
 
 @pytest.mark.parametrize("bits,ratio,q_len,tail,rotate,dgq", GRID)
@@ -160,20 +222,46 @@ def test_matches_float64_reference(bits, ratio, q_len, tail, rotate, dgq):
         pytest.skip("dgq_compress not built")
     # Ragged: a long sequence, one not a multiple of the group, one shorter than a group.
     comp_lens = (100, 45, 20) if tail else (100, 45, 20 + q_len)
-    case = Case(bits=bits, ratio=ratio, q_len=q_len, tail=tail, tail_lens=[tail, 5, tail] if tail else None,
-                comp_lens=comp_lens, rotate=rotate, dgq=dgq, seed=bits * 100 + ratio * 10 + q_len)
+    case = Case(
+        bits=bits,
+        ratio=ratio,
+        q_len=q_len,
+        tail=tail,
+        tail_lens=[tail, 5, tail] if tail else None,
+        comp_lens=comp_lens,
+        rotate=rotate,
+        dgq=dgq,
+        seed=bits * 100 + ratio * 10 + q_len,
+    )
     assert rel_err(case.run(), case.reference()) <= 1e-4
 
 
-@pytest.mark.parametrize("bits,q_len,tail,rotate,dgq", [(4, 1, 0, False, False), (4, 5, 24, False, False),
-                                                        (2, 17, 24, True, False), (3, 4, 24, False, True),
-                                                        (8, 3, 0, True, True)])
+@pytest.mark.parametrize(
+    "bits,q_len,tail,rotate,dgq",
+    [
+        (4, 1, 0, False, False),
+        (4, 5, 24, False, False),
+        (2, 17, 24, True, False),
+        (3, 4, 24, False, True),
+        (8, 3, 0, True, True),
+    ],
+)
 def test_sinks_match_float64_reference(bits, q_len, tail, rotate, dgq):
     # Ragged sinks before ragged compressed parts and tails (positions: sinks, compressed, tail);
     # the last sequence has no compressed part, and without a tail its queries sit in the sinks.
-    case = Case(bits=bits, ratio=3, q_len=q_len, tail=tail, tail_lens=[tail, 5, tail] if tail else None,
-                comp_lens=(100, 45, 0), rotate=rotate, dgq=dgq, sinks=4, sink_lens=[4, 2, 4],
-                seed=bits * 10 + q_len)
+    case = Case(
+        bits=bits,
+        ratio=3,
+        q_len=q_len,
+        tail=tail,
+        tail_lens=[tail, 5, tail] if tail else None,
+        comp_lens=(100, 45, 0),
+        rotate=rotate,
+        dgq=dgq,
+        sinks=4,
+        sink_lens=[4, 2, 4],
+        seed=bits * 10 + q_len,
+    )
     assert rel_err(case.run(), case.reference()) <= 1e-4
 
 
@@ -188,18 +276,39 @@ def test_key_outliers_in_groups_spanning_tiles_with_float_tile_values(dgq, v_axi
     # through the float tile (axis -2, or a group that is no multiple of 16): the key
     # outlier correction once read scales that the value dequantization had overwritten
     # (relative error 0.05-0.32).
-    case = Case(bits=4, group=k_group, k_outliers=2, dgq=dgq, v_axis=v_axis, v_group=v_group, v_outliers=1,
-                comp_lens=(2 * k_group, k_group + 37), q_len=3, ratio=2, seed=k_group + v_group)
+    case = Case(
+        bits=4,
+        group=k_group,
+        k_outliers=2,
+        dgq=dgq,
+        v_axis=v_axis,
+        v_group=v_group,
+        v_outliers=1,
+        comp_lens=(2 * k_group, k_group + 37),
+        q_len=3,
+        ratio=2,
+        seed=k_group + v_group,
+    )
     assert rel_err(case.run(), case.reference()) <= 1e-4
 
 
-@pytest.mark.parametrize("comp_lens,group,k_outliers,head_dim", [((66,), 64, 3, 64), ((0, 9), 8, 2, 16),
-                                                                  ((130, 65), 64, 3, 32)])
+@pytest.mark.parametrize(
+    "comp_lens,group,k_outliers,head_dim", [((66,), 64, 3, 64), ((0, 9), 8, 2, 16), ((130, 65), 64, 3, 32)]
+)
 def test_partial_key_group_with_fewer_tokens_than_outliers(comp_lens, group, k_outliers, head_dim):
     # A last key group shorter than the outlier count repeats its last slot (nq_format.h);
     # the correction was applied once per slot (relative error 0.025-0.76).
-    case = Case(bits=4, group=group, k_outliers=k_outliers, comp_lens=comp_lens, head_dim=head_dim, q_len=1,
-                ratio=1, kv_heads=1, seed=group)
+    case = Case(
+        bits=4,
+        group=group,
+        k_outliers=k_outliers,
+        comp_lens=comp_lens,
+        head_dim=head_dim,
+        q_len=1,
+        ratio=1,
+        kv_heads=1,
+        seed=group,
+    )
     assert rel_err(case.run(), case.reference()) <= 1e-4
 
 
@@ -221,9 +330,10 @@ def limb_bound(case, limbs):
     B, Hkv = scales.shape[:2]
     q = case.q.to(F64).view(B, Hkv, -1, D) * case.scale  # [B, Hkv, rows, D]
     a = (q[:, :, :, None, :] * scales[:, :, None]).abs().amax(-1).amax(-1) / 127  # [B, Hkv, rows]
-    eps = a / (2 * 254.0 ** (limbs - 1)) * (2 ** bits - 1) * D
-    return (torch.exp(2 * eps) - 1).view(B, -1) * float(reference_dequantize(
-        case.v_cache, *case.v_format, D).abs().amax())
+    eps = a / (2 * 254.0 ** (limbs - 1)) * (2**bits - 1) * D
+    return (torch.exp(2 * eps) - 1).view(B, -1) * float(
+        reference_dequantize(case.v_cache, *case.v_format, D).abs().amax()
+    )
 
 
 @pytest.mark.parametrize("q_dtype,limbs", [(torch.float16, 3), (torch.bfloat16, 2)])
@@ -234,8 +344,16 @@ def test_16_bit_queries_at_large_logit_spreads(q_dtype, limbs, bits, key_scale):
     # fp16 queries with 2 limbs, 3.9e-3 relative error.  fp16 now gets 3 limbs (its 11-bit
     # significand needs them), bf16 keeps 2; the error is within the derived bound plus one
     # rounding of the output to q's dtype.
-    case = Case(bits=bits, group=32, comp_lens=(200, 77), q_len=3, ratio=4, q_dtype=q_dtype, key_scale=key_scale,
-                seed=bits + int(key_scale))
+    case = Case(
+        bits=bits,
+        group=32,
+        comp_lens=(200, 77),
+        q_len=3,
+        ratio=4,
+        q_dtype=q_dtype,
+        key_scale=key_scale,
+        seed=bits + int(key_scale),
+    )
     out, ref = case.run().to(F64), case.reference()
     assert out.dtype == F64
     # The output's rounding to q's dtype moves it by <= eps/2 * |out|; eps * |ref| covers that.
@@ -289,18 +407,35 @@ def attention_case(draw):
     comp = [draw(st.integers(0, 150)) for _ in range(batch)]
     lens = [c + sinks + tail for c in comp]
     assume(all(L >= q_len for L in lens))
-    return dict(bits=draw(st.sampled_from([2, 3, 4, 8])), group=group, k_outliers=draw(st.integers(0, 3)),
-                dgq=draw(st.booleans()) and group >= 16, v_bits=draw(st.sampled_from([2, 3, 4, 8])), v_axis=v_axis,
-                v_group=v_group, v_outliers=draw(st.integers(0, min(3, v_group - 1))), head_dim=head_dim,
-                kv_heads=draw(st.integers(1, 2)), ratio=draw(st.sampled_from([1, 2, 4])), q_len=q_len,
-                comp_lens=tuple(comp), sinks=sinks, tail=tail,
-                rotate=draw(st.booleans()) and head_dim & (head_dim - 1) == 0,
-                window=draw(st.sampled_from([None, None, 1, 7, 40, 100])),
-                softcap=draw(st.sampled_from([None, None, 2.0, 30.0])), seed=draw(st.integers(0, 2**16)))
+    return dict(
+        bits=draw(st.sampled_from([2, 3, 4, 8])),
+        group=group,
+        k_outliers=draw(st.integers(0, 3)),
+        dgq=draw(st.booleans()) and group >= 16,
+        v_bits=draw(st.sampled_from([2, 3, 4, 8])),
+        v_axis=v_axis,
+        v_group=v_group,
+        v_outliers=draw(st.integers(0, min(3, v_group - 1))),
+        head_dim=head_dim,
+        kv_heads=draw(st.integers(1, 2)),
+        ratio=draw(st.sampled_from([1, 2, 4])),
+        q_len=q_len,
+        comp_lens=tuple(comp),
+        sinks=sinks,
+        tail=tail,
+        rotate=draw(st.booleans()) and head_dim & (head_dim - 1) == 0,
+        window=draw(st.sampled_from([None, None, 1, 7, 40, 100])),
+        softcap=draw(st.sampled_from([None, None, 2.0, 30.0])),
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
-@settings(max_examples=120, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(
+    max_examples=120,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 @given(attention_case())
 def test_hypothesis_against_float64_reference(kw):
     case = Case(**kw)
@@ -375,10 +510,15 @@ def test_every_instruction_set_agrees(isa, tmp_path):
         "         Case(bits=8, group=32, comp_lens=(130, 45), tail=5, q_len=4, sinks=3, window=33, softcap=5.0),\n"
         "         Case(bits=4, group=32, comp_lens=(90, 45), q_len=2, q_dtype=torch.float16)]\n"
         "print(max(rel_err(c.run(), c.reference()) for c in cases[:4]))\n"
-        "print(rel_err(cases[4].run(), cases[4].reference()))\n" % str(__import__("pathlib").Path(__file__).parent))
+        "print(rel_err(cases[4].run(), cases[4].reference()))\n" % str(__import__("pathlib").Path(__file__).parent)
+    )
     env = dict(__import__("os").environ, NEXUSKV_CPU_ISA=isa)
-    err, err16 = map(float, subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                                           check=True).stdout.split())
+    err, err16 = map(
+        float,
+        subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        ).stdout.split(),
+    )
     assert err <= 1e-4
     assert err16 <= torch.finfo(torch.float16).eps  # fp16 queries: output rounding only
 
@@ -405,7 +545,7 @@ def test_half_precision_queries_stay_within_the_limb_error_bound(bits, head_dim)
     kc = nexuskv.nq_compress(k, bits, G, KEY_AXIS)
     vc = nexuskv.nq_compress(v, bits, G, VALUE_AXIS)
     lens = torch.tensor([T])
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = dgq_fused_attention(q, kc, vc, [bits, G, KEY_AXIS], [bits, G, VALUE_AXIS], lens, scale=scale)
     kd = reference_dequantize(kc, bits, G, KEY_AXIS, head_dim)  # [1, Hkv, T, D] float64
     vd = reference_dequantize(vc, bits, G, VALUE_AXIS, head_dim)
@@ -419,7 +559,7 @@ def test_half_precision_queries_stay_within_the_limb_error_bound(bits, head_dim)
     eps = (a.repeat_interleave(G, 2)[:, :, :T] / 508 * code_sums[:, None]).amax(-1)  # [Hkv, ratio]
     bound = (torch.exp(2 * eps) - 1) * vd.abs().amax()
     err = (out.to(F64) - ref).abs().amax(-1).view(Hkv, ratio)
-    slack = ref.abs().amax(-1).view(Hkv, ratio) * 2.0 ** -8 + 1e-5  # bf16 output rounding
+    slack = ref.abs().amax(-1).view(Hkv, ratio) * 2.0**-8 + 1e-5  # bf16 output rounding
     assert torch.all(err <= bound + slack), (err, bound)
     # Not vacuous (measured: bound 0.2-0.4 % of max|v|, error 10 % of the bound); one
     # limb (a / 2 per channel) would move scores 254x more.
@@ -481,7 +621,7 @@ def per_token_attention_error(q, k, v, signs):
     ki, vi = (hadamard_rotate(k, signs), hadamard_rotate(v, signs)) if signs is not None else (k, v)
     kc, vc = nexuskv.nq_compress(ki, 4, 64, -1), nexuskv.nq_compress(vi, 4, 64, -1)
     out = dgq_fused_attention(q, kc, vc, [4, 64, -1], [4, 64, -1], lens, rotation_signs=signs)
-    ref = reference_attention(q, k.double(), v.double(), lens, None, None, None, 128 ** -0.5)
+    ref = reference_attention(q, k.double(), v.double(), lens, None, None, None, 128**-0.5)
     return rel_err(out, ref)
 
 
@@ -496,12 +636,30 @@ def test_rotation_lowers_per_token_error_with_outlier_channels():
 
 
 def attention_args(case: Case):
-    return (case.q, case.k_cache, case.v_cache, case.k_format, case.v_format, case.comp_lens, case.k_tail,
-            case.v_tail, case.tail_lens, case.signs, case.scale)
+    return (
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.k_format,
+        case.v_format,
+        case.comp_lens,
+        case.k_tail,
+        case.v_tail,
+        case.tail_lens,
+        case.signs,
+        case.scale,
+    )
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(tail=8, q_len=3, rotate=True), dict(dtype=torch.bfloat16, ratio=3),
-                                dict(tail=8, q_len=2, sinks=4, sink_lens=[4, 1])])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(tail=8, q_len=3, rotate=True),
+        dict(dtype=torch.bfloat16, ratio=3),
+        dict(tail=8, q_len=2, sinks=4, sink_lens=[4, 1]),
+    ],
+)
 def test_opcheck(kw):
     case = Case(**kw)
     args = attention_args(case) + ((case.k_sink, case.v_sink, case.sink_lens) if case.k_sink is not None else ())
@@ -513,8 +671,22 @@ def test_torch_compile_fullgraph():
     case = Case(tail=8, q_len=2)
 
     def step(q):
-        return dgq_fused_attention(q, case.k_cache, case.v_cache, case.k_format, case.v_format, case.comp_lens,
-                                   case.k_tail, case.v_tail, case.tail_lens, None, case.scale) * 2
+        return (
+            dgq_fused_attention(
+                q,
+                case.k_cache,
+                case.v_cache,
+                case.k_format,
+                case.v_format,
+                case.comp_lens,
+                case.k_tail,
+                case.v_tail,
+                case.tail_lens,
+                None,
+                case.scale,
+            )
+            * 2
+        )
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(case.q), step(case.q), rtol=0, atol=0)
@@ -524,13 +696,24 @@ def test_torchscript():
     case = Case(tail=8)
 
     @torch.jit.script
-    def scripted(q: torch.Tensor, kc: list[torch.Tensor], vc: list[torch.Tensor], lens: torch.Tensor,
-                 kt: torch.Tensor, vt: torch.Tensor):
-        return torch.ops.nexuskv.dgq_fused_attention(q, kc, vc, [4, 32, -2], [4, 32, -1], lens, kt, vt, None, None,
-                                                     None)
+    def scripted(
+        q: torch.Tensor,
+        kc: list[torch.Tensor],
+        vc: list[torch.Tensor],
+        lens: torch.Tensor,
+        kt: torch.Tensor,
+        vt: torch.Tensor,
+    ):
+        return torch.ops.nexuskv.dgq_fused_attention(
+            q, kc, vc, [4, 32, -2], [4, 32, -1], lens, kt, vt, None, None, None
+        )
 
-    torch.testing.assert_close(scripted(case.q, case.k_cache, case.v_cache, case.comp_lens, case.k_tail, case.v_tail),
-                               case.run(tail_lens=None, scale=None), rtol=0, atol=0)
+    torch.testing.assert_close(
+        scripted(case.q, case.k_cache, case.v_cache, case.comp_lens, case.k_tail, case.v_tail),
+        case.run(tail_lens=None, scale=None),
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_extra_memory_does_not_grow_with_context():
@@ -553,46 +736,227 @@ def test_requires_grad_rejected():
 
 
 def bad(case: Case, **kw):
-    args = dict(q=case.q, k_cache=case.k_cache, v_cache=case.v_cache, k_format=case.k_format,
-                v_format=case.v_format, compressed_lens=case.comp_lens)
+    args = dict(
+        q=case.q,
+        k_cache=case.k_cache,
+        v_cache=case.v_cache,
+        k_format=case.k_format,
+        v_format=case.v_format,
+        compressed_lens=case.comp_lens,
+    )
     args.update(kw)
     return lambda: dgq_fused_attention(**args)
 
 
-@pytest.mark.parametrize("make,match", [
-    (lambda c: bad(c, q=torch.randn(2, 6, 1, 64)), r"q_heads \(6\) must be a multiple of kv_heads \(4\)"),
-    (lambda c: bad(c, q=torch.randn(2, 8, 1, 128)), "codes has 32 bytes per token, but bits=4 and head_dim=128"),
-    (lambda c: bad(c, q=torch.randn(2, 8, 1, 72)), "head_dim must be a multiple of 16"),
-    (lambda c: bad(c, q=torch.randn(2, 8, 64)), r"q must have shape \[batch, q_heads, q_len, head_dim\]"),
-    (lambda c: bad(c, q=torch.randn(2, 8, 1, 64).long()), "q must be float32, float16 or bfloat16"),
-    (lambda c: bad(c, q=torch.randn(3, 8, 1, 64)), "holds 2 sequences but q has 3"),
-    (lambda c: bad(c, compressed_lens=torch.tensor([70, 33, 1])), r"compressed_lens must have shape \[2\]"),
-    (lambda c: bad(c, compressed_lens=torch.tensor([71, 33])), r"compressed_lens\[0\] = 71 is outside \[0, 70\]"),
-    (lambda c: bad(c, compressed_lens=torch.tensor([-1, 33])), "is outside"),
-    (lambda c: bad(c, compressed_lens=torch.tensor([70., 33.])), "compressed_lens must be int32 or int64"),
-    (lambda c: bad(c, q=torch.randn(2, 8, 40, 64)), r"q_len \(40\) exceeds the length of sequence 1 \(33 tokens\)"),
-    (lambda c: bad(c, k_cache=c.k_cache[:4]), "k_cache must hold 5 tensors"),
-    (lambda c: bad(c, k_format=[4, 32]), r"k_format must be \[bits, group_size, axis\]"),
-    (lambda c: bad(c, k_format=[5, 32, -2]), "bits must be one of 2, 3, 4, 8, got 5"),
-    (lambda c: bad(c, v_format=[4, 32, -2]), "scale must have shape"),
-    (lambda c: bad(c, k_cache=[c.k_cache[0].float()] + c.k_cache[1:]), "codes must be uint8"),
-    (lambda c: bad(c, v_cache=c.v_cache[:2] + [c.v_cache[2].double()] + c.v_cache[3:]), "zero must have scale's dtype"),
-    (lambda c: bad(c, k_tail=torch.randn(2, 4, 3, 64)), "give both k_tail and v_tail"),
-    (lambda c: bad(c, k_tail=torch.randn(2, 4, 3, 64), v_tail=torch.randn(2, 4, 3, 32)), "must have shape"),
-    (lambda c: bad(c, k_tail=torch.randn(2, 4, 3, 64), v_tail=torch.randn(2, 4, 3, 64),
-                   tail_lens=torch.tensor([4, 0])), r"tail_lens\[0\] = 4 is outside \[0, 3\]"),
-    (lambda c: bad(c, k_sink=torch.randn(2, 4, 3, 64)), "give both k_sink and v_sink"),
-    (lambda c: bad(c, k_sink=torch.randn(2, 4, 3, 64), v_sink=torch.randn(2, 2, 3, 64)),
-     r"k_sink and v_sink must have shape \[2, 4, sink_tokens, 64\]"),
-    (lambda c: bad(c, k_sink=torch.randn(2, 4, 3, 64), v_sink=torch.randn(2, 4, 3, 64),
-                   sink_lens=torch.tensor([1, 4])), r"sink_lens\[1\] = 4 is outside \[0, 3\]"),
-    (lambda c: bad(c, sink_lens=torch.tensor([1, 1])), "sink_lens given without k_sink/v_sink"),
-    (lambda c: bad(c, k_sink=torch.randn(2, 4, 3, 64).long(), v_sink=torch.randn(2, 4, 3, 64).long()),
-     "k_sink and v_sink must be float tensors"),
-    (lambda c: bad(c, rotation_signs=torch.ones(32)), r"rotation signs must have shape \[64\]"),
-    (lambda c: bad(c, rotation_signs=torch.full((64,), 0.5)), "must all be \\+1 or -1"),
-])
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda c: bad(c, q=torch.randn(2, 6, 1, 64)), r"q_heads \(6\) must be a multiple of kv_heads \(4\)"),
+        (lambda c: bad(c, q=torch.randn(2, 8, 1, 128)), "codes has 32 bytes per token, but bits=4 and head_dim=128"),
+        (lambda c: bad(c, q=torch.randn(2, 8, 1, 72)), "head_dim must be a multiple of 16"),
+        (lambda c: bad(c, q=torch.randn(2, 8, 64)), r"q must have shape \[batch, q_heads, q_len, head_dim\]"),
+        (lambda c: bad(c, q=torch.randn(2, 8, 1, 64).long()), "q must be float32, float16 or bfloat16"),
+        (lambda c: bad(c, q=torch.randn(3, 8, 1, 64)), "holds 2 sequences but q has 3"),
+        (lambda c: bad(c, compressed_lens=torch.tensor([70, 33, 1])), r"compressed_lens must have shape \[2\]"),
+        (lambda c: bad(c, compressed_lens=torch.tensor([71, 33])), r"compressed_lens\[0\] = 71 is outside \[0, 70\]"),
+        (lambda c: bad(c, compressed_lens=torch.tensor([-1, 33])), "is outside"),
+        (lambda c: bad(c, compressed_lens=torch.tensor([70.0, 33.0])), "compressed_lens must be int32 or int64"),
+        (lambda c: bad(c, q=torch.randn(2, 8, 40, 64)), r"q_len \(40\) exceeds the length of sequence 1 \(33 tokens\)"),
+        (lambda c: bad(c, k_cache=c.k_cache[:4]), "k_cache must hold 5 tensors"),
+        (lambda c: bad(c, k_format=[4, 32]), r"k_format must be \[bits, group_size, axis\]"),
+        (lambda c: bad(c, k_format=[5, 32, -2]), "bits must be one of 2, 3, 4, 8, got 5"),
+        (lambda c: bad(c, v_format=[4, 32, -2]), "scale must have shape"),
+        (lambda c: bad(c, k_cache=[c.k_cache[0].float()] + c.k_cache[1:]), "codes must be uint8"),
+        (
+            lambda c: bad(c, v_cache=c.v_cache[:2] + [c.v_cache[2].double()] + c.v_cache[3:]),
+            "zero must have scale's dtype",
+        ),
+        (lambda c: bad(c, k_tail=torch.randn(2, 4, 3, 64)), "give both k_tail and v_tail"),
+        (lambda c: bad(c, k_tail=torch.randn(2, 4, 3, 64), v_tail=torch.randn(2, 4, 3, 32)), "must have shape"),
+        (
+            lambda c: bad(
+                c, k_tail=torch.randn(2, 4, 3, 64), v_tail=torch.randn(2, 4, 3, 64), tail_lens=torch.tensor([4, 0])
+            ),
+            r"tail_lens\[0\] = 4 is outside \[0, 3\]",
+        ),
+        (lambda c: bad(c, k_sink=torch.randn(2, 4, 3, 64)), "give both k_sink and v_sink"),
+        (
+            lambda c: bad(c, k_sink=torch.randn(2, 4, 3, 64), v_sink=torch.randn(2, 2, 3, 64)),
+            r"k_sink and v_sink must have shape \[2, 4, sink_tokens, 64\]",
+        ),
+        (
+            lambda c: bad(
+                c, k_sink=torch.randn(2, 4, 3, 64), v_sink=torch.randn(2, 4, 3, 64), sink_lens=torch.tensor([1, 4])
+            ),
+            r"sink_lens\[1\] = 4 is outside \[0, 3\]",
+        ),
+        (lambda c: bad(c, sink_lens=torch.tensor([1, 1])), "sink_lens given without k_sink/v_sink"),
+        (
+            lambda c: bad(c, k_sink=torch.randn(2, 4, 3, 64).long(), v_sink=torch.randn(2, 4, 3, 64).long()),
+            "k_sink and v_sink must be float tensors",
+        ),
+        (lambda c: bad(c, rotation_signs=torch.ones(32)), r"rotation signs must have shape \[64\]"),
+        (lambda c: bad(c, rotation_signs=torch.full((64,), 0.5)), "must all be \\+1 or -1"),
+    ],
+)
 def test_bad_input(make, match):
     case = Case(ratio=2, kv_heads=4)
     with pytest.raises(RuntimeError, match=match):
         make(case)()
+
+
+# ---- the same checks everywhere (issue 8, items 9, 10, 12, 14, 15) --------------------------
+
+
+def attention_kwargs(case: Case, **kw):
+    args = dict(
+        q=case.q,
+        k_cache=case.k_cache,
+        v_cache=case.v_cache,
+        k_format=case.k_format,
+        v_format=case.v_format,
+        compressed_lens=case.comp_lens,
+        rotation_signs=case.signs,
+    )
+    args.update(kw)
+    return args
+
+
+def first_line(e):
+    return str(e.value).splitlines()[0]
+
+
+def bad_attention_cases():
+    c = Case(ratio=2, kv_heads=4)
+    r = Case(ratio=2, kv_heads=4, rotate=True)
+    three = Case(ratio=1, kv_heads=2)
+    return {
+        "q_heads 3, kv_heads 2": attention_kwargs(three, q=torch.randn(2, 3, 1, 64)),
+        "signs of the wrong length": attention_kwargs(r, rotation_signs=r.signs[:32]),
+        "int signs": attention_kwargs(r, rotation_signs=r.signs.int()),
+        "bool lens": attention_kwargs(c, compressed_lens=c.comp_lens > 0),
+        "complex q": attention_kwargs(c, q=c.q.to(torch.complex64)),
+        "empty q": attention_kwargs(c, q=c.q[:, :, :0]),
+        "bits 2**32+4": attention_kwargs(c, k_format=[2**32 + 4, 32, -2]),
+        "mismatched v scale": attention_kwargs(c, v_cache=c.v_cache[:1] + [c.v_cache[1][..., :1]] + c.v_cache[2:]),
+        "window 0": attention_kwargs(c, window=0),
+        "scale 1e300": attention_kwargs(c, scale=1e300),
+        "softcap 1e300": attention_kwargs(c, softcap=1e300),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(bad_attention_cases()))
+def test_fake_kernel_rejects_what_the_kernel_rejects(case):
+    kw = bad_attention_cases()[case]
+    with pytest.raises(RuntimeError) as real:
+        dgq_fused_attention(**kw)
+    with pytest.raises(RuntimeError) as meta:
+        dgq_fused_attention(**tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, kw))
+    assert first_line(meta) == first_line(real)
+    with FakeTensorMode() as mode:
+        fake = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, kw)
+        with pytest.raises(RuntimeError) as faked:
+            dgq_fused_attention(**fake)
+    assert first_line(faked) == first_line(real)
+
+
+@pytest.mark.parametrize("which", ["compressed_lens", "rotation_signs", "k_codes", "v_scale", "k_tail", "sink_lens"])
+def test_one_meta_tensor_among_cpu_tensors(which):
+    # Once returned uninitialized memory: the meta tensor sent the call to the fake kernel.
+    case = Case(rotate=True, tail=4, sinks=2)
+    kw = attention_kwargs(
+        case,
+        k_tail=case.k_tail,
+        v_tail=case.v_tail,
+        tail_lens=case.tail_lens,
+        k_sink=case.k_sink,
+        v_sink=case.v_sink,
+        sink_lens=case.sink_lens,
+    )
+    if which == "k_codes":
+        kw["k_cache"] = [kw["k_cache"][0].to("meta")] + kw["k_cache"][1:]
+    elif which == "v_scale":
+        kw["v_cache"] = kw["v_cache"][:1] + [kw["v_cache"][1].to("meta")] + kw["v_cache"][2:]
+    else:
+        kw[which] = kw[which].to("meta")
+    with pytest.raises(RuntimeError, match=r"dgq_fused_attention: all tensors must be on one device, q is on cpu"):
+        dgq_fused_attention(**kw)
+
+
+def test_hadamard_rotate_mixed_devices_and_fake_checks():
+    x, s = torch.randn(3, 64), random_signs(64, 0)
+    with pytest.raises(RuntimeError, match=r"hadamard_rotate: all tensors must be on one device, x is on cpu"):
+        hadamard_rotate(x, s.to("meta"))
+    for bad in (s[:32], s.int()):
+        with pytest.raises(RuntimeError) as real:
+            hadamard_rotate(x, bad)
+        with pytest.raises(RuntimeError) as meta:
+            hadamard_rotate(x.to("meta"), bad.to("meta"))
+        assert first_line(meta) == first_line(real)
+    with pytest.raises(TypeError, match=r"hadamard_rotate: inverse must be a bool, got int 2"):
+        hadamard_rotate(x, s, 2)
+
+
+@pytest.mark.parametrize("dgq", [False, True])
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_corrupt_outlier_idx_rejected_as_by_decompress(dgq, which):
+    # nq_decompress rejects these buffers; fused attention once read them anyway (the corrupt
+    # outlier was silently skipped or applied at a wrong position).
+    case = Case(dgq=dgq, k_outliers=2, v_outliers=2, comp_lens=(70, 33))
+    cache = [t.clone() for t in (case.k_cache if which == "k" else case.v_cache)]
+    # A group holding valid tokens of sequence 1: channel 5 of token group 0 (keys), channel
+    # group 1 of token 0 (values).
+    cache[3][(1, 0, 0, 5, 1) if which == "k" else (1, 0, 0, 1, 1)] = 200
+    kw = attention_kwargs(case, **{f"{which}_cache": cache})
+    with pytest.raises(
+        RuntimeError,
+        match=rf"dgq_fused_attention: {which}_cache: outlier_idx holds a position "
+        r"outside its group",
+    ):
+        dgq_fused_attention(**kw)
+    fmt = case.k_format if which == "k" else case.v_format
+    decompress = (
+        (lambda: nexuskv.dgq_decompress(*cache, fmt[0], fmt[1], 64))
+        if dgq and which == "k"
+        else (lambda: nexuskv.nq_decompress(*cache[:5], *fmt, 64))
+    )
+    with pytest.raises(RuntimeError, match=r"outlier_idx holds a position outside its group"):
+        decompress()
+
+
+def test_corrupt_outlier_idx_past_the_valid_tokens_is_not_read():
+    # Groups past compressed_lens are never read (a cache's unused capacity may hold anything).
+    case = Case(k_outliers=2, comp_lens=(40, 20))
+    cache = [t.clone() for t in case.k_cache]
+    cache[3][1, :, 1] = 255  # token group 1 (tokens 32..39) of sequence 1, which holds 20 tokens
+    case.k_cache = cache
+    assert rel_err(case.run(), case.reference()) <= 1e-4
+
+
+def test_hadamard_rotate_near_float32_max():
+    # Once Inf where the exact result is finite: the butterflies overflowed before the 1/sqrt(n).
+    x = torch.zeros(2, 64)
+    x[0, :2] = 3e38
+    x[1, 0], x[1, 1] = 3e38, -3e38
+    s = torch.ones(64)
+    y = hadamard_rotate(x, s)
+    exact = x.double() @ rotation_matrix(s).T
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.double(), exact, rtol=1e-6, atol=0)
+    torch.testing.assert_close(hadamard_rotate(y, s, inverse=True).double(), x.double(), rtol=1e-6, atol=1e30)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(scale=True), r"scale must be a float, got bool True"),
+        (dict(softcap=True), r"softcap must be a float, got bool True"),
+        (dict(window=True), r"window must be an int, got bool True"),
+    ],
+)
+def test_bool_where_a_number_is_meant(kw, match):
+    with pytest.raises(TypeError, match=match):
+        Case().run(**kw)
+    case = Case()
+    with pytest.raises(TypeError, match=r"k_format must hold ints, got \[True, 32, -2\]"):
+        dgq_fused_attention(case.q, case.k_cache, case.v_cache, [True, 32, -2], case.v_format, case.comp_lens)

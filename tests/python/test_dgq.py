@@ -56,7 +56,7 @@ def test_error_bound_and_reference_decoder(bits, dtype, k):
     s_el = parts.scale.to(F64).gather(2, seg[..., None].expand(-1, -1, -1, 48))
     z_el = parts.zero.to(F64).gather(2, seg[..., None].expand(-1, -1, -1, 48))
     # float32 evaluation of code*scale + zero: a few ulps of the larger term (the two may cancel).
-    f32 = 4 * torch.finfo(torch.float32).eps * (s_el * (2 ** bits) + z_el.abs() + ref.abs())
+    f32 = 4 * torch.finfo(torch.float32).eps * (s_el * (2**bits) + z_el.abs() + ref.abs())
     out_round = 0 if dtype == torch.float32 else torch.finfo(dtype).eps * ref.abs()
     assert ((x_hat.to(F64) - ref).abs() <= f32 + out_round).all()
     # Every element is within half its segment's scale of x (plus that rounding), outliers exact.
@@ -98,17 +98,21 @@ def test_opcheck_and_compile():
     def roundtrip(t):
         return nexuskv.dgq_decompress(*nexuskv.dgq_compress(t, 4, 32), 4, 32, t.shape[-1])
 
-    torch.testing.assert_close(torch.compile(roundtrip, fullgraph=True, backend="aot_eager")(x), roundtrip(x),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        torch.compile(roundtrip, fullgraph=True, backend="aot_eager")(x), roundtrip(x), rtol=0, atol=0
+    )
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(granule=0), r"granule must be in \[1, group_size\]"),
-    (dict(granule=64), r"granule must be in \[1, group_size\]"),
-    (dict(max_len=48), "max_len must be a multiple of granule"),
-    (dict(max_len=300), "max_len must be a multiple of granule"),
-    (dict(max_len=72), "max_len must be a multiple of granule"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(granule=0), r"granule must be in \[1, group_size\]"),
+        (dict(granule=64), r"granule must be in \[1, group_size\]"),
+        (dict(max_len=48), "max_len must be a multiple of granule"),
+        (dict(max_len=300), "max_len must be a multiple of granule"),
+        (dict(max_len=72), "max_len must be a multiple of granule"),
+    ],
+)
 def test_bad_parameters(kw, match):
     with pytest.raises(RuntimeError, match=match):
         nexuskv.dgq_compress(torch.randn(1, 100, 16), 4, 32, **kw)
@@ -124,3 +128,55 @@ def test_bad_segment_starts_rejected():
     starts[0, 0] = 3
     with pytest.raises(RuntimeError, match="must begin at token 0"):
         nexuskv.dgq_decompress(*parts[:5], starts, 4, 32, 16)
+
+
+@pytest.mark.parametrize("group,granule,want", [(20, 16, 48), (24, 16, 48), (40, 32, 96), (100, 48, 240)])
+def test_default_max_len_rounds_up_to_the_granule(group, granule, want):
+    # 2 * group_size is no multiple of the granule here: once an error about max_len, which the
+    # caller never passed.  The default is now the smallest multiple of granule >= 2 * group_size.
+    x = torch.randn(2, 300, 16) * torch.linspace(0.5, 4, 300)[:, None]
+    parts = nexuskv.dgq_compress(x, 4, group, granule)
+    assert parts.segment_starts.shape == (2, -(-300 // group))
+    for row in parts.segment_starts:
+        lengths = [b - a for a, b in segments_of(row, 300)]
+        assert max(lengths) <= want
+        assert all(n % granule == 0 for n, (a, b) in zip(lengths, segments_of(row, 300)) if b < 300)
+    torch.testing.assert_close(parts, nexuskv.dgq_compress(x, 4, group, granule, want), rtol=0, atol=0)
+
+
+def test_default_max_len_that_cannot_exist_names_the_default():
+    with pytest.raises(
+        RuntimeError,
+        match=r"dgq_compress: no max_len fits granule=100 and group_size=128: the "
+        r"default max_len is the smallest multiple of granule",
+    ):
+        nexuskv.dgq_compress(torch.randn(1, 300, 16), 4, 128, 100)
+
+
+def test_meta_segment_starts_among_cpu_tensors():
+    parts = list(nexuskv.dgq_compress(torch.randn(1, 100, 16), 4, 32))
+    parts[5] = parts[5].to("meta")
+    with pytest.raises(
+        RuntimeError,
+        match=r"dgq_decompress: all tensors must be on one device, codes is on cpu but "
+        r"segment_starts is on meta",
+    ):
+        nexuskv.dgq_decompress(*parts, 4, 32, 16)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(granule=0), "granule must be in"),
+        (dict(max_len=72), "max_len must be"),
+        (dict(granule=100, group_size=128), "no max_len fits"),
+    ],
+)
+def test_fake_kernel_rejects_what_the_kernel_rejects(kw, match):
+    args = dict(bits=4, group_size=32) | kw
+    x = torch.randn(1, 100, 16)
+    with pytest.raises(RuntimeError, match=match) as real:
+        nexuskv.dgq_compress(x, **args)
+    with pytest.raises(RuntimeError) as meta:
+        nexuskv.dgq_compress(x.to("meta"), **args)
+    assert str(meta.value).splitlines()[0] == str(real.value).splitlines()[0]

@@ -4,6 +4,7 @@ that says find_package(nexuskv) with nothing but that prefix and the Python that
 torch, built and run against Python's outputs."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,24 @@ def cmake(*args, cwd=None):
     return run.stdout
 
 
+PUBLIC_HEADERS = {"nexuskv/ops.h", "nexuskv/cache.h", "nexuskv/compressor.h", "nexuskv/core/nq_format.h",
+                  "nexuskv/core/hd.h"}
+
+
+def assert_public_headers_only(include: Path) -> None:
+    """The installed headers are the public API (no core internals such as core/attention.h),
+    and every nexuskv header they include is installed too."""
+    installed = {str(p.relative_to(include)) for p in include.rglob("*.h")}
+    assert PUBLIC_HEADERS <= installed, installed
+    for header in installed:
+        for line in (include / header).read_text().splitlines():
+            m = re.match(r'\s*#\s*include\s*[<"](nexuskv/[^>"]+)[>"]', line)
+            if m:
+                assert m.group(1) in installed, f"{header} includes {m.group(1)}, which is not installed"
+    internal = {"nexuskv/core/attention.h", "nexuskv/core/nq_kernels.h", "nexuskv/core/dgq.h"}
+    assert not internal & installed, internal & installed
+
+
 @pytest.mark.skipif(not (BUILD / "cmake_install.cmake").exists() or shutil.which("cmake") is None,
                     reason=f"needs cmake and the native build in {BUILD}")
 def test_outside_app_with_find_package(tmp_path):
@@ -30,6 +49,7 @@ def test_outside_app_with_find_package(tmp_path):
     cmake("--install", BUILD, "--prefix", prefix, "--component", "cxx")
     config = prefix / "lib" / "cmake" / "nexuskv"
     assert (config / "nexuskvConfig.cmake").exists() and (prefix / "include" / "nexuskv" / "cache.h").exists()
+    assert_public_headers_only(prefix / "include")
     assert (prefix / "lib" / "libnexuskv.so").exists()
     app_build = tmp_path / "app"
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []

@@ -35,6 +35,7 @@ def _dense(model, ids, n=N, **kw):
 
 def _count_calls(monkeypatch, name):
     import nexuskv.hf as nhf
+
     calls = []
     original = getattr(nhf.NexusKVLayer, name)
 
@@ -99,6 +100,7 @@ def test_crop_is_exact_when_nothing_is_compressed(tiny):
 
 def _crop_takes_removal():
     from nexuskv import hf_compat
+
     return hf_compat.CROP_TAKES_TOKENS_TO_REMOVE
 
 
@@ -179,7 +181,7 @@ def test_enable_is_the_one_line_way_in(tiny):
     out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, return_dict_in_generate=True)
     cache = hf_compat.output_cache(out)
     assert isinstance(cache, nhf.NexusKVCache) and cache.layers[0]._fused_now()
-    assert out.sequences[:, ids.shape[1]:].tolist() == _dense(model, ids, 6).tolist()
+    assert out.sequences[:, ids.shape[1] :].tolist() == _dense(model, ids, 6).tolist()
     with pytest.raises(ValueError, match="do not fit: KVCache: key_group_size"):  # checked at enable()
         nhf.enable(model, bits=4, group_size=512)
 
@@ -204,8 +206,10 @@ def test_tensor_parallel_shards_give_their_kv_heads(tiny):
     g = nhf.hf_compat.layer_geometries(model)[0]
     H, D = g.kv_heads, g.key_dim
     shard = torch.randn(1, H // 2, 5, D), torch.randn(1, H // 2, 5, D)
-    for cache in (nhf.cache_for(model, kv_heads=H // 2, fused=False), nhf.cache_for(model, kv_heads="auto",
-                                                                                    fused=False)):
+    for cache in (
+        nhf.cache_for(model, kv_heads=H // 2, fused=False),
+        nhf.cache_for(model, kv_heads="auto", fused=False),
+    ):
         k, _ = cache.update(*shard, 0)
         assert k.shape == (1, H // 2, 5, D)
     with pytest.raises(ValueError, match=f"made for a model with {H} KV heads"):

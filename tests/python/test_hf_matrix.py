@@ -31,6 +31,7 @@ def _rel(a, ref):
 def _full_causal_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """What attention that ignores the window and the soft-cap computes (the old bug)."""
     from nexuskv.hf import dense_attention
+
     return dense_attention(query, key, value, None, scaling, None), None
 
 
@@ -53,7 +54,7 @@ def _run(model, ids, cache):
     with torch.no_grad():
         out = [forward(model, ids[:, :PROMPT_LEN], cache).logits]
         for t in range(PROMPT_LEN, ids.shape[1]):
-            out.append(forward(model, ids[:, t:t + 1], cache).logits)
+            out.append(forward(model, ids[:, t : t + 1], cache).logits)
     return torch.cat(out, 1)
 
 
@@ -121,7 +122,11 @@ def test_layer_windows_follow_the_config(arch):
 
     name, model, _, _ = arch
     cache = nhf.cache_for(model)
-    expected = {"qwen2": [None, WINDOW], "mistral": [WINDOW, WINDOW], "gemma2": [WINDOW, None],
-                "gemma3": [WINDOW, None, WINDOW]}.get(name, [None] * len(cache.layers))
+    expected = {
+        "qwen2": [None, WINDOW],
+        "mistral": [WINDOW, WINDOW],
+        "gemma2": [WINDOW, None],
+        "gemma3": [WINDOW, None, WINDOW],
+    }.get(name, [None] * len(cache.layers))
     assert [layer.sliding_window for layer in cache.layers] == expected
     assert cache.is_sliding == [w is not None for w in expected]

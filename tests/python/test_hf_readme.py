@@ -12,7 +12,7 @@ README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 
 def hf_snippet() -> str:
     text = open(README, encoding="utf-8").read()
-    section = text[text.index("**Hugging Face transformers**"):]
+    section = text[text.index("**Hugging Face transformers**") :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 

@@ -1,6 +1,7 @@
-"""Bad inputs to nq_compress / nq_decompress: each raises RuntimeError with a message
-that names the offending argument (messages from csrc/aten/nq_args.cpp and
-ops/inference_only.cpp)."""
+"""Bad inputs to nq_compress / nq_decompress: each raises RuntimeError (TypeError for a
+Python bool where a number is meant) with a message that names the offending argument
+(messages from csrc/aten/nq_args.cpp, ops/inference_only.cpp and nexuskv/ops.py), and the
+fake kernels (torch.compile, torch.export, meta tensors) reject the same with the same message."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import math
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
 
 from nexuskv import nq_compress, nq_decompress
 
@@ -25,6 +28,7 @@ def good_parts(bits=4, G=8, axis=-2, k=2, shape=(2, 3, 20, 64)):
 # ---------------------------------------------------------------------------------------------
 # nq_compress: parameters
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.float64, torch.bool, torch.int8, torch.uint8])
 def test_compress_wrong_dtype(dtype):
@@ -47,8 +51,11 @@ def test_compress_bad_group_size(group_size):
 
 @pytest.mark.parametrize("group_size,num_outliers", [(8, 8), (8, 9), (1, 1), (256, 256), (8, -1), (64, -5)])
 def test_compress_bad_num_outliers(group_size, num_outliers):
-    with pytest.raises(RuntimeError, match=r"nq_compress: num_outliers must be in \[0, group_size\) = "
-                                           rf"\[0, {group_size}\), got {num_outliers}"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"nq_compress: num_outliers must be in \[0, group_size\) = "
+        rf"\[0, {group_size}\), got {num_outliers}",
+    ):
         nq_compress(good_x(), 4, group_size, -1, num_outliers)
 
 
@@ -73,8 +80,11 @@ def test_compress_empty(shape):
 
 @pytest.mark.parametrize("shape", [(16,), (), (0,)])
 def test_compress_too_few_dims(shape):
-    with pytest.raises(RuntimeError, match=r"nq_compress: x must have shape \[\.\.\., tokens, head_dim\] "
-                                           r"\(at least 2 dims\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"nq_compress: x must have shape \[\.\.\., tokens, head_dim\] "
+        r"\(at least 2 dims\)",
+    ):
         nq_compress(torch.zeros(shape), 4, 8, -1)
 
 
@@ -88,6 +98,7 @@ def test_compress_bad_meta_dtype():
 # ---------------------------------------------------------------------------------------------
 # nq_compress: values
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("axis", [-2, -1])
@@ -114,8 +125,11 @@ def test_compress_meta_float16_overflow_range(bits, axis):
     # A group holding 1e6 and values near 0: scale = 1e6 / qmax > 65504 does not fit fp16.
     x = good_x()
     x[0, 0, 0, 0] = 1e6
-    with pytest.raises(RuntimeError, match=r"nq_compress: a group's scale or zero does not fit in meta_dtype "
-                                           r"Half .*use meta_dtype=float32 or bfloat16"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"nq_compress: a group's scale or zero does not fit in meta_dtype "
+        r"Half .*use meta_dtype=float32 or bfloat16",
+    ):
         nq_compress(x, bits, 8, axis, 0, torch.float16)
     # The same tensor with the default (float32) meta dtype is fine.
     nq_compress(x, bits, 8, axis, 0)
@@ -141,6 +155,7 @@ def test_compress_large_value_as_outlier_fits_float16_meta():
 # ---------------------------------------------------------------------------------------------
 # nq_decompress: parameters and mismatched tensors
 # ---------------------------------------------------------------------------------------------
+
 
 def decompress(parts, bits=4, G=8, axis=-2, head_dim=64, out_dtype=None):
     return nq_decompress(*parts, bits, G, axis, head_dim, out_dtype)
@@ -184,8 +199,11 @@ def test_decompress_codes_wrong_dtype(dtype):
 
 def test_decompress_codes_row_bytes_mismatch():
     parts = good_parts()  # 4 bits, head_dim 64: 32 bytes per token
-    with pytest.raises(RuntimeError, match=r"nq_decompress: codes has 32 bytes per token, but bits=2 and "
-                                           r"head_dim=64 pack into 16"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"nq_decompress: codes has 32 bytes per token, but bits=2 and "
+        r"head_dim=64 pack into 16",
+    ):
         decompress(parts, bits=2)
     with pytest.raises(RuntimeError, match=r"codes has 32 bytes per token, but bits=4 and head_dim=96 pack into 48"):
         decompress(parts, head_dim=96)
@@ -211,8 +229,11 @@ def test_decompress_meta_wrong_shape(which, index):
     for bad in (parts[index][..., :-1], parts[index][0], parts[index].unsqueeze(0), parts[index][:, :, :1]):
         p = list(parts)
         p[index] = bad
-        with pytest.raises(RuntimeError, match=rf"nq_decompress: {which} must have shape \[2, 3, 3, 64\] "
-                                               r"\(from codes and the format parameters\)"):
+        with pytest.raises(
+            RuntimeError,
+            match=rf"nq_decompress: {which} must have shape \[2, 3, 3, 64\] "
+            r"\(from codes and the format parameters\)",
+        ):
             decompress(p)
 
 
@@ -256,8 +277,11 @@ def test_decompress_outlier_idx_wrong_shape():
 def test_decompress_outlier_idx_k_too_large():
     parts = good_parts(G=2, k=1)
     parts[3] = torch.zeros(*parts[3].shape[:-1], 2, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match=r"nq_decompress: num_outliers must be in \[0, group_size\) = \[0, 2\), "
-                                           r"got 2"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"nq_decompress: num_outliers must be in \[0, group_size\) = \[0, 2\), "
+        r"got 2",
+    ):
         decompress(parts, G=2)
 
 
@@ -331,6 +355,7 @@ def test_decompress_corrupt_outlier_idx_beyond_partial_group(axis):
 # Inference only
 # ---------------------------------------------------------------------------------------------
 
+
 def test_compress_requires_grad_rejected_under_grad_mode():
     x = good_x().requires_grad_()
     with pytest.raises(RuntimeError, match=r"nq_compress is inference-only .*argument 'x' requires grad"):
@@ -355,3 +380,145 @@ def test_decompress_requires_grad_rejected_under_grad_mode(index, name):
     assert not y.requires_grad
     with torch.inference_mode():
         decompress(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake (meta) kernels reject what the real kernels reject, with the same message (issue 8,
+# items 9, 10, 11, 16): the fake kernels run the C++ checks of the real ones
+# ---------------------------------------------------------------------------------------------
+
+
+def real_error(fn, args):
+    with pytest.raises((RuntimeError, TypeError)) as e:
+        fn(*args)
+    return str(e.value).splitlines()[0]
+
+
+def on_meta(args):
+    return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, args)
+
+
+def fake_error(fn, args):
+    with FakeTensorMode() as mode:
+        fake = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, args)
+        with pytest.raises((RuntimeError, TypeError)) as e:
+            fn(*fake)
+    return str(e.value).splitlines()[0]
+
+
+def meta_error(fn, args):
+    with pytest.raises((RuntimeError, TypeError)) as e:
+        fn(*on_meta(args))
+    return str(e.value).splitlines()[0]
+
+
+def bad_compress_cases():
+    x = good_x()
+    return {
+        "empty x": (x[:, :, :0], 4, 8, -1),
+        "int32 meta_dtype": (x, 4, 8, -1, 0, torch.int32),
+        "bits 2**32+4": (x, 2**32 + 4, 8, -1),
+        "group 2**32+8": (x, 4, 2**32 + 8, -1),
+        "outliers 2**32": (x, 4, 8, -1, 2**32),
+        "int x": (x.long(), 4, 8, -1),
+        "bool x": (x > 0, 4, 8, -1),
+        "complex x": (x.to(torch.complex64), 4, 8, -1),
+        "1-D x": (x.reshape(-1), 4, 8, -1),
+    }
+
+
+def bad_decompress_cases():
+    parts = good_parts()
+    mismatched = list(parts)
+    mismatched[1] = parts[1][..., :-1]
+    per_token = list(nq_compress(good_x(), 4, 16, -2))
+    return {
+        "mismatched scale": (*mismatched, 4, 8, -2, 64),
+        "bits 2**32+4": (*parts, 2**32 + 4, 8, -2, 64),
+        "4-bit D=64 read as 2-bit D=128": (*per_token, 2, 16, -2, 128),
+        "group 16 read as 8": (*per_token, 4, 8, -2, 64),
+        "zero of another dtype": (*parts[:2], parts[2].half(), *parts[3:], 4, 8, -2, 64),
+        "complex out_dtype": (*parts, 4, 8, -2, 64, torch.complex64),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(bad_compress_cases()))
+def test_fake_compress_rejects_what_the_kernel_rejects(case):
+    args = bad_compress_cases()[case]
+    want = real_error(nq_compress, args)
+    assert fake_error(nq_compress, args) == want
+    assert meta_error(nq_compress, args) == want
+
+
+@pytest.mark.parametrize("case", sorted(bad_decompress_cases()))
+def test_fake_decompress_rejects_what_the_kernel_rejects(case):
+    args = bad_decompress_cases()[case]
+    want = real_error(nq_decompress, args)
+    assert fake_error(nq_decompress, args) == want
+    assert meta_error(nq_decompress, args) == want
+
+
+@pytest.mark.parametrize(
+    "index,name", [(0, "codes"), (1, "scale"), (2, "zero"), (3, "outlier_idx"), (4, "outlier_val")]
+)
+def test_decompress_one_meta_tensor_among_cpu_tensors(index, name):
+    # Once returned uninitialized memory: the meta tensor sent the call to the fake kernel.
+    parts = good_parts()
+    parts[index] = parts[index].to("meta")
+    with pytest.raises(
+        RuntimeError,
+        match=rf"nq_decompress: all tensors must be on one device, .*{name} is on "
+        r"(meta|cpu)",
+    ):
+        decompress(parts)
+
+
+def test_decompress_format_mismatches_detected_from_sizes():
+    # What the buffers' sizes reveal is an error (the rest is documented in nq_decompress).
+    x = good_x()
+    with pytest.raises(RuntimeError, match=r"scale must have shape \[2, 3, 2, 128\]"):
+        decompress(list(nq_compress(x, 4, 16, -2)), bits=2, G=16, head_dim=128)
+    with pytest.raises(RuntimeError, match=r"scale must have shape \[2, 3, 20, 5\]"):
+        decompress(list(nq_compress(x, 4, 16, -1)), bits=4, G=15, axis=-1, head_dim=64)
+
+
+@pytest.mark.parametrize("kw", [dict(bits=True), dict(group_size=True), dict(axis=True), dict(num_outliers=True)])
+def test_compress_bool_where_an_int_is_meant(kw):
+    # The dispatcher would read True as 1 (group_size=True quantized in groups of one).
+    args = dict(bits=4, group_size=8, axis=-1, num_outliers=0) | kw
+    name = next(iter(kw))
+    with pytest.raises(TypeError, match=rf"nq_compress: {name} must be an int, got bool True"):
+        nq_compress(good_x(), **args)
+
+
+def test_decompress_bool_where_an_int_is_meant():
+    with pytest.raises(TypeError, match=r"nq_decompress: head_dim must be an int, got bool"):
+        nq_decompress(*good_parts(), 4, 8, -2, True)
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (2**32 + 4, "bits must be one of 2, 3, 4, 8, got 4294967300"),
+        (-(2**63), "bits must be one of"),
+        (2**31 + 4, "got 2147483652"),
+    ],
+)
+def test_int64_arguments_checked_before_narrowing(bad, match):
+    with pytest.raises(RuntimeError, match=match):
+        nq_compress(good_x(), bad, 8, -1)
+    with pytest.raises(RuntimeError, match=match):
+        decompress(good_parts(), bits=bad)
+
+
+def test_range_beyond_float32_has_a_true_message():
+    # Finite float32 values whose range overflows float32: once "does not fit in meta_dtype Float
+    # ... use meta_dtype=float32" (it was float32).
+    x = torch.tensor([[-3e38, 3e38, 1.0, 2.0]])
+    for axis, G in ((-1, 4), (-2, 1)):
+        with pytest.raises(RuntimeError, match=r"nq_compress: a group's range max - min overflows float32"):
+            nq_compress(x if axis == -1 else x.T.contiguous(), 4, 4 if axis == -1 else 4, axis)
+    # Values within float32 range whose range fits are fine, and so is a huge outlier taken out.
+    nq_compress(torch.tensor([[1e38, 2e38, 3e38, 1.0]]), 4, 4, -1)
+    p = nq_compress(x, 4, 4, -1, 2)
+    assert torch.isfinite(p.scale).all()

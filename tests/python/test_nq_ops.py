@@ -82,14 +82,17 @@ def test_torchscript_function_and_save_load():
     torch.testing.assert_close(loaded(x), roundtrip(x), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("nq,dtype,bits_expected", [
-    (NQ(4, 64, "channel"), torch.float16, 4.5),  # 4 + 2*16/64
-    (NQ(2, 64, "token"), torch.float16, 2.5),
-    (NQ(8, 128, "token"), torch.float16, 8.25),  # 8 + 2*16/128
-    (NQ(4, 32, "token", num_outliers=1), torch.bfloat16, 4 + 32 / 32 + 24 / 32),
-    (NQ(3, 64, "channel", num_outliers=2), torch.float32, 3 + 64 / 64 + 2 * 40 / 64),
-    (NQ(4, 64, "channel", meta_dtype=torch.float16), torch.float32, 4.5),
-])
+@pytest.mark.parametrize(
+    "nq,dtype,bits_expected",
+    [
+        (NQ(4, 64, "channel"), torch.float16, 4.5),  # 4 + 2*16/64
+        (NQ(2, 64, "token"), torch.float16, 2.5),
+        (NQ(8, 128, "token"), torch.float16, 8.25),  # 8 + 2*16/128
+        (NQ(4, 32, "token", num_outliers=1), torch.bfloat16, 4 + 32 / 32 + 24 / 32),
+        (NQ(3, 64, "channel", num_outliers=2), torch.float32, 3 + 64 / 64 + 2 * 40 / 64),
+        (NQ(4, 64, "channel", meta_dtype=torch.float16), torch.float32, 4.5),
+    ],
+)
 def test_effective_bits_formula_aligned(nq, dtype, bits_expected):
     x = torch.randn(2, 4, 256, 128).to(dtype)
     c = nq.compress(x)

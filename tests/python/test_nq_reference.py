@@ -12,8 +12,17 @@ from hypothesis import strategies as st
 
 import nexuskv
 from nexuskv import nq_compress, nq_decompress
-from nq_reference import (F64, ceil_div, chunk_geometry, from_groups, per_element, reference_params,
-                          reference_unpack, to_groups, ulp)
+from nq_reference import (
+    F64,
+    ceil_div,
+    chunk_geometry,
+    from_groups,
+    per_element,
+    reference_params,
+    reference_unpack,
+    to_groups,
+    ulp,
+)
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BITS = (2, 3, 4, 8)
@@ -24,9 +33,10 @@ AXES = (-2, -1)
 # The check
 # ---------------------------------------------------------------------------------------------
 
+
 def check_against_reference(x, bits, G, axis, k, meta_dtype=None, out_dtype=None):
     meta = meta_dtype or x.dtype
-    qmax = 2 ** bits - 1
+    qmax = 2**bits - 1
     *lead, T, D = x.shape
     N = math.prod(lead)
     p = nq_compress(x, bits, G, axis, k, meta_dtype)
@@ -96,8 +106,10 @@ def check_against_reference(x, bits, G, axis, k, meta_dtype=None, out_dtype=None
     tol = s_el / 2 + 8 * f32_ulp + 0.5 * ulp(torch.maximum(x64.abs(), y64.abs()), out)
     err = (y64 - x64).abs()
     bad = dense & ~(err <= tol)
-    assert not bad.any(), (f"{int(bad.sum())} dense elements out of bound; worst err "
-                           f"{err[bad].max().item():.6g} tol {tol[bad][err[bad].argmax()].item():.6g}")
+    assert not bad.any(), (
+        f"{int(bad.sum())} dense elements out of bound; worst err "
+        f"{err[bad].max().item():.6g} tol {tol[bad][err[bad].argmax()].item():.6g}"
+    )
     # Outliers exact (exact whenever the output dtype holds the input dtype's value).
     assert torch.equal(y64[out_mask], x3.to(out).to(F64)[out_mask]), "outliers not exact"
 
@@ -134,6 +146,7 @@ def check_against_reference(x, bits, G, axis, k, meta_dtype=None, out_dtype=None
 # Parametrized sweep: every bits x axis x dtype x num_outliers
 # ---------------------------------------------------------------------------------------------
 
+
 def keys_like(shape, dtype, seed):
     """Normal values with per-channel offsets/scales (as real keys have), a few heavy
     outliers, and one constant stretch."""
@@ -162,8 +175,17 @@ def sweep_cases():
                     else:
                         T = (37, 19, 23)[i % 3]
                         G = 24 if k == 0 else 63  # 64 = 63+1, 128 = 2*63+2: last group n <= k
-                    cases.append(pytest.param(bits, axis, dtype, k, (2, 3, T, D), G, id=f"b{bits}-ax{axis}-"
-                                              f"{str(dtype)[6:]}-k{k}-T{T}-D{D}-G{G}"))
+                    cases.append(
+                        pytest.param(
+                            bits,
+                            axis,
+                            dtype,
+                            k,
+                            (2, 3, T, D),
+                            G,
+                            id=f"b{bits}-ax{axis}-{str(dtype)[6:]}-k{k}-T{T}-D{D}-G{G}",
+                        )
+                    )
                     i += 1
     return cases
 
@@ -178,10 +200,11 @@ def test_sweep_against_reference(bits, axis, dtype, k, shape, G):
 # Hand-checked layout
 # ---------------------------------------------------------------------------------------------
 
+
 def test_known_layout_2_3_4_8_bits():
     # One token, 64 channels, one group: x = zero + code exactly (scale 1 after rounding up).
     for bits in BITS:
-        qmax = 2 ** bits - 1
+        qmax = 2**bits - 1
         c = torch.arange(64) % (qmax + 1)
         c[-1] = qmax  # max present so that scale = 1
         c[0] = 0
@@ -192,16 +215,22 @@ def test_known_layout_2_3_4_8_bits():
         if bits == 8:
             assert torch.equal(raw, c)
         elif bits == 4:
-            want = torch.stack([c[32 * q + l] | (c[32 * q + 16 + l] << 4) for q in range(2) for l in range(16)])
+            want = torch.stack(
+                [c[32 * q + lane] | (c[32 * q + 16 + lane] << 4) for q in range(2) for lane in range(16)]
+            )
             assert torch.equal(raw, want)
         elif bits == 2:
-            want = torch.stack([c[l] | c[l + 16] << 2 | c[l + 32] << 4 | c[l + 48] << 6 for l in range(16)])
+            want = torch.stack(
+                [c[lane] | c[lane + 16] << 2 | c[lane + 32] << 4 | c[lane + 48] << 6 for lane in range(16)]
+            )
             assert torch.equal(raw, want)
         else:  # 3 bits: low plane as 2-bit chunk, then bit 2 of channel i at byte 16 + i%8, bit i//8
             lo = c & 3
-            want_lo = torch.stack([lo[l] | lo[l + 16] << 2 | lo[l + 32] << 4 | lo[l + 48] << 6 for l in range(16)])
+            want_lo = torch.stack(
+                [lo[lane] | lo[lane + 16] << 2 | lo[lane + 32] << 4 | lo[lane + 48] << 6 for lane in range(16)]
+            )
             hi = (c >> 2) & 1
-            want_hi = torch.tensor([sum(int(hi[8 * j + l]) << j for j in range(8)) for l in range(8)])
+            want_hi = torch.tensor([sum(int(hi[8 * j + lane]) << j for j in range(8)) for lane in range(8)])
             assert torch.equal(raw, torch.cat([want_lo, want_hi]))
         assert torch.equal(nq_decompress(*p, bits, 64, -1, 64), x)
 
@@ -229,7 +258,7 @@ def nq_case(draw):
     style = draw(st.sampled_from(["normal", "constant", "few_values", "heavy_outliers", "offset", "mixed"]))
     lo, hi = MAG[dtype]
     mag = draw(st.sampled_from([lo, 1.0, hi, 10.0 ** draw(st.integers(int(math.log10(lo)), int(math.log10(hi))))]))
-    seed = draw(st.integers(0, 2 ** 31 - 1))
+    seed = draw(st.integers(0, 2**31 - 1))
     return lead, T, D, bits, axis, dtype, G, k, style, mag, seed
 
 
@@ -263,6 +292,7 @@ def test_hypothesis_against_reference(case):
 # ---------------------------------------------------------------------------------------------
 # Non-contiguous inputs
 # ---------------------------------------------------------------------------------------------
+
 
 def assert_same_parts(a, b):
     for name, u, v in zip(nexuskv.NQParts._fields, a, b):
@@ -311,6 +341,7 @@ def test_non_contiguous_compressed_tensors_decompress():
 # ---------------------------------------------------------------------------------------------
 # meta_dtype and out_dtype
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("axis", AXES)
@@ -365,11 +396,24 @@ def test_compressor_class_matches_ops():
 # The edges of the dtype range (two bugs found here, now fixed: fp16 output overflow, subnormal scale)
 # ---------------------------------------------------------------------------------------------
 
+
 def test_fp16_extreme_range_decompresses_finite():
     x = torch.tensor([[65504.0, -65504.0]], dtype=torch.float16)
     p = nq_compress(x, 2, 2, -1)
     y = nq_decompress(*p, 2, 2, -1, 2)
     assert torch.isfinite(y).all(), f"scale {p.scale.item()} zero {p.zero.item()} -> {y}"
+
+
+@pytest.mark.parametrize("dtype,a", [(torch.float32, 1e-36), (torch.bfloat16, 1e-37)])
+@pytest.mark.parametrize("bits", [2, 8])
+def test_subnormal_scale_is_clamped_as_documented(dtype, a, bits):
+    # Two values one ulp apart near 1e-37: (max - zero) / qmax is subnormal, which nq_format.h
+    # raises to FLT_MIN (also for bf16 metadata, which could hold the subnormal).  The reference
+    # once did not: the flaky hypothesis case of issue 8, item 19.
+    lo = torch.tensor(a, dtype=dtype)
+    x = torch.stack([lo, torch.nextafter(lo, torch.ones_like(lo)), lo, lo]).reshape(1, 4)
+    p, _ = check_against_reference(x, bits, 4, -1, 0)
+    assert p.scale.dtype == dtype and p.scale.item() == torch.finfo(torch.float32).tiny
 
 
 def test_subnormal_scale_keeps_error_bound():

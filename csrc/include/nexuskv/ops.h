@@ -19,9 +19,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> nq_compre
     std::optional<at::ScalarType> meta_dtype = std::nullopt);
 
 at::Tensor nq_decompress(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zero,
-                         const at::Tensor& outlier_idx, const at::Tensor& outlier_val, int64_t bits,
-                         int64_t group_size, int64_t axis, int64_t head_dim,
-                         std::optional<at::ScalarType> out_dtype = std::nullopt);
+                         const at::Tensor& outlier_idx, const at::Tensor& outlier_val, int64_t bits, int64_t group_size,
+                         int64_t axis, int64_t head_dim, std::optional<at::ScalarType> out_dtype = std::nullopt);
 
 // DGQ: per-channel quantization over data-chosen token groups.  Returns
 // (codes, scale, zero, outlier_idx, outlier_val, segment_starts).
@@ -39,18 +38,14 @@ at::Tensor dgq_decompress(const at::Tensor& codes, const at::Tensor& scale, cons
 // with optional full-precision sinks (first tokens) and tail (newest tokens),
 // an optional sliding window and logit soft-cap
 // (see the schema comment in ops/registration.cpp).
-at::Tensor dgq_fused_attention(const at::Tensor& q, at::TensorList k_cache, at::TensorList v_cache,
-                               at::IntArrayRef k_format, at::IntArrayRef v_format, const at::Tensor& compressed_lens,
-                               const std::optional<at::Tensor>& k_tail = std::nullopt,
-                               const std::optional<at::Tensor>& v_tail = std::nullopt,
-                               const std::optional<at::Tensor>& tail_lens = std::nullopt,
-                               const std::optional<at::Tensor>& rotation_signs = std::nullopt,
-                               std::optional<double> scale = std::nullopt,
-                               const std::optional<at::Tensor>& k_sink = std::nullopt,
-                               const std::optional<at::Tensor>& v_sink = std::nullopt,
-                               const std::optional<at::Tensor>& sink_lens = std::nullopt,
-                               std::optional<int64_t> window = std::nullopt,
-                               std::optional<double> softcap = std::nullopt);
+at::Tensor dgq_fused_attention(
+    const at::Tensor& q, at::TensorList k_cache, at::TensorList v_cache, at::IntArrayRef k_format,
+    at::IntArrayRef v_format, const at::Tensor& compressed_lens, const std::optional<at::Tensor>& k_tail = std::nullopt,
+    const std::optional<at::Tensor>& v_tail = std::nullopt, const std::optional<at::Tensor>& tail_lens = std::nullopt,
+    const std::optional<at::Tensor>& rotation_signs = std::nullopt, std::optional<double> scale = std::nullopt,
+    const std::optional<at::Tensor>& k_sink = std::nullopt, const std::optional<at::Tensor>& v_sink = std::nullopt,
+    const std::optional<at::Tensor>& sink_lens = std::nullopt, std::optional<int64_t> window = std::nullopt,
+    std::optional<double> softcap = std::nullopt);
 
 // Randomized Hadamard rotation of the last dim (a power of two).
 at::Tensor hadamard_rotate(const at::Tensor& x, const at::Tensor& signs, bool inverse = false);

@@ -20,7 +20,9 @@
 // Quantization of one group (asymmetric, round to nearest):
 //   qmax  = 2^bits - 1
 //   zero  = min over the dense entries, rounded DOWN to the meta dtype
-//   scale = (max - zero) / qmax, rounded UP to the meta dtype
+//   scale = (max - zero) / qmax, rounded UP to the meta dtype (a positive
+//           value below FLT_MIN, the smallest normal float32, is raised to
+//           FLT_MIN first, so that 1 / scale is finite)
 //   code  = clamp(round((x - zero) / scale), 0, qmax)
 //   x_hat = code * scale + zero
 // Rounding zero down and scale up keeps every dense entry inside
@@ -42,7 +44,8 @@
 // apply outliers still get a bounded (clamped) value.
 //
 // Packed row layout (codes of one token, D channels), built from chunks that
-// a 16-byte vector load reads without shuffles:
+// a 16-byte vector load reads without shuffles (the code that reads and
+// writes it, for host and device: nq_layout.h):
 //
 //   bits 2, 4, 8: chunk = 16 bytes holding C = 16 * (8 / bits) channels.
 //     channel i of the chunk sits in byte (i % 16) at bit offset bits*(i/16).
@@ -83,6 +86,8 @@
 
 #include <cstdint>
 
+#include "nexuskv/core/hd.h"
+
 namespace nexuskv::core {
 
 enum class GroupAxis : int {
@@ -92,58 +97,62 @@ enum class GroupAxis : int {
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
-inline int dtype_bytes(DType t) { return t == DType::kFloat32 ? 4 : 2; }
+NEXUSKV_HD inline constexpr int dtype_bytes(DType t) { return t == DType::kFloat32 ? 4 : 2; }
 
 constexpr int kMaxGroupSize = 256;  // outlier_idx is one byte
 
-inline bool bits_supported(int bits) { return bits == 2 || bits == 3 || bits == 4 || bits == 8; }
+NEXUSKV_HD inline constexpr bool bits_supported(int bits) { return bits == 2 || bits == 3 || bits == 4 || bits == 8; }
 
 // Channels held by one packed chunk.
-inline int chunk_channels(int bits) { return bits == 8 ? 16 : bits == 4 ? 32 : 64; }
+NEXUSKV_HD inline constexpr int chunk_channels(int bits) { return bits == 8 ? 16 : bits == 4 ? 32 : 64; }
 
 // Bytes of one packed chunk.
-inline int chunk_bytes(int bits) { return bits == 3 ? 24 : 16; }
+NEXUSKV_HD inline constexpr int chunk_bytes(int bits) { return bits == 3 ? 24 : 16; }
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+NEXUSKV_HD inline constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-inline int64_t row_bytes(int bits, int64_t head_dim) {
+NEXUSKV_HD inline constexpr int64_t row_bytes(int bits, int64_t head_dim) {
   return ceil_div(head_dim, chunk_channels(bits)) * chunk_bytes(bits);
 }
 
 // Sizes of one compressed tensor, derived from the parameters alone.
 struct NQDims {
-  int64_t rows = 0;       // N: product of the leading dims
-  int64_t tokens = 0;     // T
-  int64_t head_dim = 0;   // D
+  int64_t rows = 0;      // N: product of the leading dims
+  int64_t tokens = 0;    // T
+  int64_t head_dim = 0;  // D
   int bits = 4;
-  int group_size = 64;    // G
+  int group_size = 64;  // G
   GroupAxis axis = GroupAxis::kTokens;
-  int num_outliers = 0;   // k
+  int num_outliers = 0;  // k
 
-  int64_t packed_row_bytes() const { return row_bytes(bits, head_dim); }
+  NEXUSKV_HD_INLINE int64_t packed_row_bytes() const { return row_bytes(bits, head_dim); }
   // A: groups (or tokens) along the first meta dim of one row.
-  int64_t meta_a() const { return axis == GroupAxis::kTokens ? ceil_div(tokens, group_size) : tokens; }
+  NEXUSKV_HD_INLINE int64_t meta_a() const {
+    return axis == GroupAxis::kTokens ? ceil_div(tokens, group_size) : tokens;
+  }
   // B: channels (or channel groups) along the second meta dim.
-  int64_t meta_b() const { return axis == GroupAxis::kTokens ? head_dim : ceil_div(head_dim, group_size); }
-  int64_t groups_per_row() const { return meta_a() * meta_b(); }
+  NEXUSKV_HD_INLINE int64_t meta_b() const {
+    return axis == GroupAxis::kTokens ? head_dim : ceil_div(head_dim, group_size);
+  }
+  NEXUSKV_HD_INLINE int64_t groups_per_row() const { return meta_a() * meta_b(); }
 
   // DGQ: [rows, meta_a()] first token of each token group, or null for fixed
   // groups of group_size.  Only with axis kTokens.
   const int32_t* segment_starts = nullptr;
   // Token group a of row n (kTokens) covers [group_start, group_end).
-  int64_t group_start(int64_t n, int64_t a) const {
+  NEXUSKV_HD_INLINE int64_t group_start(int64_t n, int64_t a) const {
     return segment_starts ? segment_starts[n * meta_a() + a] : a * group_size;
   }
-  int64_t group_end(int64_t n, int64_t a) const {
+  NEXUSKV_HD_INLINE int64_t group_end(int64_t n, int64_t a) const {
     if (!segment_starts) return (a + 1) * group_size < tokens ? (a + 1) * group_size : tokens;
     return a + 1 < meta_a() ? segment_starts[n * meta_a() + a + 1] : tokens;
   }
   // Longest token group: what per-group scratch must hold.
-  int64_t max_group_tokens() const { return segment_starts ? kMaxGroupSize : group_size; }
+  NEXUSKV_HD_INLINE int64_t max_group_tokens() const { return segment_starts ? kMaxGroupSize : group_size; }
 };
 
 // Total bytes of the five buffers; effective bits = 8 * bytes / (N*T*D).
-inline int64_t nq_nbytes(const NQDims& d, DType x_dtype, DType meta_dtype) {
+NEXUSKV_HD inline int64_t nq_nbytes(const NQDims& d, DType x_dtype, DType meta_dtype) {
   const int64_t groups = d.rows * d.groups_per_row();
   return d.rows * d.tokens * d.packed_row_bytes() +
          groups * (2 * dtype_bytes(meta_dtype) + d.num_outliers * (1 + dtype_bytes(x_dtype)));

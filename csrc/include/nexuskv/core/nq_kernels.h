@@ -42,6 +42,7 @@ struct NQBuffers {
 // it into an error.  Tasks only ever set flags, so sharing one is safe.
 struct CompressStatus {
   bool non_finite_input = false;  // NaN or Inf in x
+  bool range_overflow = false;    // a group's max - min overflows float32 (finite values beyond +-1.7e38)
   bool meta_overflow = false;     // a scale or zero is not finite in the meta dtype
 };
 
@@ -49,16 +50,26 @@ struct CompressStatus {
 // (kChannels).
 int64_t nq_num_tasks(const NQDims& d);
 
+// The instruction set nq_compress_tasks / nq_decompress_tasks run on this
+// CPU ("avx2" or "generic"; nexuskv/core/cpu_isa.h).
+const char* nq_kernel_isa();
+
 template <typename In, typename Meta>
-void nq_compress_tasks(const NQDims& d, const StridedRows<In>& x, const NQBuffers<In, Meta>& out,
-                       int64_t task_begin, int64_t task_end, CompressStatus* status);
+void nq_compress_tasks(const NQDims& d, const StridedRows<In>& x, const NQBuffers<In, Meta>& out, int64_t task_begin,
+                       int64_t task_end, CompressStatus* status);
 
 // Dense part of decompression: x_hat = code * scale + zero into out
 // (contiguous [N, T, D]).  Outliers are applied afterwards by
 // nq_scatter_outliers, so that the dense kernel is not templated on a third type.
 template <typename Meta, typename Out>
-void nq_decompress_tasks(const NQDims& d, const uint8_t* codes, const Meta* scale, const Meta* zero,
-                         Out* out, int64_t task_begin, int64_t task_end);
+void nq_decompress_tasks(const NQDims& d, const uint8_t* codes, const Meta* scale, const Meta* zero, Out* out,
+                         int64_t task_begin, int64_t task_end);
+
+// Whether every outlier position of groups [group_begin, group_end) (groups
+// numbered over N*A*B) lies inside its group: what nq_scatter_outliers checks,
+// for readers that do not scatter (fused attention).  Needs d.segment_starts
+// for DGQ.
+bool nq_outlier_positions_valid(const NQDims& d, const uint8_t* outlier_idx, int64_t group_begin, int64_t group_end);
 
 // Writes the exact outlier values of groups [group_begin, group_end) (groups
 // numbered over N*A*B) into out (contiguous [N, T, D]).  Returns false if an

@@ -1,0 +1,66 @@
+// The checks of the CPU kernels that read tensor data (the shared glue,
+// csrc/aten, reads sizes and dtypes only): lengths within capacity, q_len
+// within every sequence, rotation signs +-1, DGQ segment starts, and outlier
+// positions inside their groups.  The same messages as the operators always
+// gave; a CUDA kernel checks the same on the device.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+
+#include "../aten/nq_args.h"
+#include "nexuskv/core/attention.h"
+#include "nexuskv/core/nq_kernels.h"
+
+namespace nexuskv {
+
+// signs (CPU, float32, contiguous) are all +1 or -1.
+void check_rotation_sign_values(const char* op, const at::Tensor& signs);
+
+// starts [rows, S] (d.meta_a() = S per row): ordered segments of [0, d.tokens] starting at 0.
+void check_segment_starts(const char* op, const char* what, const core::NQDims& d, const int32_t* starts);
+
+// lens[b] in [0, limit] for every b < batch.
+void check_lengths_within(const char* op, const char* name, const core::SeqLengths& lens, int64_t batch, int64_t limit,
+                          const char* limit_what);
+
+// The value checks of one compressed cache of fused attention: DGQ segment
+// starts, and the outlier positions of every group holding one of the
+// compressed_len(b) valid tokens of its row (the groups attention reads; the
+// capacity past them may hold anything).
+template <typename Meta, typename Val>
+void check_cache_values(const char* op, const char* what, const core::CompressedKV<Meta, Val>& c,
+                        const core::SeqLengths& compressed_lens, int64_t batch, int64_t heads) {
+  if (c.dims.segment_starts) check_segment_starts(op, what, c.dims, c.dims.segment_starts);
+  if (c.num_outliers() == 0) return;
+  const int64_t A = c.dims.meta_a(), Bm = c.dims.meta_b();
+  bool ok = true;
+  for (int64_t bh = 0; bh < batch * heads; ++bh) {
+    const int64_t len = compressed_lens.at(bh / heads);
+    const int64_t groups = len == 0 ? 0 : c.token_group(bh, len - 1) + 1;  // token groups (or tokens) read
+    ok &= core::nq_outlier_positions_valid(c.dims, c.outlier_idx, bh * A * Bm, (bh * A + groups) * Bm);
+  }
+  nq_check_outlier_positions(op, what, ok, c.dims.group_size);
+}
+
+// Every value check of a CPU fused-attention problem.
+template <typename Meta, typename Val>
+void check_attention_values(const char* op, const core::CpuAttentionParams<Meta, Val>& p) {
+  const int64_t capacity = std::min(p.k.dims.tokens, p.v.dims.tokens);
+  check_lengths_within(op, "compressed_lens", p.compressed_lens, p.batch, capacity,
+                       "tokens held by k_cache and v_cache");
+  if (p.tail.lens.given())
+    check_lengths_within(op, "tail_lens", p.tail.lens, p.batch, p.tail.capacity, "tokens held by k_tail");
+  if (p.sink.lens.given())
+    check_lengths_within(op, "sink_lens", p.sink.lens, p.batch, p.sink.capacity, "tokens held by k_sink");
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t L = p.seq_len(b);
+    TORCH_CHECK(L == 0 || L >= p.q_len, op, ": q_len (", p.q_len, ") exceeds the length of sequence ", b, " (", L,
+                " tokens); the queries are the last q_len positions of their sequence");
+  }
+  check_cache_values(op, "k_cache", p.k, p.compressed_lens, p.batch, p.kv_heads);
+  check_cache_values(op, "v_cache", p.v, p.compressed_lens, p.batch, p.kv_heads);
+}
+
+}  // namespace nexuskv
