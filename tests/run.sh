@@ -9,3 +9,16 @@ echo "== Catch2 tests (ctest)"
 ctest --test-dir build/py --output-on-failure
 echo "== Python tests (pytest)"
 $PY -m pytest tests/python -q "$@"
+
+# The Hugging Face binding against the other transformers line as well (the main run
+# uses the one scripts/install.sh pins): transformers is pure Python, so a virtual
+# environment on top of this one takes it, and nexuskv is reinstalled there from the
+# same build (build/py, no recompilation).
+HF_OTHER=${NEXUSKV_HF_OTHER_TRANSFORMERS:-5.24.0}
+VENV=build/venv-transformers-$HF_OTHER
+echo "== Hugging Face tests with transformers $HF_OTHER ($VENV)"
+[ -x "$VENV/bin/python" ] || $PY -m venv --system-site-packages "$VENV"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-warn-conflicts "transformers==$HF_OTHER"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation . \
+  -Ccmake.define.NEXUSKV_BUILD_TESTS=ON
+"$VENV/bin/python" -m pytest tests/python/test_hf*.py -q "$@"

@@ -8,6 +8,7 @@ both texts, how far they agree, the bytes each cache holds and the speed."""
 from __future__ import annotations
 
 import json
+import sys
 from typing import Dict, Optional
 
 import torch
@@ -30,15 +31,19 @@ def build_prompt(tokenizer, text: str, context_tokens: int, question: str) -> to
     return ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
 
 
-def run(model, tokenizer, prompt_ids: torch.Tensor, setting: ec.Setting, new_tokens: int) -> Dict:
+def run(model, tokenizer, prompt_ids: torch.Tensor, setting: ec.Setting, new_tokens: int,
+        progress: bool = False) -> Dict:
     """Greedy generation with the dense cache and with `setting`'s cache; texts,
     agreement, bytes (every tensor of each cache, ec.cache_bytes) and timings."""
     out = {"prompt_tokens": int(prompt_ids.shape[1]), "new_tokens": new_tokens,
            "dtype": str(model.dtype).replace("torch.", ""), "runs": {}}
     for label, s in (("dense", ec.DENSE_SETTING), ("nexuskv", setting)):
         cache = ec.make_cache(model, s)
-        g = greedy(model, prompt_ids, cache, new_tokens)
-        out["runs"][label] = {"setting": "transformers DynamicCache" if s.kind == ec.DENSE else s.name, "tokens": g.tokens, "text": tokenizer.decode(g.tokens),
+        with ec.attention_for(model, s):
+            g = greedy(model, prompt_ids, cache, new_tokens,
+                       progress=f"generating ({label} cache)" if progress else None)
+        out["runs"][label] = {"setting": "transformers DynamicCache" if s.kind == ec.DENSE else s.name,
+                              "tokens": g.tokens, "text": tokenizer.decode(g.tokens),
                               "bytes": ec.cache_bytes(cache), "cached_tokens": int(cache.get_seq_length()),
                               "prefill_s": g.prefill_s, "decode_tokens_per_s": g.decode_tokens_per_s,
                               "cache": cache}
@@ -78,7 +83,8 @@ def execute(args, model, tokenizer) -> Dict:
     prompt_ids = build_prompt(tokenizer, text, args.context_tokens, args.prompt)
     setting = ec.nexuskv(args.bits, args.residual, group_size=args.group_size, value_group_size=args.group_size,
                          rotate=args.rotate, sinks=args.sinks)
-    r = run(model, tokenizer, prompt_ids, setting, args.new_tokens)
+    r = run(model, tokenizer, prompt_ids, setting, args.new_tokens,
+            progress=not getattr(args, "no_progress", True))
     print(report(r))
     if args.json:
         doc = dict(r, runs={k: {f: v for f, v in run_.items() if f != "cache"} for k, run_ in r["runs"].items()})
@@ -90,26 +96,32 @@ def execute(args, model, tokenizer) -> Dict:
 
 def main(args) -> int:
     from . import hf
-    from .models import load_model
+    from .models import load_model, model_name
 
     torch.manual_seed(0)
-    model, tokenizer = load_model(getattr(torch, args.dtype), attn_implementation=hf.ATTN_IMPLEMENTATION)
+    print(f"loading {model_name(args.model)} ({args.dtype}) ...", file=sys.stderr, flush=True)
+    model, tokenizer = load_model(getattr(torch, args.dtype), attn_implementation=hf.ATTN_IMPLEMENTATION,
+                                  path=args.model)
     execute(args, model, tokenizer)
     return 0
 
 
 def add_arguments(p, text_default: Optional[str] = None) -> None:
+    from .__main__ import positive
+
     p.add_argument("--prompt", default=DEFAULT_QUESTION, help="the question (after the context passage)")
-    p.add_argument("--context-tokens", type=int, default=1024,
+    p.add_argument("--context-tokens", type=positive("--context-tokens", 0), default=1024,
                    help="tokens of --text placed before the question (0: the question alone)")
     p.add_argument("--text", default=text_default, help="context text file (plain or .gz); default: Debian "
                    "reference manual")
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 8])
-    p.add_argument("--group-size", type=int, default=64)
-    p.add_argument("--residual", type=int, default=128, help="newest tokens kept in full precision")
+    p.add_argument("--new-tokens", type=positive("--new-tokens"), default=64, help="tokens generated per cache")
+    p.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 8], help="bits per key/value code")
+    p.add_argument("--group-size", type=positive("--group-size"), default=64, help="quantization group size")
+    p.add_argument("--residual", type=positive("--residual", 0), default=128,
+                   help="newest tokens kept in full precision")
     p.add_argument("--rotate", action="store_true", help="randomized Hadamard rotation before quantization")
-    p.add_argument("--sinks", type=int, default=4,
+    p.add_argument("--sinks", type=positive("--sinks", 0), default=4,
                    help="first tokens kept in full precision (attention sinks; 4 measured best, RESULTS.md)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="model dtype")
     p.add_argument("--json", default=None, help="also write the result as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while generating")

@@ -6,6 +6,7 @@ the full-precision tail is reported separately, never averaged in)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
@@ -93,6 +94,22 @@ def grid(bits=(8, 4, 3, 2), tails=(0, 128), ablation_bits=(4, 2),
 def meta_dtype_for(model_dtype: torch.dtype) -> torch.dtype:
     """The 16-bit scale/zero dtype nexuskv.hf.cache_for picks for a model of this dtype."""
     return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+@contextlib.contextmanager
+def attention_for(model, s: Setting):
+    """Runs the block with the attention implementation setting `s` is measured with:
+    "nexuskv" (fused over the compressed cache) for nexuskv caches, "sdpa" for
+    transformers' own caches (which attention "nexuskv" would run densely, with a warning)."""
+    from . import hf
+    from .hf_compat import attention_implementation
+
+    previous = attention_implementation(model.config)
+    model.set_attn_implementation(hf.ATTN_IMPLEMENTATION if s.kind == NEXUSKV else "sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
 
 
 def make_cache(model, s: Setting, direct: bool = False):

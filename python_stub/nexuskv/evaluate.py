@@ -20,21 +20,24 @@ import datetime
 import json
 import math
 import platform
+import sys
 from typing import Dict, List, Optional
 
 import torch
 
 from . import eval_caches as ec
 from .generation import agreement, greedy
+from .hf_compat import cache_argument
 
 
 def window_nll(model, ids: torch.Tensor, chunk: int, cache) -> torch.Tensor:
     """Negative log-likelihoods [n-1] of ids[1:] given the prefix, fed chunk by chunk."""
     nll, prev_logits = [], None
+    cache_kw = {cache_argument(model): cache}
     with torch.inference_mode():
         for s in range(0, ids.shape[1], chunk):
             piece = ids[:, s:s + chunk]
-            logits = model(piece, past_key_values=cache, use_cache=True).logits.float()
+            logits = model(piece, **cache_kw, use_cache=True).logits.float()
             if prev_logits is not None:  # the previous chunk's last position predicts this chunk's first token
                 logits = torch.cat([prev_logits, logits], 1)
                 targets = ids[:, s:s + piece.shape[1]]
@@ -59,8 +62,11 @@ def measure_perplexity(model, ids, window: int, chunk: int, settings: List[ec.Se
     from tqdm import tqdm
 
     out = {}
-    for s in tqdm(settings, desc="perplexity", unit="setting", disable=not progress):
-        out[s] = perplexity(model, ids, window, chunk, lambda s=s: ec.make_cache(model, s))
+    bar = tqdm(settings, desc="perplexity", unit="row", disable=not progress)
+    for s in bar:
+        bar.set_postfix_str(s.name)  # the row being measured; tqdm's estimate covers the rows left
+        with ec.attention_for(model, s):
+            out[s] = perplexity(model, ids, window, chunk, lambda s=s: ec.make_cache(model, s))
     base = out[ec.DENSE_SETTING]["ppl"]
     for r in out.values():
         r["delta_ppl_pct"] = 100 * (r["ppl"] - base) / base
@@ -73,10 +79,14 @@ def measure_agreement(model, prompt_ids, new_tokens: int, settings: List[ec.Sett
     from tqdm import tqdm
 
     out = {}
-    reference = greedy(model, prompt_ids, ec.make_cache(model, ec.DENSE_SETTING), new_tokens).tokens
+    with ec.attention_for(model, ec.DENSE_SETTING):
+        reference = greedy(model, prompt_ids, ec.make_cache(model, ec.DENSE_SETTING), new_tokens).tokens
     for s in tqdm(settings, desc="greedy generation", unit="setting", disable=not progress):
-        g = reference if s == ec.DENSE_SETTING else greedy(model, prompt_ids, ec.make_cache(model, s),
-                                                           new_tokens).tokens
+        if s == ec.DENSE_SETTING:
+            g = reference
+        else:
+            with ec.attention_for(model, s):
+                g = greedy(model, prompt_ids, ec.make_cache(model, s), new_tokens).tokens
         out[s] = dict(agreement(reference, g), new_tokens=new_tokens)
     return out
 
@@ -149,16 +159,19 @@ def plot(rows: List[Dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 6))
     for i, r in enumerate(r for r in rows if r["kind"] != ec.DENSE):
         marker = "s" if r["kind"] == ec.QUANTO else ("o" if r["residual"] else "^")
         ax.scatter(r["effective_bits"]["kv"], r["delta_ppl_pct"], marker=marker, label=r["name"],
                    color=plt.cm.tab20(i % 20))
-    ax.set_xlabel("effective bits per element of the compressed part (scales, zeros, outliers included)")
-    ax.set_ylabel("ΔPPL vs dense cache (%)")
+    ax.set_xlabel("effective bits per element of the compressed part (scales, zeros, outliers included)",
+                  fontsize=11)
+    ax.set_ylabel("ΔPPL vs dense cache (%, symlog)", fontsize=11)
     ax.set_yscale("symlog", linthresh=1)
+    ax.tick_params(labelsize=10)
+    ax.grid(True, which="major", lw=0.3, alpha=0.6)
     ax.axhline(0, color="gray", lw=0.5)
-    ax.legend(fontsize=5, ncol=2)
+    ax.legend(fontsize=8, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -243,13 +256,15 @@ def settings_from_args(args) -> List[ec.Setting]:
 
 def main(args) -> int:
     from . import hf
-    from .models import load_model, load_text, tokenize
+    from .models import load_model, load_text, model_name, tokenize
 
     torch.manual_seed(0)
     settings = settings_from_args(args)
     agree = [] if args.no_greedy else ec.parse_settings(args.greedy_settings, settings)
     nbytes = [] if args.no_bytes else ec.parse_settings(args.bytes_settings, settings)
-    model, tokenizer = load_model(getattr(torch, args.dtype), attn_implementation=hf.ATTN_IMPLEMENTATION)
+    print(f"loading {model_name(args.model)} ({args.dtype}) ...", file=sys.stderr, flush=True)
+    model, tokenizer = load_model(getattr(torch, args.dtype), attn_implementation=hf.ATTN_IMPLEMENTATION,
+                                  path=args.model)
     text = load_text(args.text)
     # Perplexity on the first tokens; the greedy prompt is the real text that follows them.
     ids = tokenize(tokenizer, text, max(args.tokens + (args.prompt_tokens if agree else 0),
@@ -262,7 +277,7 @@ def main(args) -> int:
     verdicts = targets(rows)
     print(table)
     print("\n".join("- " + v for v in verdicts))
-    doc = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)", "dtype": args.dtype, "tokens": args.tokens,
+    doc = {"model": model_name(args.model), "dtype": args.dtype, "tokens": args.tokens,
            "window": args.window, "chunk": args.chunk, "greedy_prompt_tokens": args.prompt_tokens,
            "greedy_new_tokens": args.new_tokens, "bytes_tokens": args.bytes_tokens, "bytes_dtype": args.bytes_dtype,
            "date": datetime.date.today().isoformat(), "machine": platform.platform(), "torch": torch.__version__,
@@ -278,10 +293,14 @@ def main(args) -> int:
 
 
 def add_arguments(p, text_default: Optional[str] = None) -> None:
+    from .__main__ import positive
+
     p.add_argument("--text", default=text_default, help="text file (plain or .gz); default: Debian reference manual")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens of text for perplexity")
-    p.add_argument("--window", type=int, default=1024)
-    p.add_argument("--chunk", type=int, default=64, help="tokens per forward (queries see compressed past + chunk)")
+    p.add_argument("--tokens", type=positive("--tokens", 2), default=4096, help="tokens of text for perplexity")
+    p.add_argument("--window", type=positive("--window", 2), default=1024,
+                   help="perplexity window: tokens per independent sequence")
+    p.add_argument("--chunk", type=positive("--chunk"), default=64,
+                   help="tokens per forward (queries see compressed past + chunk)")
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"],
                    help="model dtype for perplexity and greedy agreement")
     p.add_argument("--bits", default="8,4,3,2", help="bit widths of the base nexuskv rows")
@@ -290,19 +309,22 @@ def add_arguments(p, text_default: Optional[str] = None) -> None:
     p.add_argument("--ablations", default="outliers,rotate,dgq,sinks", help="knobs: outliers, rotate, dgq, sinks")
     p.add_argument("--no-best-2bit", action="store_true", help="leave out the best 2-bit setting")
     p.add_argument("--quanto-bits", default="4,2", help="transformers QuantizedCache (optimum-quanto) rows")
-    p.add_argument("--no-quanto", action="store_true")
+    p.add_argument("--no-quanto", action="store_true", help="leave out the quanto rows")
     p.add_argument("--quick", action="store_true", help="dense and 4-bit with no tail only")
-    p.add_argument("--new-tokens", type=int, default=256, help="greedy tokens generated per setting")
-    p.add_argument("--prompt-tokens", type=int, default=512, help="tokens of real text in the greedy prompt")
+    p.add_argument("--new-tokens", type=positive("--new-tokens"), default=256,
+                   help="greedy tokens generated per setting")
+    p.add_argument("--prompt-tokens", type=positive("--prompt-tokens"), default=512,
+                   help="tokens of real text in the greedy prompt")
     p.add_argument("--greedy-settings", default="all",
                    help="comma-separated substrings of the setting names to run greedy generation for")
-    p.add_argument("--no-greedy", action="store_true")
-    p.add_argument("--bytes-tokens", type=int, default=4096, help="tokens the caches hold when bytes are measured")
+    p.add_argument("--no-greedy", action="store_true", help="no greedy agreement rows")
+    p.add_argument("--bytes-tokens", type=positive("--bytes-tokens"), default=4096,
+                   help="tokens the caches hold when bytes are measured")
     p.add_argument("--bytes-dtype", default="bfloat16", choices=["bfloat16", "float16"],
                    help="model dtype for the byte measurement (the dense reference is a cache of this dtype)")
     p.add_argument("--bytes-settings", default="all", help="comma-separated substrings of the setting names")
-    p.add_argument("--no-bytes", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--json", default=None)
-    p.add_argument("--markdown", default=None)
-    p.add_argument("--png", default=None)
+    p.add_argument("--no-bytes", action="store_true", help="no byte measurement")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (per row, with an estimate)")
+    p.add_argument("--json", default=None, help="write the rows as JSON to this path")
+    p.add_argument("--markdown", default=None, help="write the table as markdown to this path")
+    p.add_argument("--png", default=None, help="write the plot (ΔPPL vs effective bits) to this path")

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
+
+from .hf_compat import cache_argument
 
 
 @dataclass
@@ -21,25 +23,32 @@ class Generation:
         return (len(self.tokens) - 1) / self.decode_s if self.decode_s > 0 else float("nan")
 
 
-def greedy(model, prompt_ids: torch.Tensor, cache, new_tokens: int) -> Generation:
+def greedy(model, prompt_ids: torch.Tensor, cache, new_tokens: int, progress: Optional[str] = None) -> Generation:
     """Feeds the prompt [1, n] through the model into `cache`, then appends
     `new_tokens` argmax tokens one at a time (end-of-text does not stop it, so that
-    every cache generates the same count)."""
+    every cache generates the same count).  progress: a label for a progress bar
+    (stderr) over the new tokens."""
+    from tqdm import tqdm
+
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1:
         raise ValueError(f"greedy: prompt_ids must have shape [1, n], got {tuple(prompt_ids.shape)}")
     if new_tokens < 1:
         raise ValueError(f"greedy: new_tokens must be >= 1, got {new_tokens}")
     out: List[int] = []
-    with torch.inference_mode():
+    cache_kw = {cache_argument(model): cache}
+    bar = tqdm(total=new_tokens, desc=progress, unit="token", disable=progress is None, leave=False)
+    with torch.inference_mode(), bar:
         t0 = time.perf_counter()
-        logits = model(prompt_ids, past_key_values=cache, use_cache=True).logits
+        logits = model(prompt_ids, **cache_kw, use_cache=True).logits
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         t1 = time.perf_counter()
         out.append(int(nxt))
+        bar.update()
         for _ in range(new_tokens - 1):
-            logits = model(nxt, past_key_values=cache, use_cache=True).logits
+            logits = model(nxt, **cache_kw, use_cache=True).logits
             nxt = logits[:, -1].argmax(-1, keepdim=True)
             out.append(int(nxt))
+            bar.update()
         t2 = time.perf_counter()
     return Generation(out, t1 - t0, t2 - t1)
 

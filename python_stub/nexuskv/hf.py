@@ -1,17 +1,37 @@
-"""Hugging Face transformers binding: a Cache whose layers are nexuskv
-KVCache objects (the C++ cache, csrc/include/nexuskv/cache.h), and an
-attention function registered with transformers' AttentionInterface so that
-decoding attends straight over the compressed cache.
+"""Hugging Face transformers binding: a Cache whose layers are nexuskv KVCache
+objects (the C++ cache, csrc/include/nexuskv/cache.h), and an attention function
+registered with transformers' AttentionInterface so that attention runs straight
+over the compressed cache.  transformers 4.57 and 5.x.
 
     import nexuskv.hf
-    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="nexuskv")
-    out = model.generate(ids, past_key_values=nexuskv.hf.cache_for(model, bits=4))
+    nexuskv.hf.enable(model, bits=4)        # attention "nexuskv" + a compressed cache in every generate()
+    out = model.generate(ids, max_new_tokens=64)
+
+or, explicitly, ``model.generate(ids, past_key_values=nexuskv.hf.cache_for(model, bits=4))``
+(``cache=`` in transformers 5) with ``attn_implementation="nexuskv"``.
 
 Only public extension points are used: Cache / CacheLayerMixin, AttentionInterface
-and AttentionMaskInterface."""
+and AttentionMaskInterface.
+
+How a layer's K/V reach the attention function (the contract between
+NexusKVLayer.update and nexuskv_attention).  When the model's attention
+implementation is "nexuskv", update() stores nothing yet: it records the new K/V as
+*pending* under the identity of the key tensor it returns (the very tensor the
+model passes on to its attention function) and returns them unchanged.
+nexuskv_attention claims the pending record by that identity, reads which new
+tokens are real off the model's mask (left padding is dropped), appends them to
+the compressed cache and attends over it with the fused kernel, with the layer's
+sliding window and the model's soft-cap.  A record nobody claims (the model ran
+another attention) is a clear error at the layer's next update; K/V that no
+NexusKVLayer recorded (a dense cache) are attended densely, with a one-time
+warning.  With any other attention implementation update() appends at once and
+returns the dequantized K/V."""
 
 from __future__ import annotations
 
+import threading
+import warnings
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -20,10 +40,41 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import ops  # noqa: F401  (loads the operator library, which defines torch.classes.nexuskv)
+from . import (
+    hf_compat,
+    ops,  # noqa: F401  (loads the operator library, which defines torch.classes.nexuskv)
+)
+from .cache import from_state_dict, make_cache
 from .compressors import DGQ, NQ, KVCompressor
+from .hf_compat import LayerGeometry, cache_argument  # noqa: F401  (cache_argument: public helper)
 
 ATTN_IMPLEMENTATION = "nexuskv"
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+class _Claims(threading.local):
+    """Pending K/V by the identity of their key tensor (see the module docstring), and
+    the validity of the new tokens read off the last mask (one read per forward, not
+    per layer)."""
+
+    def __init__(self):
+        self.pending: dict[int, "NexusKVLayer"] = {}
+        self.mask = None  # (attention_mask, q_len, valid)
+
+
+_claims = _Claims()
+
+
+def _make_cache(settings: dict):
+    """The C++ cache of one layer (torch.classes.nexuskv.KVCache) from make_cache's keywords."""
+    return make_cache(**settings)
 
 
 class _ExternalChunks:
@@ -45,14 +96,31 @@ class _ExternalChunks:
         for b, k, v in zip(seq.tolist(), ks, vs):
             self.k[b].append(self.keys.compress(k))
             self.v[b].append(self.values.compress(v))
+        self._keep_live(cache)
 
-    def dense(self, cache, dtype: torch.dtype):
+    def _keep_live(self, cache) -> None:
+        """Keeps the newest compressed_lengths()[b] / chunk chunks of each sequence: a
+        window evicts the oldest, a crop cuts the newest (then _keep_first)."""
+        live = (cache.compressed_lengths() // cache.chunk()).tolist()
+        for b, n in enumerate(live):
+            del self.k[b][:len(self.k[b]) - n], self.v[b][:len(self.v[b]) - n]
+
+    def _parts(self, dtype):
         def part(compressor, chunks):
             if not chunks:
                 return torch.empty(0)
             return torch.cat([compressor.decompress(c, dtype) for c in chunks], -2)
 
-        return cache.dense_with([part(self.keys, c) for c in self.k], [part(self.values, c) for c in self.v], None)
+        return [part(self.keys, c) for c in self.k], [part(self.values, c) for c in self.v]
+
+    def dense(self, cache, dtype: torch.dtype):
+        return cache.dense_with(*self._parts(dtype), None)
+
+    def crop(self, cache, length: int, dtype: torch.dtype) -> None:
+        cache.crop_with(length, *self._parts(dtype))
+        live = (cache.compressed_lengths() // cache.chunk()).tolist()
+        self.k = [chunks[:n] for chunks, n in zip(self.k, live)]
+        self.v = [chunks[:n] for chunks, n in zip(self.v, live)]
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         idx = beam_idx.tolist()  # beams that share a parent get their own lists (chunks are immutable)
@@ -65,37 +133,42 @@ class _ExternalChunks:
 
 
 class NexusKVLayer(CacheLayerMixin):
-    """One layer's compressed K/V.  With ``fused=True`` update() returns only the new
-    tokens and nexuskv_attention reads the cache; otherwise update() returns the whole
-    dequantized K/V (transient) for any attention implementation.  ``sinks``: first
-    tokens of each sequence kept in full precision.  ``compressors=(keys, values)``:
-    Python KVCompressor objects (e.g. a user's own class) that compress each chunk the
-    C++ cache hands over, in chunks of ``group_size`` tokens; attention then runs over
-    their dequantized output (the dequantize path)."""
+    """One layer's compressed K/V.  ``settings``: the keywords of
+    nexuskv.cache.make_cache (bits, groups, tail, sinks, window ...).  ``fused``: None
+    (default) follows the model's attention implementation at every update ("nexuskv":
+    update() returns only the new tokens and nexuskv_attention reads the cache;
+    anything else: update() returns the whole dequantized K/V); True / False force one
+    path.  ``compressors=(keys, values)``: Python KVCompressor objects (e.g. a user's
+    own class) that compress each chunk the C++ cache hands over; attention then runs
+    over their dequantized output.  ``window``: the layer's sliding window (tokens no
+    query can see any more are evicted by the C++ cache)."""
 
-    is_sliding = False
     is_compileable = False
+    is_croppable = True
 
-    def __init__(self, key_bits=4, value_bits=4, group_size=64, residual=128, key_outliers=0, value_outliers=0,
-                 dynamic_keys=False, rotate=False, seed=0, fused=True, sinks=0, compressors=None, key_axis=-2,
-                 value_axis=-1, expected_shape=None, value_group_size=None, meta_dtype=None):
+    def __init__(self, settings: Optional[dict] = None, fused: Optional[bool] = None, compressors=None,
+                 geometry: Optional[LayerGeometry] = None, layer_idx: Optional[int] = None, config=None,
+                 learn_heads: bool = False):
         super().__init__()
+        settings = dict(settings or {})
+        self.sliding_window = settings.get("window")
+        self.is_sliding = self.sliding_window is not None
         self.external = None
-        if compressors is None:
-            self.cache = torch.classes.nexuskv.KVCache(key_bits, group_size, key_axis, key_outliers, dynamic_keys,
-                                                       value_bits, value_group_size or group_size, value_axis,
-                                                       value_outliers, residual, rotate, seed, sinks, 0, meta_dtype)
-        else:
-            self.cache = torch.classes.nexuskv.KVCache(0, 1, -2, 0, False, 0, 1, -1, 0, residual, False, 0, sinks,
-                                                       group_size)
+        if compressors is not None:
             self.external = _ExternalChunks(*compressors)
             fused = False
+        self.cache = _make_cache(settings)
         self.fused = fused
-        self.expected_shape = expected_shape  # (kv_heads, head_dim) of the model the cache was made for
-        self.pending = None  # (k, v) of the current forward, fused mode
-        self.seen = 0  # positions seen by the model (its mask and rotary positions count them all)
+        self.geometry = geometry  # what the model that the cache was made for has in this layer
+        self.learn_heads = learn_heads  # tensor-parallel shards: the KV heads come from the first append
+        self.layer_idx = layer_idx
+        self._config = weakref.ref(config) if config is not None else None  # deepcopy shares weakrefs
+        self.pending = None  # (k, v) of the current forward, fused path
+        self.seen = 0  # positions seen by the model (its masks and rotary positions count them all)
 
-    def lazy_initialization(self, key_states: torch.Tensor):
+    # -- transformers' layer API ----------------------------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: Optional[torch.Tensor] = None):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
@@ -103,59 +176,75 @@ class NexusKVLayer(CacheLayerMixin):
         if key_states.dim() != 4 or value_states.shape != key_states.shape:
             raise ValueError(f"nexuskv: key and value states must have one shape [batch, kv_heads, tokens, "
                              f"head_dim], got {tuple(key_states.shape)} and {tuple(value_states.shape)}")
-        if self.expected_shape is not None and tuple(key_states.shape[i] for i in (1, 3)) != self.expected_shape:
-            heads, dim = self.expected_shape
-            raise ValueError(f"nexuskv: this cache was made for a model with {heads} KV heads of head_dim {dim}, "
-                             f"but gets K/V of shape {tuple(key_states.shape)}; make it with "
-                             f"nexuskv.hf.cache_for(model) for the model that uses it")
+        g = self.geometry
+        if g is not None and (key_states.shape[3] != g.key_dim or
+                              (not self.learn_heads and key_states.shape[1] != g.kv_heads)):
+            heads = "some" if self.learn_heads else g.kv_heads
+            raise ValueError(f"nexuskv: this cache was made for a model with {heads} KV heads of head_dim "
+                             f"{g.key_dim}, but gets K/V of shape {tuple(key_states.shape)}; make it with "
+                             f"nexuskv.hf.cache_for(model) for the model that uses it (kv_heads=N for a "
+                             f"tensor-parallel shard)")
         if key_states.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"nexuskv: key/value states must be float32, float16 or bfloat16, got "
                             f"{key_states.dtype}")
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
-               cache_kwargs: Optional[dict[str, Any]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fused_now(self) -> bool:
+        if self.fused is not None:
+            return self.fused
+        config = self._config() if self._config is not None else None
+        return config is not None and hf_compat.attention_implementation(config) == ATTN_IMPLEMENTATION
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self._check_states(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states)
+        if self.pending is not None:
+            raise RuntimeError(
+                "nexuskv: the previous K/V of this layer were never attended by attn_implementation='nexuskv' "
+                "(the model's attention runs another implementation, or changed the K/V tensors between the "
+                "cache update and attention); use nexuskv.hf.enable(model) or make the cache with fused=False")
         self.seen += key_states.shape[-2]
-        if self.fused:
-            if self.pending is not None:
-                raise RuntimeError(
-                    "nexuskv: this cache was made for attn_implementation='nexuskv', but the model's attention "
-                    "did not consume the previous K/V (it runs another implementation); make the cache with "
-                    "nexuskv.hf.cache_for(model) after choosing the model's attention implementation")
-            # Appended by nexuskv_attention, which sees the mask and drops left padding.  It gets
-            # these very tensors; the tag leads it back to this layer.
+        if self._fused_now():
             self.pending = (key_states, value_states)
-            key_states._nexuskv_layer = self
+            _claims.pending[id(key_states)] = self
             return key_states, value_states
+        evicted_before = self._evicted()
         self.cache.append(key_states, value_states, None)
         if self.external is not None:
             self.external.take(self.cache)
             k, v, _ = self.external.dense(self.cache, key_states.dtype)
         else:
             k, v, _ = self.cache.dense(None)
+        # The mask was sized before this append (get_mask_sizes): tokens it evicted are
+        # ones no query of this forward sees; zeros keep the columns where the mask has them.
+        gap = self._evicted() - evicted_before
+        if gap:
+            pad = k.new_zeros(k.shape[0], k.shape[1], gap, k.shape[3])
+            k, v = torch.cat([pad, k], -2), torch.cat([pad, v], -2)
         return k, v
 
-    def append_pending(self, valid: Optional[torch.Tensor]) -> None:
-        k, v = self.pending
-        self.pending = None
-        self.cache.append(k, v, valid)
-
-    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
-        return self.seen + cache_position.shape[0], 0
+    def get_mask_sizes(self, cache_position_or_length) -> tuple[int, int]:
+        q = hf_compat.query_length(cache_position_or_length)
+        if self._fused_now():
+            # The fused path reads only which new tokens are real off the mask (its diagonal).
+            return q, self.seen
+        evicted = self._evicted()
+        return self.seen - evicted + q, evicted
 
     def get_seq_length(self) -> int:
         return self.seen
 
-    def get_max_cache_shape(self) -> int:
+    def get_max_length(self) -> int:  # transformers 5
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # transformers 4.57
         return -1
 
     def reset(self) -> None:
         self.cache.reset()
         if self.external is not None:
             self.external = _ExternalChunks(self.external.keys, self.external.values)
-        self.pending = None
+        self._drop_pending()
         self.seen = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -169,6 +258,85 @@ class NexusKVLayer(CacheLayerMixin):
         if self.external is not None:
             self.external.reorder(beam_idx)
 
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.seen:
+            self._select_rows(torch.arange(self.cache.lengths().numel()).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.seen:
+            idx = indices.nonzero().flatten() if indices.dtype == torch.bool else indices
+            self._select_rows(idx.to(torch.long).cpu())
+
+    _BATCH_ENTRIES = ("lengths.", "keys.", "values.", "tail.", "sinks.")
+
+    def _select_rows(self, idx: torch.Tensor) -> None:
+        """Row b becomes old row idx[b], for any number of rows: reorder() when the batch
+        keeps its size, else through the cache's state dict, whose per-sequence entries
+        are batch-first (csrc/cache/cache_state.cpp documents the format)."""
+        if self.pending is not None:
+            raise RuntimeError("nexuskv: a batch change between update() and attention")
+        if idx.numel() == self.cache.lengths().numel():
+            self.reorder_cache(idx)
+            return
+        state = self.cache.state_dict()
+        if any(k.startswith(("chunks.", "due.")) for k in state):
+            raise NotImplementedError("nexuskv: changing the batch size of a cache with C++ chunk compressors")
+        for k, v in state.items():
+            if k.startswith(self._BATCH_ENTRIES):
+                state[k] = v.index_select(0, idx.to(v.device))
+        state["shape"] = state["shape"].clone()
+        state["shape"][0] = idx.numel()
+        self.cache = from_state_dict(state)
+        if self.external is not None:
+            self.external.reorder(idx)
+
+    def crop(self, length: int) -> None:
+        """Assisted / prompt-lookup decoding: drop the newest tokens (the argument as the
+        installed transformers defines it: see hf_compat.crop_target)."""
+        target = hf_compat.crop_target(self.seen, length)
+        if target >= self.seen:
+            return
+        if self.pending is not None:
+            raise RuntimeError("nexuskv: crop() between update() and attention")
+        if self.external is not None and self.external.k:
+            self.external.crop(self.cache, target - self.seen + self._positions(), self.dtype)
+        else:
+            self.cache.crop(target - self.seen + self._positions())
+        self.seen = target
+
+    def offload(self) -> None:
+        if self.is_initialized:
+            self.cache.to("cpu")
+
+    def prefetch(self) -> None:
+        if self.is_initialized:
+            self.cache.to(str(self.device))
+
+    # -- nexuskv ---------------------------------------------------------------------------
+
+    def _positions(self) -> int:
+        """Positions the longest cached sequence spans (evicted ones included): crop()'s
+        unit.  Left padding, never cached, makes this less than `seen` on a padded batch."""
+        if self.seen == 0 or self.cache.lengths().numel() == 0:
+            return 0
+        return int((self.cache.lengths() + self.cache.evicted_lengths()).max())
+
+    def _evicted(self) -> int:
+        if self.sliding_window is None or self.seen == 0:
+            return 0
+        ev = self.cache.evicted_lengths()
+        return int(ev.max()) if ev.numel() else 0
+
+    def _drop_pending(self) -> None:
+        if self.pending is not None:
+            _claims.pending.pop(id(self.pending[0]), None)
+            self.pending = None
+
+    def append_pending(self, valid: Optional[torch.Tensor]) -> None:
+        k, v = self.pending
+        self.pending = None
+        self.cache.append(k, v, valid)
+
     @property
     def nbytes(self) -> int:
         """Every byte the layer holds: the C++ cache's buffers plus, with Python
@@ -177,17 +345,23 @@ class NexusKVLayer(CacheLayerMixin):
 
 
 class NexusKVCache(Cache):
-    """A transformers Cache with one NexusKVLayer per decoder layer."""
+    """A transformers Cache with one NexusKVLayer per decoder layer.  cache_for(model)
+    builds it for a model; ``NexusKVCache(num_layers, key_bits=4, ...)`` builds
+    ``num_layers`` identical full-attention layers without one (K/V fed by update())."""
 
-    def __init__(self, num_layers: int, **layer_kwargs):
-        super().__init__(layers=[NexusKVLayer(**layer_kwargs) for _ in range(num_layers)])
+    def __init__(self, layers: list[NexusKVLayer] | int, fused: Optional[bool] = None, **settings):
+        if isinstance(layers, int):
+            layers = [NexusKVLayer(_layer_settings(**settings), fused=fused, layer_idx=i) for i in range(layers)]
+        elif settings or fused is not None:
+            raise TypeError("nexuskv: NexusKVCache(layers) takes no settings (they are the layers')")
+        super().__init__(layers=layers)
 
-    def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None):
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx >= len(self.layers):
             raise ValueError(f"nexuskv: this cache was made for a model with {len(self.layers)} layers, but "
                              f"layer {layer_idx} uses it; make it with nexuskv.hf.cache_for(model) for the "
                              f"model that uses it")
-        return super().update(key_states, value_states, layer_idx, cache_kwargs)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @property
     def nbytes(self) -> int:
@@ -195,8 +369,18 @@ class NexusKVCache(Cache):
         return sum(layer.nbytes for layer in self.layers)
 
 
-def _fused_kwargs(keys: KVCompressor, values: KVCompressor) -> Optional[dict]:
-    """The C++ cache's own storage for NQ / DGQ compressors it can hold in place (and
+def _layer_settings(key_bits=4, value_bits=None, group_size=64, value_group_size=None, residual=128,
+                    key_outliers=0, value_outliers=0, dynamic_keys=False, rotate=False, seed=0, sinks=0,
+                    meta_dtype=None, window=None) -> dict:
+    """make_cache keywords of one layer, from cache_for's names."""
+    return dict(key_bits=key_bits, key_group_size=group_size, key_axis=-2, key_outliers=key_outliers,
+                key_dynamic=dynamic_keys, value_bits=value_bits or key_bits,
+                value_group_size=value_group_size or group_size, value_axis=-1, value_outliers=value_outliers,
+                residual=residual, sinks=sinks, rotate=rotate, seed=seed, meta_dtype=meta_dtype, window=window)
+
+
+def _fused_settings(keys: KVCompressor, values: KVCompressor) -> Optional[dict]:
+    """make_cache keywords for NQ / DGQ compressors the C++ cache can hold in place (and
     read with the fused kernel); None for anything else, which then runs through the
     compressors' own compress / decompress."""
     def spec(c):
@@ -206,86 +390,230 @@ def _fused_kwargs(keys: KVCompressor, values: KVCompressor) -> Optional[dict]:
                     dynamic=isinstance(c, DGQ), rotate=c.rotate, seed=c.seed, meta_dtype=c.meta_dtype)
 
     k, v = spec(keys), spec(values)
-    same = ("group_size", "rotate", "seed", "meta_dtype")  # one value for both in the C++ cache
+    same = ("rotate", "seed", "meta_dtype")  # one value for both in the C++ cache
     if k is None or v is None or v["dynamic"] or any(k[f] != v[f] for f in same):
         return None
-    return dict(key_bits=k["bits"], value_bits=v["bits"], group_size=k["group_size"], key_axis=k["axis"],
-                value_axis=v["axis"], key_outliers=k["outliers"], value_outliers=v["outliers"],
-                dynamic_keys=k["dynamic"], rotate=k["rotate"], seed=k["seed"], meta_dtype=k["meta_dtype"])
+    return dict(key_bits=k["bits"], key_group_size=k["group_size"], key_axis=k["axis"], key_outliers=k["outliers"],
+                key_dynamic=k["dynamic"], value_bits=v["bits"], value_group_size=v["group_size"],
+                value_axis=v["axis"], value_outliers=v["outliers"], rotate=k["rotate"], seed=k["seed"],
+                meta_dtype=k["meta_dtype"])
+
+
+def _probe(settings: dict, g: LayerGeometry, dtype: torch.dtype, fused: bool, what: str) -> None:
+    """Runs the cache once on a few zero tokens of this layer's shape (one head), so that
+    settings the C++ cache or the fused kernel cannot take fail here, naming the layer,
+    and not half-way through generate()."""
+    def first_line(e):
+        return str(e).strip().splitlines()[0]
+
+    where = f"nexuskv: {what} ({g.kv_heads} KV heads, head_dim {g.key_dim})"
+    try:
+        cache = _make_cache(settings)
+        n = settings.get("residual", 0) + settings.get("sinks", 0) + 2 * max(
+            settings.get("key_group_size", 1), settings.get("value_group_size", 1), settings.get("external_chunk", 1))
+        kv = torch.zeros(1, 1, n, g.key_dim, dtype=dtype)
+        cache.append(kv, kv, None)
+        if settings.get("external_chunk"):
+            cache.take_due_chunks()
+            return
+        cache.dense(None)
+    except RuntimeError as e:
+        raise ValueError(f"{where}: these cache settings do not fit: {first_line(e)}") from None
+    if fused:
+        try:
+            cache.attend(torch.zeros(1, 1, 1, g.key_dim, dtype=dtype), None, None)
+        except RuntimeError as e:
+            raise ValueError(f"{where}: the fused attention kernel cannot take this layer: {first_line(e)}; "
+                             f"cache_for(..., fused=False) runs the dequantize path with any other attention "
+                             f"implementation") from None
 
 
 def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size: int = 64, residual: int = 128,
               outliers: int = 0, dynamic_keys: bool = False, rotate: bool = False, seed: int = 0, sinks: int = 0,
               compressor: Optional[KVCompressor] = None, value_compressor: Optional[KVCompressor] = None,
               value_group_size: Optional[int] = None, value_outliers: Optional[int] = None,
-              meta_dtype: Optional[torch.dtype] = None) -> NexusKVCache:
-    """A compressed cache sized for `model`: keys per channel (groups of `group_size`
-    tokens), values per token (groups of `value_group_size` channels, default
-    `group_size`), `residual` newest tokens and the first `sinks` tokens of each
-    sequence in full precision.  Scales and zeros are 16-bit by default (the model's
-    dtype if it is 16-bit, else bfloat16), so that an fp32 model's cache costs the same
-    bits as a 16-bit one's.  Attention runs fused when the model uses
-    attn_implementation="nexuskv", otherwise over transiently dequantized K/V.
+              meta_dtype: Optional[torch.dtype] = None, kv_heads: Optional[int | str] = None,
+              fused: Optional[bool] = None) -> NexusKVCache:
+    """A compressed cache sized for `model`, one layer per decoder layer: keys per
+    channel (groups of `group_size` tokens), values per token (groups of
+    `value_group_size` channels, default `group_size`), the `residual` newest tokens
+    and the first `sinks` tokens of each sequence in full precision.  Sliding-window
+    layers (the model's config.layer_types / sliding_window) attend within their window
+    and evict what no query can see; they keep no sinks.  Scales and zeros are 16-bit by
+    default (the model's dtype if it is 16-bit, else bfloat16), so that an fp32 model's
+    cache costs the same bits as a 16-bit one's.  Attention runs fused whenever the
+    model's attention implementation is "nexuskv", otherwise over transiently
+    dequantized K/V (``fused=True/False`` forces one).
 
     ``compressor`` (keys, and values unless ``value_compressor`` is given) replaces the
     bits/group_size/outliers/dynamic_keys/rotate/meta_dtype arguments: NQ and DGQ are
     held by the C++ cache itself (fused attention); any other KVCompressor (a user's own
     class) compresses chunks of ``group_size`` tokens and attention runs over its
-    dequantized output, whatever the attention implementation."""
+    dequantized output, whatever the attention implementation.
+
+    ``kv_heads``: the KV heads this process holds of each layer when the model is
+    sharded for tensor parallelism (default: the config's count); "auto" takes them
+    from the first append.  Settings the cache or the fused kernel cannot take for this
+    model (e.g. a head_dim the kernel does not support, K and V of different head dims)
+    raise a ValueError here."""
     register()
-    fused = model.config._attn_implementation == ATTN_IMPLEMENTATION
-    cfg = model.config
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    common = dict(residual=residual, sinks=sinks, fused=fused, expected_shape=(heads, head_dim))
+    geometries = hf_compat.layer_geometries(model)
+    if kv_heads is not None and kv_heads != "auto":
+        geometries = [LayerGeometry(int(kv_heads), g.key_dim, g.value_dim, g.window, g.layer_type)
+                      for g in geometries]
+    for g in geometries:
+        if g.key_dim != g.value_dim:
+            raise ValueError(f"nexuskv: keys and values of different head dims ({g.key_dim} and {g.value_dim}) "
+                             f"are not supported")
+    compressors = None
     if compressor is not None or value_compressor is not None:
         if compressor is None or not isinstance(compressor, KVCompressor) or \
                 (value_compressor is not None and not isinstance(value_compressor, KVCompressor)):
             raise TypeError("nexuskv: compressor (and value_compressor) must implement the KVCompressor protocol "
                             "(compress, decompress, nbytes)")
         values = value_compressor or compressor
-        kw = _fused_kwargs(compressor, values)
-        if kw is None:
-            return NexusKVCache(cfg.num_hidden_layers, group_size=group_size, compressors=(compressor, values),
-                                **common)
-        return NexusKVCache(cfg.num_hidden_layers, **kw, **common)
-    if meta_dtype is None:
-        meta_dtype = model.dtype if model.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-    return NexusKVCache(cfg.num_hidden_layers, key_bits=bits, value_bits=value_bits or bits,
-                        group_size=group_size, key_outliers=outliers,
-                        value_outliers=outliers if value_outliers is None else value_outliers,
-                        dynamic_keys=dynamic_keys, rotate=rotate, seed=seed, value_group_size=value_group_size,
-                        meta_dtype=meta_dtype, **common)
+        quant = _fused_settings(compressor, values)
+        if quant is None:
+            quant = dict(external_chunk=group_size)
+            compressors = (compressor, values)
+    else:
+        if meta_dtype is None:
+            meta_dtype = model.dtype if model.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        quant = _layer_settings(bits, value_bits, group_size, value_group_size, residual, outliers,
+                                outliers if value_outliers is None else value_outliers, dynamic_keys, rotate, seed,
+                                sinks, meta_dtype)
+    config = hf_compat.text_config(model)
+    layers, probed = [], set()
+    for i, g in enumerate(geometries):
+        settings = dict(quant, residual=residual, sinks=0 if g.window else sinks, window=g.window)
+        key = (g.key_dim, g.window)
+        if key not in probed:
+            probed.add(key)
+            can_fuse = compressors is None and fused is not False
+            _probe(settings, g, model.dtype, can_fuse, f"layer {i} ({g.layer_type})")
+        layers.append(NexusKVLayer(settings, fused=fused, compressors=compressors, geometry=g, layer_idx=i,
+                                   config=config, learn_heads=kv_heads == "auto"))
+    return NexusKVCache(layers)
+
+
+def enable(model, **cache_kwargs):
+    """The one-line way in: switches `model` to attn_implementation="nexuskv" and makes
+    every model.generate() call that is given no cache use a new compressed cache,
+    ``cache_for(model, **cache_kwargs)``.  (transformers has no registry for
+    generate(cache_implementation=...) in 4.57 or 5.x, so the model's generate is
+    wrapped on this instance, as transformers itself does for custom_generate.)
+    Returns the model."""
+    register()
+    cache_for(model, **cache_kwargs)  # validates the settings now, not in the first generate()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    generate = getattr(model, "nexuskv_plain_generate", model.generate)
+    name = hf_compat.cache_argument(model)
+
+    def generate_with_nexuskv(*args, **kwargs):
+        if kwargs.get(name) is None and kwargs.get("past_key_values") is None and kwargs.get("use_cache", True):
+            kwargs[name] = cache_for(model, **cache_kwargs)
+        return generate(*args, **kwargs)
+
+    model.nexuskv_plain_generate = generate
+    model.generate = generate_with_nexuskv
+    return model
+
+
+# -- attention --------------------------------------------------------------------------------
+
+def _diagonal_validity(attention_mask: Optional[torch.Tensor], q_len: int) -> Optional[torch.Tensor]:
+    """[B, q_len] True for the new tokens that are real (not padding): a real token
+    always sees itself, so the diagonal of the new tokens' block of the 4-D mask says it
+    (sliding windows and other masking leave the diagonal alone).  None without a mask.
+    Reads nothing on the host."""
+    if attention_mask is None or attention_mask.dim() != 4:
+        return None
+    diag = torch.diagonal(attention_mask[:, 0, -q_len:, -q_len:], dim1=-2, dim2=-1)
+    return diag if diag.dtype == torch.bool else diag == 0
 
 
 def _new_token_validity(attention_mask: Optional[torch.Tensor], q_len: int) -> Optional[torch.Tensor]:
-    """[B, q_len] True for the new tokens that are real (not padding), read off the
-    newest query's row of the 4-D mask; None when nothing is masked."""
+    """_diagonal_validity, or None when every new token is real.  Reads the answer on the
+    host, once per forward (all layers of a type get one mask object)."""
+    memo = _claims.mask
+    if memo is not None and memo[0] is attention_mask and memo[1] == q_len:
+        return memo[2]
+    visible = _diagonal_validity(attention_mask, q_len)
+    valid = None if visible is None or bool(visible.all()) else visible
+    _claims.mask = (attention_mask, q_len, valid)
+    return valid
+
+
+def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def dense_attention(query, key, value, attention_mask, scaling=None, softcap=None):
+    """Exact attention over dense K/V in float32 with the model's 4-D mask (bool: True
+    is visible; float: added) or, without one, causal over the last q_len positions;
+    scores soft-capped when softcap is given (what sdpa cannot do).  Fully masked rows
+    (padding queries) give zeros.  Returns [B, q_len, heads, head_dim]."""
+    B, Hq, Lq, D = query.shape
+    Lk = key.shape[-2]
+    groups = Hq // key.shape[1]
+    scale = scaling if scaling is not None else D ** -0.5
+    s = torch.matmul(query.float(), _repeat_heads(key, groups).float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     if attention_mask is None:
-        return None
-    last = attention_mask[:, 0, -1, -q_len:]
-    visible = last if last.dtype == torch.bool else last == 0
-    return None if bool(visible.all()) else visible
+        keep = torch.ones(Lq, Lk, dtype=torch.bool, device=s.device).tril(Lk - Lq)
+        s = s.masked_fill(~keep, float("-inf"))
+    elif attention_mask.dtype == torch.bool:
+        s = s.masked_fill(~attention_mask[..., -Lk:], float("-inf"))
+    else:
+        s = s + attention_mask[..., -Lk:].float()
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    out = torch.matmul(p, _repeat_heads(value, groups).float()).to(query.dtype)
+    return out.transpose(1, 2).contiguous()
 
 
-def nexuskv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """AttentionInterface function: appends the layer's new K/V (left padding dropped)
-    and attends over the compressed cache with dgq_fused_attention.  A padded prefill,
-    whose queries include pad positions, attends over its own new K/V with the mask
-    instead (exact; nothing older exists).  Returns ([batch, q_len, heads, head_dim], None)."""
-    layer = getattr(key, "_nexuskv_layer", None)
-    if layer is None:  # K/V do not come from a fused nexuskv cache: plain SDPA
+def _plain_attention(module, query, key, value, attention_mask, scaling, dropout, softcap, kwargs):
+    if softcap is None and dropout == 0.0:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    return dense_attention(query, key, value, attention_mask, scaling, softcap), None
+
+
+def nexuskv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                      softcap=None, **kwargs):
+    """AttentionInterface function ("nexuskv"): claims the layer's pending new K/V (see
+    the module docstring), appends them (left padding dropped) and attends over the
+    compressed cache with dgq_fused_attention, within the layer's sliding window and
+    with the model's logit soft-cap.  A padded prefill, whose queries include pad
+    positions, attends over its own new K/V with the mask instead (exact; nothing older
+    exists).  Returns ([batch, q_len, heads, head_dim], None)."""
+    layer = _claims.pending.pop(id(key), None)
+    if layer is None or layer.pending is None or layer.pending[0] is not key:
+        _warn_once("dense", "nexuskv: attn_implementation='nexuskv' is attending over K/V that do not come from a "
+                            "fused nexuskv cache (transformers' own cache such as DynamicCache, or cache_for(..., "
+                            "fused=False) / a Python compressor): this is plain dense attention over the K/V given; "
+                            "pass nexuskv.hf.cache_for(model) or use nexuskv.hf.enable(model) for the fused path")
+        return _plain_attention(module, query, key, value, attention_mask, scaling, dropout, softcap, kwargs)
+    if sliding_window != layer.sliding_window:
+        layer._drop_pending()
+        raise ValueError(f"nexuskv: layer {getattr(module, 'layer_idx', '?')} attends with sliding_window="
+                         f"{sliding_window}, but its cache was made for {layer.sliding_window}; make the cache with "
+                         f"nexuskv.hf.cache_for(model) for the model that uses it")
     q_len = query.shape[-2]
-    first_call = layer.seen == q_len
-    layer.append_pending(_new_token_validity(attention_mask, q_len))
-    if bool((layer.cache.lengths() < q_len).any()):
-        if not first_call:
-            raise NotImplementedError("nexuskv: a padded chunk after the prefill is not supported")
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    out = layer.cache.attend(query, scaling)  # [B, Hq, Lq, D]
+    if torch.compiler.is_compiling():
+        # A compiled step has no data-dependent branch: generate() feeds only real tokens
+        # after the prefill (left padding comes in the prefill, which runs eagerly).
+        layer.append_pending(None)
+    else:
+        valid = _new_token_validity(attention_mask, q_len)
+        layer.append_pending(valid)
+        if valid is not None:
+            if layer.seen != q_len:
+                raise NotImplementedError("nexuskv: padding inside a chunk after the prefill is not supported")
+            return dense_attention(query, key, value, attention_mask, scaling, softcap), None
+    # The C++ cache is a TorchBind object without a fake class: torch.compile breaks the
+    # graph at its append and attend (see benchmarks/bench_hf_decode.py for the count).
+    out = layer.cache.attend(query, scaling, softcap)  # [B, Hq, Lq, D]
     return out.transpose(1, 2).contiguous(), None
 
 

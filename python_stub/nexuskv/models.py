@@ -44,19 +44,53 @@ def model_available() -> bool:
     return True
 
 
-def load_model(dtype: torch.dtype = torch.bfloat16, attn_implementation: str = "sdpa"):
-    """(model, tokenizer) of SmolLM2-135M-Instruct, dequantized from GGUF to dtype, offline."""
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)"
+
+
+def check_model_path(path: Optional[str]) -> None:
+    """Raises MissingResource unless `path` is None (the embedded default), a directory
+    with a Hugging Face config.json, or a .gguf file.  Cheap: run it before loading."""
+    if path is None:
+        gguf_dir()
+        return
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise MissingResource(f"--model {path}: no such GGUF file")
+    elif not os.path.isfile(os.path.join(path, "config.json")):
+        raise MissingResource(f"--model {path}: not a Hugging Face model directory (no config.json) or .gguf file")
+
+
+def model_name(path: Optional[str]) -> str:
+    return DEFAULT_MODEL_NAME if path is None else os.path.basename(os.path.normpath(path))
+
+
+def load_model(dtype: torch.dtype = torch.bfloat16, attn_implementation: str = "sdpa", path: Optional[str] = None):
+    """(model, tokenizer), offline: `path` is a local Hugging Face model directory or a
+    .gguf file (dequantized to dtype); None loads the embedded SmolLM2-135M-Instruct."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     transformers.logging.set_verbosity_error()
-    d = gguf_dir()
-    tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF_FILE, dtype=dtype,
-                                                 attn_implementation=attn_implementation)
+    check_model_path(path)
+    if path is None:
+        where, kw = gguf_dir(), dict(gguf_file=GGUF_FILE)
+    elif path.endswith(".gguf"):
+        where, kw = os.path.dirname(os.path.abspath(path)), dict(gguf_file=os.path.basename(path))
+    else:
+        where, kw = path, dict(local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(where, **kw)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation=attn_implementation, **kw)
     model.eval()
     return model, tokenizer
+
+
+def check_text_path(path: Optional[str]) -> None:
+    """Raises MissingResource unless the text file (default: Debian's manual) exists."""
+    path = path or DEFAULT_TEXT
+    if not os.path.isfile(path):
+        hint = " (apt-get install debian-reference-en, or pass --text FILE)" if path == DEFAULT_TEXT else ""
+        raise MissingResource(f"--text {path}: no such file{hint}")
 
 
 def load_text(path: Optional[str] = None) -> str:
@@ -104,7 +138,9 @@ def capture_qkv(model, input_ids: torch.Tensor) -> List[LayerQKV]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
     AttentionInterface.register(_CAPTURE_IMPL, record)
-    previous = model.config._attn_implementation
+    from .hf_compat import attention_implementation
+
+    previous = attention_implementation(model.config)
     model.set_attn_implementation(_CAPTURE_IMPL)
     try:
         with torch.inference_mode():

@@ -159,11 +159,11 @@ def run(layers: List[LayerQKV], settings: List[Setting], num_queries: int, progr
 
 
 def main(args) -> int:
-    from .models import capture_qkv, load_model, load_text, tokenize
+    from .models import capture_qkv, load_model, load_text, model_name, tokenize
 
     dtype = getattr(torch, args.dtype)
-    print(f"loading SmolLM2-135M-Instruct ({args.dtype}) and text ...", flush=True)
-    model, tokenizer = load_model(dtype)
+    print(f"loading {model_name(args.model)} ({args.dtype}) and text ...", flush=True)
+    model, tokenizer = load_model(dtype, path=args.model)
     ids = tokenize(tokenizer, load_text(args.text), args.tokens)
     layers = capture_qkv(model, ids)
     k0 = layers[0].k
@@ -190,7 +190,7 @@ def main(args) -> int:
                 print(f"{v['bits']}-bit {label}: attention error {w['attn']:.4f} ({w['bits']:.3f} bits) with vs "
                       f"{wo['attn']:.4f} ({wo['bits']:.3f} bits) without")
     if args.json:
-        doc = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)", "dtype": args.dtype,
+        doc = {"model": model_name(args.model), "dtype": args.dtype,
                "text": args.text or "debian-reference-en", "tokens": args.tokens, "queries": args.queries,
                "date": datetime.date.today().isoformat(), "machine": platform.platform(),
                "torch": torch.__version__, "rows": rows, "key_grouping": verdicts, "variants": variants}

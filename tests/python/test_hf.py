@@ -4,7 +4,7 @@ generate() through the compressed cache, fused vs dequantize path, batching."""
 import pytest
 import torch
 
-from hf_helpers import PROMPT, agreement, greedy, requires_model
+from hf_helpers import LONG_PROMPT, PROMPT, agreement, compressed, forward, greedy, requires_model
 
 pytestmark = requires_model
 
@@ -22,33 +22,56 @@ def test_8bit_reproduces_dense_greedy_tokens(loaded):
 
 
 def test_4bit_agreement(loaded):
+    """4-bit with the prompt compressed: the next-token choice given the dense
+    continuation as prefix (teacher forcing, so that one early flip does not decide the
+    count) agrees with the dense cache's at most positions."""
     import nexuskv.hf as nhf
 
     model, tok = loaded
-    ids = tok(PROMPT, return_tensors="pt").input_ids
-    dense = greedy(model, ids, 32)
-    ours = greedy(model, ids, 32, nhf.cache_for(model, bits=4, group_size=32, residual=32))
-    # Measured 32 of 32 on this prompt; the model is small, so allow a late divergence.
-    assert agreement(ours[0], dense[0]) >= 24
-
-
-def test_fused_and_dequantize_paths_give_the_same_logits(loaded):
-    import nexuskv.hf as nhf
-
-    model, tok = loaded
-    ids = tok(PROMPT, return_tensors="pt").input_ids
-    fused_cache = nhf.cache_for(model, bits=4, group_size=16, residual=16)
-    dense_cache = nhf.cache_for(model, bits=4, group_size=16, residual=16)
-    for layer in dense_cache.layers:
-        layer.fused = False
+    ids = tok(LONG_PROMPT, return_tensors="pt").input_ids
+    n = 32
+    dense = greedy(model, ids, n)
+    cache = nhf.cache_for(model, bits=4, group_size=16, residual=16)
     with torch.no_grad():
-        a = model(ids, past_key_values=fused_cache).logits
-        b = model(ids, past_key_values=dense_cache).logits
-        nxt = a[:, -1:].argmax(-1)
-        a2 = model(nxt, past_key_values=fused_cache).logits
-        b2 = model(nxt, past_key_values=dense_cache).logits
-    torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(a2, b2, rtol=1e-3, atol=1e-3)
+        logits = [forward(model, ids, cache).logits[:, -1]]
+        for t in range(n - 1):
+            logits.append(forward(model, dense[:, t:t + 1], cache).logits[:, -1])
+    ours = torch.stack(logits, 1).argmax(-1)
+    assert compressed(cache) >= ids.shape[1] - 16  # the prompt is compressed, not held in the tail
+    # Measured 32 of 32 (transformers 4.57), 30 (5.24); the model is small and 4-bit groups of 16 are coarse.
+    assert int((ours == dense).sum()) >= 28
+
+
+def test_fused_and_dequantize_paths_attend_alike(loaded):
+    """On the real model's own compressed K/V, every layer's fused attention equals
+    attention over the dequantized cache (what the dequantize path computes), for the
+    prefill and a decode step.  (End-to-end logits of the two paths are no test: a 1e-6
+    difference in one layer's output flips 4-bit roundings in the next layers' K/V.)"""
+    import transformers as tf
+    import nexuskv.hf as nhf
+
+    model, tok = loaded
+    ids = tok(LONG_PROMPT, return_tensors="pt").input_ids
+    cache = nhf.cache_for(model, bits=4, group_size=16, residual=16, fused=True)
+    worst = []
+
+    def checked(module, query, key, value, attention_mask, scaling=None, **kw):
+        out, _ = nhf.nexuskv_attention(module, query, key, value, attention_mask, scaling=scaling, **kw)
+        K, V, _ = cache.layers[module.layer_idx].cache.dense(None)
+        ref = nhf.dense_attention(query, K, V, None, scaling)
+        worst.append(float((out - ref).abs().max() / ref.abs().max()))
+        return out, None
+
+    tf.AttentionInterface.register("nexuskv_checked", checked)
+    model.set_attn_implementation("nexuskv_checked")
+    try:
+        with torch.no_grad():
+            nxt = forward(model, ids, cache).logits[:, -1:].argmax(-1)
+            forward(model, nxt, cache)
+    finally:
+        model.set_attn_implementation("nexuskv")
+    assert compressed(cache) > 0
+    assert len(worst) == 2 * model.config.num_hidden_layers and max(worst) < 1e-4, max(worst)
 
 
 def test_batched_left_padding_matches_the_dense_cache(loaded):
@@ -58,7 +81,7 @@ def test_batched_left_padding_matches_the_dense_cache(loaded):
     import nexuskv.hf as nhf
 
     model, tok = loaded
-    prompts = [PROMPT, "Packages are installed with"]
+    prompts = [LONG_PROMPT, "Packages are installed with"]
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -71,18 +94,44 @@ def test_batched_left_padding_matches_the_dense_cache(loaded):
         assert agreement(ours[i], dense[i]) == 16, i
     real = batch.attention_mask.sum(1)
     assert cache.layers[0].cache.lengths().tolist() == (real + 15).tolist()  # pads are not cached
+    assert compressed(cache) > 0  # the long row is compressed
 
 
-def test_fused_cache_with_another_attention_is_a_clear_error(loaded):
+def test_cache_follows_the_attention_implementation(loaded):
+    """A cache made while the model attends with "nexuskv" runs the dequantize path when
+    the model switches to sdpa (and back); a cache forced onto the fused path with
+    another attention is a clear error, not a silent one."""
     import nexuskv.hf as nhf
 
     model, tok = loaded
     ids = tok(PROMPT, return_tensors="pt").input_ids
-    cache = nhf.cache_for(model, bits=8)  # made for the fused path
+    cache = nhf.cache_for(model, bits=8, group_size=16, residual=16)
+    forced = nhf.cache_for(model, bits=8, fused=True)
     model.set_attn_implementation("sdpa")
     try:
-        with torch.no_grad(), pytest.raises(RuntimeError, match="did not consume the previous K/V"):
-            model(ids, past_key_values=cache)
-            model(ids[:, -1:], past_key_values=cache)
+        dense = greedy(model, ids, 8)
+        assert greedy(model, ids, 8, cache).tolist() == dense.tolist()
+        with torch.no_grad(), pytest.raises(RuntimeError, match="never attended by attn_implementation='nexuskv'"):
+            forward(model, ids, forced)
+            forward(model, ids[:, -1:], forced)
+    finally:
+        model.set_attn_implementation("nexuskv")
+
+
+def test_nexuskv_attention_with_a_dense_cache_warns_once(loaded):
+    import warnings
+    import nexuskv.hf as nhf
+
+    model, tok = loaded
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    nhf._warned.discard("dense")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = greedy(model, ids, 4)  # transformers' own DynamicCache
+    hits = [w for w in caught if "do not come from a fused nexuskv cache" in str(w.message)]
+    assert len(hits) == 1
+    model.set_attn_implementation("sdpa")
+    try:
+        assert ours.tolist() == greedy(model, ids, 4).tolist()
     finally:
         model.set_attn_implementation("nexuskv")

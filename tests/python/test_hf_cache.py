@@ -7,7 +7,9 @@ import pytest
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_helpers import PROMPT, agreement, greedy, requires_model
+from nexuskv import hf_compat
+
+from hf_helpers import LONG_PROMPT, PROMPT, agreement, compressed, forward, greedy, requires_model
 
 pytestmark = requires_model
 
@@ -42,11 +44,11 @@ class ReferenceLayer(CacheLayerMixin):
         self.comp, self.sinks, self.residual, self.chunk = compressor, sinks, residual, chunk
         self.k = self.v = None
 
-    def lazy_initialization(self, key_states):
+    def lazy_initialization(self, key_states, value_states=None):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
-    def update(self, key_states, value_states, cache_kwargs=None):
+    def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states)
         self.k = key_states if self.k is None else torch.cat([self.k, key_states], -2)
@@ -62,10 +64,13 @@ class ReferenceLayer(CacheLayerMixin):
     def get_seq_length(self):
         return 0 if self.k is None else self.k.shape[-2]
 
-    def get_mask_sizes(self, cache_position):
-        return self.get_seq_length() + cache_position.shape[0], 0
+    def get_mask_sizes(self, cache_position_or_length):
+        return self.get_seq_length() + hf_compat.query_length(cache_position_or_length), 0
 
-    def get_max_cache_shape(self):
+    def get_max_cache_shape(self):  # transformers 4.57
+        return -1
+
+    def get_max_length(self):  # transformers 5
         return -1
 
     def reorder_cache(self, beam_idx):
@@ -92,7 +97,7 @@ def test_sinks_generate_and_dense_view(loaded):
     from transformers import DynamicCache
     ref = DynamicCache()
     with torch.no_grad():
-        model(ids, past_key_values=ref)
+        forward(model, ids, ref)
     kd, _, _ = layer.dense(None)
     torch.testing.assert_close(kd[:, :, :4], ref.layers[0].keys[:, :, :4], rtol=0, atol=0)
 
@@ -106,10 +111,10 @@ def test_user_compressor_end_to_end_matches_its_reference(loaded):
     kw = dict(sinks=2, residual=8)
     cache = nhf.cache_for(model, compressor=comp, group_size=4, **kw)
     layer = cache.layers[0]
-    assert layer.cache.is_external() and not layer.fused
+    assert layer.cache.is_external() and layer.fused is False
     with torch.no_grad():
-        a = model(ids, past_key_values=cache).logits
-        b = model(ids, past_key_values=reference_cache(model, compressor=comp, chunk=4, **kw)).logits
+        a = forward(model, ids, cache).logits
+        b = forward(model, ids, reference_cache(model, compressor=comp, chunk=4, **kw)).logits
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     # generate(): every step through the user's compressor, against the reference policy.
     n = 24
@@ -135,12 +140,13 @@ def test_nq_compressor_objects_take_the_fused_path(loaded):
     from nexuskv.compressors import NQ
 
     model, tok = loaded
-    ids = tok(PROMPT, return_tensors="pt").input_ids
+    ids = tok(LONG_PROMPT, return_tensors="pt").input_ids
     a = nhf.cache_for(model, compressor=NQ.for_keys(8, 16), value_compressor=NQ.for_values(8, 16), residual=16)
     # NQ objects keep scales/zeros in the input dtype unless told (cache_for's default is 16-bit).
     b = nhf.cache_for(model, bits=8, group_size=16, residual=16, meta_dtype=model.dtype)
-    assert not a.layers[0].cache.is_external() and a.layers[0].fused
+    assert not a.layers[0].cache.is_external() and a.layers[0].external is None and a.layers[0]._fused_now()
     assert greedy(model, ids, 8, a).tolist() == greedy(model, ids, 8, b).tolist()
+    assert compressed(a) > 0 and compressed(a) == compressed(b)
     assert a.nbytes == b.nbytes
 
 
@@ -148,10 +154,12 @@ def test_beam_search_matches_the_dense_cache(loaded):
     import nexuskv.hf as nhf
 
     model, tok = loaded
-    ids = tok(PROMPT, return_tensors="pt").input_ids
+    ids = tok(LONG_PROMPT, return_tensors="pt").input_ids
     n = 16
     dense = greedy(model, ids, n, num_beams=2)
-    ours = greedy(model, ids, n, nhf.cache_for(model, bits=8, group_size=16, residual=16, sinks=2), num_beams=2)
+    cache = nhf.cache_for(model, bits=8, group_size=16, residual=16, sinks=2)
+    ours = greedy(model, ids, n, cache, num_beams=2)
+    assert compressed(cache) > 0
     assert agreement(ours[0], dense[0]) == n
 
 
@@ -174,7 +182,7 @@ def test_cache_for_another_model_or_bad_states_is_a_clear_error(loaded):
     ids = tok(PROMPT, return_tensors="pt").input_ids
     short = nhf.NexusKVCache(4, fused=True)  # a cache of a 4-layer model
     with torch.no_grad(), pytest.raises(ValueError, match="made for a model with 4 layers, but layer 4 uses it"):
-        model(ids, past_key_values=short)
+        forward(model, ids, short)
     cache = nhf.cache_for(model)
     H, D = cfg.num_key_value_heads, cfg.head_dim
     with pytest.raises(ValueError, match=f"made for a model with {H} KV heads of head_dim {D}"):

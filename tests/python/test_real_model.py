@@ -82,7 +82,10 @@ def test_eval_cli_small(tmp_path):
     assert four["effective_bits"]["kv"] == 4.5 and two["effective_bits"]["kv"] == 2.5
     assert quanto["effective_bits"]["kv"] == 4 + 64 / 64  # fp32 model: fp32 scale and shift per 64
     assert dense["greedy"] == {"leading": 4, "match": 1.0, "new_tokens": 4}
-    assert 0 <= four["greedy"]["leading"] <= 4
+    # 4-bit with no tail holds the 32-token prompt compressed; measured 4 of 4 leading tokens
+    # equal to the dense cache's (and so every position), allow one late flip.
+    g = four["greedy"]
+    assert g["new_tokens"] == 4 and g["leading"] >= 3 and g["match"] >= g["leading"] / 4
     # Bytes with the model in bf16: the dense cache holds 256 tokens of K and V in bf16.
     assert dense["bytes"]["total"] == 256 * 2 * 30 * 3 * 64 * 2 and dense["bytes"]["dtype"] == "bfloat16"
     for r in (four, two, quanto):
@@ -129,4 +132,8 @@ def test_demo_end_to_end(tmp_path, capsys):
     assert r["ratio_to_dense"] < 1
     assert f"{nkv['bytes']['total']:,}" in printed and f"{dense['bytes']['total']:,}" in printed
     assert len(dense["tokens"]) == len(nkv["tokens"]) == 4
-    assert r["agreement"]["leading"] <= 4 and r["effective_bits"]["kv"] == 4.5
+    # The reported agreement is the tokens' own: count the equal leading tokens here.
+    leading = next((i for i, (a, b) in enumerate(zip(dense["tokens"], nkv["tokens"])) if a != b), 4)
+    assert r["agreement"]["leading"] == leading and r["effective_bits"]["kv"] == 4.5
+    # 4 bits behind a 128-token tail on a 200-token passage: measured 4 of 4 equal, allow one late flip.
+    assert leading >= 3
