@@ -12,7 +12,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import _format
+from . import _format, integrations
 
 DENSE, NEXUSKV, QUANTO = "dense", "nexuskv", "quanto"
 QUANTO_RESIDUAL = 128  # transformers' default residual_length for QuantizedCache
@@ -115,6 +115,7 @@ def attention_for(model, s: Setting):
 def make_cache(model, s: Setting, direct: bool = False):
     """A fresh cache of setting `s` for `model`.  direct=True: a nexuskv cache that is
     filled by calling its update() (the model's attention is not involved)."""
+    model = integrations.deepspeed.unwrap(model)
     if s.kind == DENSE:
         from transformers import DynamicCache
 

