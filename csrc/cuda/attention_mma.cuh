@@ -582,7 +582,12 @@ bool launch_attention_mma(const Launch& L, Dim3 grid, Stream stream) {
         auto go = [&]<int kD>() {
           using K = MmaKernel<Launch, kBits, kD>;
           const size_t smem = sizeof(typename K::Smem);
-          if (smem > kDefaultSmem && allow_smem(attention_mma_kernel<Launch, kBits, kD>, smem) != 0) return;
+          if (smem > kDefaultSmem && allow_smem(attention_mma_kernel<Launch, kBits, kD>, smem) != 0) {
+            // This GPU has less shared memory: the reference kernel runs instead,
+            // and the failed opt-in must not be reported as its launch error.
+            (void)cudaGetLastError();
+            return;
+          }
           launch(attention_mma_kernel<Launch, kBits, kD>, grid, Dim3(kMmaThreads), smem, stream, L);
           launched = true;
         };

@@ -42,14 +42,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import (
     hf_compat,
+    hf_static,
     integrations,
     ops,  # noqa: F401  (loads the operator library, which defines torch.classes.nexuskv)
 )
 from .cache import from_state_dict, make_cache
 from .compressors import DGQ, NQ, KVCompressor
-from .hf_compat import LayerGeometry, cache_argument  # noqa: F401  (cache_argument: public helper)
-
-ATTN_IMPLEMENTATION = "nexuskv"
+from .hf_compat import ATTN_IMPLEMENTATION, LayerGeometry, cache_argument  # noqa: F401  (cache_argument: public)
 
 _warned: set[str] = set()
 
@@ -434,7 +433,8 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
               compressor: Optional[KVCompressor] = None, value_compressor: Optional[KVCompressor] = None,
               value_group_size: Optional[int] = None, value_outliers: Optional[int] = None,
               meta_dtype: Optional[torch.dtype] = None, kv_heads: Optional[int | str] = None,
-              fused: Optional[bool] = None) -> NexusKVCache:
+              fused: Optional[bool] = None, static: bool = False,
+              max_cache_len: Optional[int] = None) -> NexusKVCache:
     """A compressed cache sized for `model`, one layer per decoder layer: keys per
     channel (groups of `group_size` tokens), values per token (groups of
     `value_group_size` channels, default `group_size`), the `residual` newest tokens
@@ -457,7 +457,12 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
     from the first append.  Settings the cache or the fused kernel cannot take for this
     model (e.g. a head_dim the kernel does not support, K and V of different head dims)
     raise a ValueError here.  A DeepSpeed v1 InferenceEngine is taken as its module, with
-    the KV heads its tensor-parallel rank holds (nexuskv.integrations.deepspeed)."""
+    the KV heads its tensor-parallel rank holds (nexuskv.integrations.deepspeed).
+
+    ``static=True, max_cache_len=N``: the compileable cache (nexuskv.hf_static): fixed
+    capacity, state in tensors, a decode step that torch.compile(fullgraph=True) and
+    torch.export trace; no sinks, rotation, eviction, crop or beam search, CPU only, and
+    attn_implementation="nexuskv" required."""
     register()
     model, kv_heads = integrations.deepspeed.unwrap_for_cache(model, kv_heads)
     geometries = hf_compat.layer_geometries(model)
@@ -486,6 +491,14 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
                                 outliers if value_outliers is None else value_outliers, dynamic_keys, rotate, seed,
                                 sinks, meta_dtype)
     config = hf_compat.text_config(model)
+    if static:
+        if not isinstance(max_cache_len, int) or max_cache_len < 1 or compressors is not None or fused is False:
+            raise ValueError("nexuskv: cache_for(model, static=True) needs max_cache_len=N (a positive int: the "
+                             "tokens each sequence may reach) and the fused path (no fused=False, no Python "
+                             f"compressor), got max_cache_len={max_cache_len!r}")
+        return NexusKVCache([hf_static.NexusKVStaticLayer(
+            hf_static.static_settings(dict(quant, residual=residual), g.window), max_cache_len, i, g, config)
+            for i, g in enumerate(geometries)])
     layers, probed = [], set()
     for i, g in enumerate(geometries):
         settings = dict(quant, residual=residual, sinks=0 if g.window else sinks, window=g.window)
@@ -590,7 +603,16 @@ def nexuskv_attention(module, query, key, value, attention_mask, scaling=None, d
     compressed cache with dgq_fused_attention, within the layer's sliding window and
     with the model's logit soft-cap.  A padded prefill, whose queries include pad
     positions, attends over its own new K/V with the mask instead (exact; nothing older
-    exists).  Returns ([batch, q_len, heads, head_dim], None)."""
+    exists).  Returns ([batch, q_len, heads, head_dim], None).  A static cache's layer
+    (cache_for(..., static=True): nexuskv.hf_static) appended in update() already."""
+    static = hf_static.claim(module)
+    if static is not None:
+        # Padding comes in the prefill (the static layers' masks cover the new tokens
+        # at positions from 0: right for the first forward only).
+        if not torch.compiler.is_compiling() and static.get_seq_length() == query.shape[-2] and \
+                _new_token_validity(attention_mask, query.shape[-2]) is not None:
+            raise NotImplementedError("nexuskv: the static cache takes no padded batches (cache_for(model) does)")
+        return static.attend(query, scaling, softcap, sliding_window), None
     layer = _claims.pending.pop(id(key), None)
     if layer is None or layer.pending is None or layer.pending[0] is not key:
         _warn_once("dense", "nexuskv: attn_implementation='nexuskv' is attending over K/V that do not come from a "
