@@ -33,6 +33,9 @@ QuantSpec spec_of(at::TensorList store, at::IntArrayRef format, const core::NQDi
   return s;
 }
 
+// (A CPU kernel: the tensors are in host memory.)
+bool all_finite(const at::Tensor& x) { return at::isfinite(x).all().const_data_ptr<bool>()[0]; }
+
 struct Plan {
   int64_t b0, b1, compressed, tail;  // sequences [b0, b1) share both lengths
   int64_t n_comp = 0;                // tokens this append compresses
@@ -46,7 +49,7 @@ void static_kv_append_cpu(at::TensorList k_store, at::TensorList v_store, const 
   const StaticAppendShapes s =
       check_static_append_args(k_store, v_store, k_tail, v_tail, lengths, k, v, k_format, v_format, residual);
   TORCH_CHECK(lengths.is_contiguous(), kOp, ": lengths must be contiguous");
-  TORCH_CHECK(at::isfinite(k).all().item<bool>() && at::isfinite(v).all().item<bool>(), kOp,
+  TORCH_CHECK(all_finite(k) && all_finite(v), kOp,
               ": k and v must be finite (a cache only takes values it can compress; nothing was stored)");
   const QuantSpec ks = spec_of(k_store, k_format, s.k, s.k_dgq, s.granule);
   const QuantSpec vs = spec_of(v_store, v_format, s.v, false, 16);
