@@ -374,9 +374,11 @@ def _layer_settings(key_bits=4, value_bits=None, group_size=64, value_group_size
                     key_outliers=0, value_outliers=0, dynamic_keys=False, rotate=False, seed=0, sinks=0,
                     meta_dtype=None, window=None) -> dict:
     """make_cache keywords of one layer, from cache_for's names."""
+    # None (not 0, which make_cache rejects by name) means "as the keys"
     return dict(key_bits=key_bits, key_group_size=group_size, key_axis=-2, key_outliers=key_outliers,
-                key_dynamic=dynamic_keys, value_bits=value_bits or key_bits,
-                value_group_size=value_group_size or group_size, value_axis=-1, value_outliers=value_outliers,
+                key_dynamic=dynamic_keys, value_bits=key_bits if value_bits is None else value_bits,
+                value_group_size=group_size if value_group_size is None else value_group_size, value_axis=-1,
+                value_outliers=value_outliers,
                 residual=residual, sinks=sinks, rotate=rotate, seed=seed, meta_dtype=meta_dtype, window=window)
 
 
@@ -429,6 +431,14 @@ def _probe(settings: dict, g: LayerGeometry, dtype: torch.dtype, fused: bool, wh
                              f"implementation") from None
 
 
+def _check_kv_heads(kv_heads) -> None:
+    if kv_heads is None or kv_heads == "auto":
+        return
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
+        raise ValueError(f"nexuskv: kv_heads must be a positive int (the KV heads this process holds), \"auto\" or "
+                         f"None, got {kv_heads!r}")
+
+
 def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size: int = 64, residual: int = 128,
               outliers: int = 0, dynamic_keys: bool = False, rotate: bool = False, seed: int = 0, sinks: int = 0,
               compressor: Optional[KVCompressor] = None, value_compressor: Optional[KVCompressor] = None,
@@ -459,7 +469,11 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
     raise a ValueError here.  A DeepSpeed v1 InferenceEngine is taken as its module, with
     the KV heads its tensor-parallel rank holds (nexuskv.integrations.deepspeed)."""
     register()
+    _check_kv_heads(kv_heads)
     model, kv_heads = integrations.deepspeed.unwrap_for_cache(model, kv_heads)
+    if not hasattr(model, "config"):
+        raise TypeError(f"nexuskv: cache_for needs a transformers model (with a .config) or a DeepSpeed engine, "
+                        f"got {type(model).__name__}")
     geometries = hf_compat.layer_geometries(model)
     if kv_heads is not None and kv_heads != "auto":
         geometries = [LayerGeometry(int(kv_heads), g.key_dim, g.value_dim, g.window, g.layer_type)

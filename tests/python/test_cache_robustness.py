@@ -265,3 +265,14 @@ def test_handed_over_chunks_are_copies_not_views_of_the_callers_kv():
     k.fill_(7.0)  # the caller reuses its buffer
     _, _, ks, _ = cache.take_due_chunks()
     assert torch.equal(ks[0], want[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.uint8])
+def test_dense_in_an_integer_dtype_is_a_clear_error(dtype):
+    # Once returned the dequantized K/V truncated to integers.
+    cache = make_cache(key_group_size=16, value_group_size=16, residual=8)
+    cache.append(*kv(n=40), None)
+    with pytest.raises(RuntimeError, match=r"KVCache: dense\(\) dtype must be a floating dtype"):
+        cache.dense(dtype)
+    k64, _, _ = cache.dense(torch.float64)  # a floating dtype is fine
+    assert torch.equal(k64, cache.dense(torch.float32)[0].double())

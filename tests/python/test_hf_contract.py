@@ -252,3 +252,27 @@ def test_unsupported_settings_fail_in_cache_for():
     with pytest.raises(ValueError, match="head_dim 40.*fused attention kernel cannot take.*fused=False"):
         nhf.cache_for(model, group_size=8, value_group_size=8)
     nhf.cache_for(model, group_size=8, value_group_size=8, fused=False)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(value_group_size=0), "value_group_size must be in"),  # once silently taken as group_size
+        (dict(value_bits=0), "value_bits must be one of"),  # once silently taken as bits
+        (dict(kv_heads=0), "kv_heads must be a positive int"),  # once accepted: a cache for 0 heads
+        (dict(kv_heads=-1), "kv_heads must be a positive int"),
+        (dict(kv_heads="some"), "kv_heads must be a positive int"),  # once "invalid literal for int()"
+    ],
+)
+def test_bad_cache_for_arguments_are_clear_errors(kw, message):
+    import nexuskv.hf as nhf
+
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        nhf.cache_for(tiny_model("llama"), **kw)
+
+
+def test_cache_for_something_that_is_not_a_model():
+    import nexuskv.hf as nhf
+
+    with pytest.raises(TypeError, match="cache_for needs a transformers model"):
+        nhf.cache_for("llama")
