@@ -1683,6 +1683,94 @@ def cache_cases():
     bad(op, "dtype", "dense(int32)", lambda: filled().dense(torch.int32), "dtype")
     bad(op, "dtype", "dense(bool)", lambda: filled().dense(torch.bool), "dtype")
     bad(op, "dtype", "dense_with(int8) (external)", lambda: _dense_with(torch.int8), "dtype")
+    bad(op, "dtype", "dense_with integer parts", lambda: _dense_with(None, torch.int32), "floating", "dequantized")
+    bad(op, "shape", "dense_with one part short", lambda: _dense_with(None, F32, -1), "compressed part", "shape")
+    bad(
+        op,
+        "shape",
+        "dense_with one part per sequence missing",
+        lambda: _dense_with(None, F32, 0, 1),
+        "compressed part",
+        "per sequence",
+    )
+    bad(op, "meta", "dense_with parts on meta", lambda: _dense_with(None, F32, 0, 0, "meta"), "device")
+    nonfinite(op, "dense_with NaN parts", lambda: _dense_with(None, F32, 0, 0, "cpu", NAN)[0], "nan", "finite")
+
+    op = "KVCache methods"
+    for nm, fn in (
+        ("attend", lambda c: c.attend(rnd(1, 1, 1, 64), None, None)),
+        ("dense", lambda c: c.dense(None)),
+        ("reorder", lambda c: c.reorder(torch.tensor([0]))),
+        ("take_due_chunks", lambda c: c.take_due_chunks()),
+        ("dense_with", lambda c: c.dense_with([], [], None)),
+        ("crop_with", lambda c: c.crop_with(0, [], [])),
+        ("to(meta)", lambda c: c.to("meta")),
+    ):
+        bad(
+            op,
+            "args",
+            f"{nm} on a new fused cache",
+            lambda fn=fn: fn(mk()),
+            "before any append",
+            "not available",
+            "device",
+        )
+    bad(op, "args", "to(meta) after an append", lambda: kept(filled(), lambda c: c.to("meta")), "device", "meta")
+    bad(op, "args", "to('bogus')", lambda: kept(filled(), lambda c: c.to("bogus")), "device", "bogus")
+    bad(op, "args", "take_due_chunks on fused storage", lambda: filled().take_due_chunks(), "take_due_chunks", "fused")
+    bad(
+        op,
+        "args",
+        "attend on external storage",
+        lambda: filled(external_chunk=16).attend(rnd(2, 4, 1, 64), None, None),
+        "external",
+    )
+    bad(
+        op,
+        "args",
+        "dense_with while chunks are due",
+        lambda: filled(external_chunk=16).dense_with([torch.zeros(2, 16, 64)] * 2, [torch.zeros(2, 16, 64)] * 2, None),
+        "take_due_chunks",
+    )
+    bad(
+        op,
+        "values",
+        "crop_with NaN survivors (into the tail)",
+        lambda: kept(
+            _external_taken(),
+            lambda c: c.crop_with(8, [torch.full((2, 16, 64), NAN)] * 2, [torch.zeros(2, 16, 64)] * 2),
+        ),
+        "nan",
+        "finite",
+    )
+    bad(
+        op,
+        "shape",
+        "crop_with part short",
+        lambda: kept(
+            _external_taken(), lambda c: c.crop_with(8, [torch.zeros(2, 15, 64)] * 2, [torch.zeros(2, 16, 64)] * 2)
+        ),
+        "compressed part",
+        "shape",
+    )
+    bad(
+        op,
+        "dtype",
+        "crop_with integer parts",
+        lambda: kept(
+            _external_taken(),
+            lambda c: c.crop_with(8, [torch.zeros(2, 16, 64, dtype=torch.int64)] * 2, [torch.zeros(2, 16, 64)] * 2),
+        ),
+        "floating",
+        "dequantized",
+    )
+    bad(
+        op,
+        "args",
+        "crop on external storage inside a chunk",
+        lambda: kept(_external_taken(), lambda c: c.crop(8)),
+        "crop_with",
+    )
 
     op = "KVCache.from_state_dict"
     sd = lambda **kw: filled(**kw).state_dict()  # noqa: E731
@@ -1901,11 +1989,17 @@ def cache_cases():
     valid(op, "attend q_len = cached", lambda: _cache_decode({}, F32, 99, n0=7, steps=0, lq=7))
 
 
-def _dense_with(dtype):
+def _external_taken():
     c = filled(external_chunk=16)
     c.take_due_chunks()
-    parts = [torch.zeros(2, int(n), 64) for n in c.compressed_lengths()]
-    return c.dense_with(parts, parts, dtype)
+    assert int(c.compressed_lengths()[0]) == 16
+    return c
+
+
+def _dense_with(dtype, part_dtype=F32, short=0, missing=0, device="cpu", fill=0.0):
+    c = _external_taken()
+    parts = [torch.full((2, int(n) + short, 64), fill, dtype=part_dtype, device=device) for n in c.compressed_lengths()]
+    return c.dense_with(parts[missing:], parts, dtype)
 
 
 def _windowed():
@@ -2192,7 +2286,24 @@ def hf_cases():
         "beam_idx",
     )
 
+    op = "hf.NexusKVLayer batch"
+    for nm, idx, h in (
+        ("index 5", torch.tensor([5]), "batch indices"),
+        ("float", torch.tensor([0.5]), "batch indices"),
+        ("negative", torch.tensor([-1]), "batch indices"),
+        ("2-D", torch.tensor([[0]]), "batch indices"),
+        ("empty mask", torch.tensor([False, False]), "batch indices"),
+    ):
+        bad(op, "args", f"batch_select_indices {nm}", lambda idx=idx: _hf_filled().batch_select_indices(idx), h)
+    for r in (0, -1, 1.5, True):
+        bad(op, "args", f"batch_repeat_interleave({r})", lambda r=r: _hf_filled().batch_repeat_interleave(r), "repeats")
+    for n in (0, -1, True):
+        bad(op, "args", f"NexusKVCache({n})", lambda n=n: hf.NexusKVCache(n), "layers")
+    bad(op, "args", "NexusKVCache(2, colour=1)", lambda: hf.NexusKVCache(2, colour=1), "colour")
+    bad(op, "args", "NexusKVCache(2, key_bits=5)", lambda: hf.NexusKVCache(2, key_bits=5), "key_bits")
+
     op = "hf"
+    valid(op, "batch_select_indices / batch_repeat_interleave keep the rows", lambda: _hf_batch())
     valid(op, "NexusKVLayer short update returns the exact states", lambda: _hf_exact())
     valid(op, "NexusKVLayer compressed update within the format's bound", lambda: _hf_compressed())
     valid(op, "cache_for forward = no-cache forward (prompt within the tail)", lambda: _hf_forward())
@@ -2202,6 +2313,22 @@ def _hf_filled():
     layer = hf.NexusKVLayer(dict(key_group_size=16, value_group_size=16, residual=16), fused=False)
     layer.update(*kv())
     return layer
+
+
+def _hf_batch():
+    layer = _hf_filled()
+    k, v, _ = layer.cache.dense(None)
+    layer.batch_repeat_interleave(2)
+    k2, v2, lens = layer.cache.dense(None)
+    ok = (
+        lens.tolist() == [40] * 4 and torch.equal(k2[0], k[0]) and torch.equal(k2[1], k[0]) and torch.equal(k2[3], k[1])
+    )
+    layer.batch_select_indices(torch.tensor([False, False, True, False]))
+    k3, v3, lens = layer.cache.dense(None)
+    ok &= lens.tolist() == [40] and torch.equal(k3[0], k[1]) and torch.equal(v3[0], v[1])
+    layer.batch_select_indices(torch.tensor([0, 0], dtype=torch.int32))
+    ok &= layer.cache.lengths().tolist() == [40, 40] and torch.equal(layer.cache.dense(None)[0][1], k[1])
+    return (0.0 if ok else INF), 0.0
 
 
 def _hf_exact():

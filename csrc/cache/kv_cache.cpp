@@ -27,6 +27,8 @@ void check_compressed_parts(const KVCache::Impl& c, const char* method, const st
                       t->size(2) == c.head_dim,
                   kCls, ": ", method, ": the compressed part of sequence ", b, " must have shape [", c.heads, ", ", n,
                   ", ", c.head_dim, "], got ", t->defined() ? t->sizes() : at::IntArrayRef{});
+      TORCH_CHECK(at::isFloatingType(t->scalar_type()), kCls, ": ", method, ": the compressed part of sequence ", b,
+                  " must be dequantized K/V (a floating dtype), got ", t->scalar_type());
       c.check_device("a compressed part", *t);
     }
   }

@@ -260,13 +260,15 @@ class NexusKVLayer(CacheLayerMixin):
             self.external.reorder(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"nexuskv: batch_repeat_interleave: repeats must be an int >= 1, got {repeats!r}")
         if self.seen:
             self._select_rows(torch.arange(self.cache.lengths().numel()).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.seen:
             idx = indices.nonzero().flatten() if indices.dtype == torch.bool else indices
-            self._select_rows(idx.to(torch.long).cpu())
+            self._select_rows(idx.cpu())
 
     _BATCH_ENTRIES = ("lengths.", "keys.", "values.", "tail.", "sinks.")
 
@@ -276,6 +278,13 @@ class NexusKVLayer(CacheLayerMixin):
         are batch-first (csrc/cache/cache_state.cpp documents the format)."""
         if self.pending is not None:
             raise RuntimeError("nexuskv: a batch change between update() and attention")
+        rows = self.cache.lengths().numel()
+        if idx.is_floating_point() or idx.is_complex() or idx.dim() != 1 or idx.numel() == 0:
+            raise ValueError(f"nexuskv: batch indices must be a non-empty 1-D integer (or bool mask) tensor, got "
+                             f"{idx.dtype} of shape {tuple(idx.shape)}")
+        if bool(((idx < 0) | (idx >= rows)).any()):
+            raise IndexError(f"nexuskv: batch indices must be in [0, {rows}) (the cached sequences), got "
+                             f"{idx.tolist()}")
         if idx.numel() == self.cache.lengths().numel():
             self.reorder_cache(idx)
             return
@@ -352,6 +361,9 @@ class NexusKVCache(Cache):
 
     def __init__(self, layers: list[NexusKVLayer] | int, fused: Optional[bool] = None, **settings):
         if isinstance(layers, int):
+            if isinstance(layers, bool) or layers < 1:
+                raise ValueError(f"nexuskv: NexusKVCache(layers) needs layers >= 1 (one per decoder layer), got "
+                                 f"{layers!r}")
             layers = [NexusKVLayer(_layer_settings(**settings), fused=fused, layer_idx=i) for i in range(layers)]
         elif settings or fused is not None:
             raise TypeError("nexuskv: NexusKVCache(layers) takes no settings (they are the layers')")

@@ -276,3 +276,42 @@ def test_cache_for_something_that_is_not_a_model():
 
     with pytest.raises(TypeError, match="cache_for needs a transformers model"):
         nhf.cache_for("llama")
+
+
+def filled_layer():
+    import nexuskv.hf as nhf
+
+    layer = nhf.NexusKVLayer(dict(key_group_size=16, value_group_size=16, residual=16), fused=False)
+    layer.update(torch.randn(2, 2, 40, 64), torch.randn(2, 2, 40, 64))
+    return layer
+
+
+@pytest.mark.parametrize(
+    "indices, error",
+    [
+        (torch.tensor([5]), IndexError),  # once "index out of range in self"
+        (torch.tensor([-1]), IndexError),
+        (torch.tensor([0.5]), ValueError),  # once truncated to row 0 silently
+        (torch.tensor([[0]]), ValueError),
+    ],
+)
+def test_bad_batch_indices_are_clear_errors(indices, error):
+    layer = filled_layer()
+    with pytest.raises(error, match="nexuskv: batch indices must"):
+        layer.batch_select_indices(indices)
+    assert layer.cache.lengths().tolist() == [40, 40]
+
+
+@pytest.mark.parametrize("repeats", [0, -1, 1.5])
+def test_bad_repeats_are_clear_errors(repeats):
+    # 0 once failed inside from_state_dict ("shape must be positive"), 1.5 inside torch.
+    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+        filled_layer().batch_repeat_interleave(repeats)
+
+
+@pytest.mark.parametrize("layers", [0, -1])
+def test_nexuskv_cache_needs_a_layer(layers):
+    import nexuskv.hf as nhf
+
+    with pytest.raises(ValueError, match="needs layers >= 1"):  # -1 once gave a cache of no layers
+        nhf.NexusKVCache(layers)
