@@ -124,6 +124,7 @@ struct KVCache::Impl {
   int64_t compressed_nbytes() const;
   c10::Dict<std::string, at::Tensor> state_dict() const;  // cache_state.cpp
   void load_state(const c10::Dict<std::string, at::Tensor>& state);
+  void check_loaded_values() const;  // cache_state.cpp, after load_state
 };
 
 // Options recovered from a state dict (cache_state.cpp), for from_state_dict.

@@ -259,13 +259,15 @@ class NexusKVLayer(CacheLayerMixin):
             self.external.reorder(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"nexuskv: batch_repeat_interleave: repeats must be an int >= 1, got {repeats!r}")
         if self.seen:
             self._select_rows(torch.arange(self.cache.lengths().numel()).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.seen:
             idx = indices.nonzero().flatten() if indices.dtype == torch.bool else indices
-            self._select_rows(idx.to(torch.long).cpu())
+            self._select_rows(idx.cpu())
 
     _BATCH_ENTRIES = ("lengths.", "keys.", "values.", "tail.", "sinks.")
 
@@ -275,6 +277,13 @@ class NexusKVLayer(CacheLayerMixin):
         are batch-first (csrc/cache/cache_state.cpp documents the format)."""
         if self.pending is not None:
             raise RuntimeError("nexuskv: a batch change between update() and attention")
+        rows = self.cache.lengths().numel()
+        if idx.is_floating_point() or idx.is_complex() or idx.dim() != 1 or idx.numel() == 0:
+            raise ValueError(f"nexuskv: batch indices must be a non-empty 1-D integer (or bool mask) tensor, got "
+                             f"{idx.dtype} of shape {tuple(idx.shape)}")
+        if bool(((idx < 0) | (idx >= rows)).any()):
+            raise IndexError(f"nexuskv: batch indices must be in [0, {rows}) (the cached sequences), got "
+                             f"{idx.tolist()}")
         if idx.numel() == self.cache.lengths().numel():
             self.reorder_cache(idx)
             return
@@ -351,6 +360,9 @@ class NexusKVCache(Cache):
 
     def __init__(self, layers: list[NexusKVLayer] | int, fused: Optional[bool] = None, **settings):
         if isinstance(layers, int):
+            if isinstance(layers, bool) or layers < 1:
+                raise ValueError(f"nexuskv: NexusKVCache(layers) needs layers >= 1 (one per decoder layer), got "
+                                 f"{layers!r}")
             layers = [NexusKVLayer(_layer_settings(**settings), fused=fused, layer_idx=i) for i in range(layers)]
         elif settings or fused is not None:
             raise TypeError("nexuskv: NexusKVCache(layers) takes no settings (they are the layers')")
@@ -373,9 +385,11 @@ def _layer_settings(key_bits=4, value_bits=None, group_size=64, value_group_size
                     key_outliers=0, value_outliers=0, dynamic_keys=False, rotate=False, seed=0, sinks=0,
                     meta_dtype=None, window=None) -> dict:
     """make_cache keywords of one layer, from cache_for's names."""
+    # None (not 0, which make_cache rejects by name) means "as the keys"
     return dict(key_bits=key_bits, key_group_size=group_size, key_axis=-2, key_outliers=key_outliers,
-                key_dynamic=dynamic_keys, value_bits=value_bits or key_bits,
-                value_group_size=value_group_size or group_size, value_axis=-1, value_outliers=value_outliers,
+                key_dynamic=dynamic_keys, value_bits=key_bits if value_bits is None else value_bits,
+                value_group_size=group_size if value_group_size is None else value_group_size, value_axis=-1,
+                value_outliers=value_outliers,
                 residual=residual, sinks=sinks, rotate=rotate, seed=seed, meta_dtype=meta_dtype, window=window)
 
 
@@ -428,6 +442,14 @@ def _probe(settings: dict, g: LayerGeometry, dtype: torch.dtype, fused: bool, wh
                              f"implementation") from None
 
 
+def _check_kv_heads(kv_heads) -> None:
+    if kv_heads is None or kv_heads == "auto":
+        return
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
+        raise ValueError(f"nexuskv: kv_heads must be a positive int (the KV heads this process holds), \"auto\" or "
+                         f"None, got {kv_heads!r}")
+
+
 def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size: int = 64, residual: int = 128,
               outliers: int = 0, dynamic_keys: bool = False, rotate: bool = False, seed: int = 0, sinks: int = 0,
               compressor: Optional[KVCompressor] = None, value_compressor: Optional[KVCompressor] = None,
@@ -464,7 +486,11 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
     torch.export trace; no sinks, rotation, eviction, crop or beam search, CPU only, and
     attn_implementation="nexuskv" required."""
     register()
+    _check_kv_heads(kv_heads)
     model, kv_heads = integrations.deepspeed.unwrap_for_cache(model, kv_heads)
+    if not hasattr(model, "config"):
+        raise TypeError(f"nexuskv: cache_for needs a transformers model (with a .config) or a DeepSpeed engine, "
+                        f"got {type(model).__name__}")
     geometries = hf_compat.layer_geometries(model)
     if kv_heads is not None and kv_heads != "auto":
         geometries = [LayerGeometry(int(kv_heads), g.key_dim, g.value_dim, g.window, g.layer_type)
