@@ -748,57 +748,82 @@ def bad(case: Case, **kw):
     return lambda: dgq_fused_attention(**args)
 
 
-@pytest.mark.parametrize(
-    "make,match",
-    [
-        (lambda c: bad(c, q=torch.randn(2, 6, 1, 64)), r"q_heads \(6\) must be a multiple of kv_heads \(4\)"),
-        (lambda c: bad(c, q=torch.randn(2, 8, 1, 128)), "codes has 32 bytes per token, but bits=4 and head_dim=128"),
-        (lambda c: bad(c, q=torch.randn(2, 8, 1, 72)), "head_dim must be a multiple of 16"),
-        (lambda c: bad(c, q=torch.randn(2, 8, 64)), r"q must have shape \[batch, q_heads, q_len, head_dim\]"),
-        (lambda c: bad(c, q=torch.randn(2, 8, 1, 64).long()), "q must be float32, float16 or bfloat16"),
-        (lambda c: bad(c, q=torch.randn(3, 8, 1, 64)), "holds 2 sequences but q has 3"),
-        (lambda c: bad(c, compressed_lens=torch.tensor([70, 33, 1])), r"compressed_lens must have shape \[2\]"),
-        (lambda c: bad(c, compressed_lens=torch.tensor([71, 33])), r"compressed_lens\[0\] = 71 is outside \[0, 70\]"),
-        (lambda c: bad(c, compressed_lens=torch.tensor([-1, 33])), "is outside"),
-        (lambda c: bad(c, compressed_lens=torch.tensor([70.0, 33.0])), "compressed_lens must be int32 or int64"),
-        (lambda c: bad(c, q=torch.randn(2, 8, 40, 64)), r"q_len \(40\) exceeds the length of sequence 1 \(33 tokens\)"),
-        (lambda c: bad(c, k_cache=c.k_cache[:4]), "k_cache must hold 5 tensors"),
-        (lambda c: bad(c, k_format=[4, 32]), r"k_format must be \[bits, group_size, axis\]"),
-        (lambda c: bad(c, k_format=[5, 32, -2]), "bits must be one of 2, 3, 4, 8, got 5"),
-        (lambda c: bad(c, v_format=[4, 32, -2]), "scale must have shape"),
-        (lambda c: bad(c, k_cache=[c.k_cache[0].float()] + c.k_cache[1:]), "codes must be uint8"),
-        (
-            lambda c: bad(c, v_cache=c.v_cache[:2] + [c.v_cache[2].double()] + c.v_cache[3:]),
-            "zero must have scale's dtype",
+def randn(c: Case, *shape):
+    """Random floats on the case's device (the lists below serve the CUDA tests too)."""
+    return torch.randn(*shape, device=c.q.device)
+
+
+def ints(c: Case, values):
+    return torch.tensor(values, device=c.q.device)
+
+
+# Bad sizes, dtypes and formats: the shared checks, the same error on every backend.
+BAD_SHAPES = [
+    (lambda c: bad(c, q=randn(c, 2, 6, 1, 64)), r"q_heads \(6\) must be a multiple of kv_heads \(4\)"),
+    (lambda c: bad(c, q=randn(c, 2, 8, 1, 128)), "codes has 32 bytes per token, but bits=4 and head_dim=128"),
+    (lambda c: bad(c, q=randn(c, 2, 8, 1, 72)), "head_dim must be a multiple of 16"),
+    (lambda c: bad(c, q=randn(c, 2, 8, 64)), r"q must have shape \[batch, q_heads, q_len, head_dim\]"),
+    (lambda c: bad(c, q=randn(c, 2, 8, 1, 64).long()), "q must be float32, float16 or bfloat16"),
+    (lambda c: bad(c, q=randn(c, 3, 8, 1, 64)), "holds 2 sequences but q has 3"),
+    (lambda c: bad(c, compressed_lens=ints(c, [70, 33, 1])), r"compressed_lens must have shape \[2\]"),
+    (lambda c: bad(c, compressed_lens=ints(c, [70.0, 33.0])), "compressed_lens must be int32 or int64"),
+    (lambda c: bad(c, k_cache=c.k_cache[:4]), "k_cache must hold 5 tensors"),
+    (lambda c: bad(c, k_format=[4, 32]), r"k_format must be \[bits, group_size, axis\]"),
+    (lambda c: bad(c, k_format=[5, 32, -2]), "bits must be one of 2, 3, 4, 8, got 5"),
+    (lambda c: bad(c, v_format=[4, 32, -2]), "scale must have shape"),
+    (lambda c: bad(c, k_cache=[c.k_cache[0].float()] + c.k_cache[1:]), "codes must be uint8"),
+    (
+        lambda c: bad(c, v_cache=c.v_cache[:2] + [c.v_cache[2].double()] + c.v_cache[3:]),
+        "zero must have scale's dtype",
+    ),
+    (lambda c: bad(c, k_tail=randn(c, 2, 4, 3, 64)), "give both k_tail and v_tail"),
+    (lambda c: bad(c, k_tail=randn(c, 2, 4, 3, 64), v_tail=randn(c, 2, 4, 3, 32)), "must have shape"),
+    (lambda c: bad(c, k_sink=randn(c, 2, 4, 3, 64)), "give both k_sink and v_sink"),
+    (
+        lambda c: bad(c, k_sink=randn(c, 2, 4, 3, 64), v_sink=randn(c, 2, 2, 3, 64)),
+        r"k_sink and v_sink must have shape \[2, 4, sink_tokens, 64\]",
+    ),
+    (lambda c: bad(c, sink_lens=ints(c, [1, 1])), "sink_lens given without k_sink/v_sink"),
+    (
+        lambda c: bad(c, k_sink=randn(c, 2, 4, 3, 64).long(), v_sink=randn(c, 2, 4, 3, 64).long()),
+        "k_sink and v_sink must be float tensors",
+    ),
+    (lambda c: bad(c, rotation_signs=torch.ones(32, device=c.q.device)), r"rotation signs must have shape \[64\]"),
+    (lambda c: bad(c, window=0), "window must be >= 1"),
+    (lambda c: bad(c, softcap=-1.0), "softcap must be finite and > 0"),
+]
+
+# Bad values: checks that read the data (the CPU kernel's; on CUDA with NEXUSKV_CUDA_CHECKS=1,
+# and without it the sequences listed last come out NaN).
+BAD_VALUES = [
+    (lambda c: bad(c, compressed_lens=ints(c, [71, 33])), r"compressed_lens\[0\] = 71 is outside \[0, 70\]", [0]),
+    (lambda c: bad(c, compressed_lens=ints(c, [-1, 33])), "is outside", [0]),
+    (lambda c: bad(c, q=randn(c, 2, 8, 40, 64)), r"q_len \(40\) exceeds the length of sequence 1 \(33 tokens\)", [1]),
+    (
+        lambda c: bad(c, k_tail=randn(c, 2, 4, 3, 64), v_tail=randn(c, 2, 4, 3, 64), tail_lens=ints(c, [4, 0])),
+        r"tail_lens\[0\] = 4 is outside \[0, 3\]",
+        [0],
+    ),
+    (
+        lambda c: bad(c, k_sink=randn(c, 2, 4, 3, 64), v_sink=randn(c, 2, 4, 3, 64), sink_lens=ints(c, [1, 4])),
+        r"sink_lens\[1\] = 4 is outside \[0, 3\]",
+        [1],
+    ),
+    (lambda c: bad(c, rotation_signs=torch.full((64,), 0.5, device=c.q.device)), r"must all be \+1 or -1", [0, 1]),
+    (
+        lambda c: bad(
+            c,
+            k_cache=c.k_cache[:3]
+            + [c.k_cache[3].masked_fill(torch.ones_like(c.k_cache[3], dtype=torch.bool), 200)]
+            + c.k_cache[4:],
         ),
-        (lambda c: bad(c, k_tail=torch.randn(2, 4, 3, 64)), "give both k_tail and v_tail"),
-        (lambda c: bad(c, k_tail=torch.randn(2, 4, 3, 64), v_tail=torch.randn(2, 4, 3, 32)), "must have shape"),
-        (
-            lambda c: bad(
-                c, k_tail=torch.randn(2, 4, 3, 64), v_tail=torch.randn(2, 4, 3, 64), tail_lens=torch.tensor([4, 0])
-            ),
-            r"tail_lens\[0\] = 4 is outside \[0, 3\]",
-        ),
-        (lambda c: bad(c, k_sink=torch.randn(2, 4, 3, 64)), "give both k_sink and v_sink"),
-        (
-            lambda c: bad(c, k_sink=torch.randn(2, 4, 3, 64), v_sink=torch.randn(2, 2, 3, 64)),
-            r"k_sink and v_sink must have shape \[2, 4, sink_tokens, 64\]",
-        ),
-        (
-            lambda c: bad(
-                c, k_sink=torch.randn(2, 4, 3, 64), v_sink=torch.randn(2, 4, 3, 64), sink_lens=torch.tensor([1, 4])
-            ),
-            r"sink_lens\[1\] = 4 is outside \[0, 3\]",
-        ),
-        (lambda c: bad(c, sink_lens=torch.tensor([1, 1])), "sink_lens given without k_sink/v_sink"),
-        (
-            lambda c: bad(c, k_sink=torch.randn(2, 4, 3, 64).long(), v_sink=torch.randn(2, 4, 3, 64).long()),
-            "k_sink and v_sink must be float tensors",
-        ),
-        (lambda c: bad(c, rotation_signs=torch.ones(32)), r"rotation signs must have shape \[64\]"),
-        (lambda c: bad(c, rotation_signs=torch.full((64,), 0.5)), "must all be \\+1 or -1"),
-    ],
-)
+        "k_cache: outlier_idx holds a position outside its group",
+        [0, 1],
+    ),
+]
+
+
+@pytest.mark.parametrize("make,match", BAD_SHAPES + [(make, match) for make, match, _ in BAD_VALUES])
 def test_bad_input(make, match):
     case = Case(ratio=2, kv_heads=4)
     with pytest.raises(RuntimeError, match=match):

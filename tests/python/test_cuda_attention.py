@@ -17,7 +17,7 @@ import pytest
 import torch
 from devices import env, is_cuda, poison_cuda_cache, requires_cuda
 from hypothesis import HealthCheck, given, settings
-from test_attention import GRID, Case, attention_case, rel_err
+from test_attention import BAD_SHAPES, BAD_VALUES, GRID, Case, attention_case, bad, rel_err
 
 from nexuskv.ops import dgq_fused_attention
 
@@ -426,97 +426,14 @@ def test_requires_grad_rejected_on_cuda():
 # ---- bad input ----------------------------------------------------------------------------------
 
 
-def bad(case: Case, **kw):
-    args = dict(
-        q=case.q,
-        k_cache=case.k_cache,
-        v_cache=case.v_cache,
-        k_format=case.k_format,
-        v_format=case.v_format,
-        compressed_lens=case.comp_lens,
-    )
-    args.update(kw)
-    return lambda: dgq_fused_attention(**args)
-
-
-def cuda_randn(*shape):
-    return torch.randn(*shape, device="cuda")
-
-
-@pytest.mark.parametrize(
-    "make,match",
-    [
-        (lambda c: bad(c, q=cuda_randn(2, 6, 1, 64)), r"q_heads \(6\) must be a multiple of kv_heads \(4\)"),
-        (lambda c: bad(c, q=cuda_randn(2, 8, 1, 128)), "codes has 32 bytes per token, but bits=4 and head_dim=128"),
-        (lambda c: bad(c, q=cuda_randn(2, 8, 1, 72)), "head_dim must be a multiple of 16"),
-        (lambda c: bad(c, q=cuda_randn(2, 8, 64)), r"q must have shape \[batch, q_heads, q_len, head_dim\]"),
-        (lambda c: bad(c, q=cuda_randn(2, 8, 1, 64).long()), "q must be float32, float16 or bfloat16"),
-        (lambda c: bad(c, q=cuda_randn(3, 8, 1, 64)), "holds 2 sequences but q has 3"),
-        (
-            lambda c: bad(c, compressed_lens=torch.tensor([70, 33, 1], device="cuda")),
-            r"compressed_lens must have shape \[2\]",
-        ),
-        (lambda c: bad(c, compressed_lens=c.comp_lens.float()), "compressed_lens must be int32 or int64"),
-        (lambda c: bad(c, k_cache=c.k_cache[:4]), "k_cache must hold 5 tensors"),
-        (lambda c: bad(c, k_format=[4, 32]), r"k_format must be \[bits, group_size, axis\]"),
-        (lambda c: bad(c, k_format=[5, 32, -2]), "bits must be one of 2, 3, 4, 8, got 5"),
-        (lambda c: bad(c, v_format=[4, 32, -2]), "scale must have shape"),
-        (lambda c: bad(c, k_cache=[c.k_cache[0].float()] + c.k_cache[1:]), "codes must be uint8"),
-        (lambda c: bad(c, k_tail=cuda_randn(2, 4, 3, 64)), "give both k_tail and v_tail"),
-        (lambda c: bad(c, k_tail=cuda_randn(2, 4, 3, 64), v_tail=cuda_randn(2, 4, 3, 32)), "must have shape"),
-        (
-            lambda c: bad(c, k_sink=cuda_randn(2, 4, 3, 64), v_sink=cuda_randn(2, 2, 3, 64)),
-            r"k_sink and v_sink must have shape \[2, 4, sink_tokens, 64\]",
-        ),
-        (lambda c: bad(c, sink_lens=torch.tensor([1, 1], device="cuda")), "sink_lens given without k_sink/v_sink"),
-        (lambda c: bad(c, rotation_signs=torch.ones(32, device="cuda")), r"rotation signs must have shape \[64\]"),
-        (lambda c: bad(c, window=0), "window must be >= 1"),
-        (lambda c: bad(c, softcap=-1.0), "softcap must be finite and > 0"),
-    ],
-)
+@pytest.mark.parametrize("make,match", BAD_SHAPES)
 def test_bad_input(make, match):
     case = on_cuda(Case(ratio=2, kv_heads=4))
     with pytest.raises(RuntimeError, match=match):
         make(case)()
 
 
-@pytest.mark.parametrize(
-    "make,match,nan_rows",
-    [
-        (
-            lambda c: bad(c, compressed_lens=torch.tensor([71, 33], device="cuda")),
-            r"compressed_lens\[0\] = 71 is outside \[0, 70\]",
-            [0],
-        ),
-        (lambda c: bad(c, compressed_lens=torch.tensor([-1, 33], device="cuda")), "is outside", [0]),
-        (
-            lambda c: bad(c, q=cuda_randn(2, 8, 40, 64)),
-            r"q_len \(40\) exceeds the length of sequence 1 \(33 tokens\)",
-            [1],
-        ),
-        (
-            lambda c: bad(
-                c,
-                k_tail=cuda_randn(2, 4, 3, 64),
-                v_tail=cuda_randn(2, 4, 3, 64),
-                tail_lens=torch.tensor([4, 0], device="cuda"),
-            ),
-            r"tail_lens\[0\] = 4 is outside \[0, 3\]",
-            [0],
-        ),
-        (lambda c: bad(c, rotation_signs=torch.full((64,), 0.5, device="cuda")), r"must all be \+1 or -1", [0, 1]),
-        (
-            lambda c: bad(
-                c,
-                k_cache=c.k_cache[:3]
-                + [c.k_cache[3].masked_fill(torch.ones_like(c.k_cache[3], dtype=torch.bool), 200)]
-                + c.k_cache[4:],
-            ),
-            "k_cache: outlier_idx holds a position outside its group",
-            [0, 1],
-        ),
-    ],
-)
+@pytest.mark.parametrize("make,match,nan_rows", BAD_VALUES)
 def test_bad_values_error_with_checks_and_nan_rows_without(make, match, nan_rows):
     # With NEXUSKV_CUDA_CHECKS=1 the CPU's messages; without, no synchronization: the
     # kernels read nothing out of bounds and the sequences they could not compute are NaN.
