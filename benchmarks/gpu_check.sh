@@ -31,7 +31,7 @@ export PYTHONUNBUFFERED=1
 FAILED=0
 
 # The whole run stays under 8 minutes: a step starts only if its time limit still fits.
-BUDGET=${GPU_CHECK_BUDGET_S:-470}
+BUDGET=${GPU_CHECK_BUDGET_S:-470}  # GPU_CHECK_BUILD_S (default 300): the build step's limit
 
 # step NAME TIMEOUT_S LOGFILE COMMAND...: runs COMMAND with a time limit, its output also to LOGFILE.
 step() {
@@ -70,7 +70,7 @@ ARCHS=${NEXUSKV_CUDA_ARCHITECTURES:-${CAP:+${CAP}-real}}
 ARCH_FLAG=()
 [ -n "$ARCHS" ] && ARCH_FLAG=(-Ccmake.define.NEXUSKV_CUDA_ARCHITECTURES="$ARCHS")
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
-step build 300 "$OUT/build.log" $PY -m pip install -v --no-build-isolation --no-deps --no-index \
+step build "${GPU_CHECK_BUILD_S:-300}" "$OUT/build.log" $PY -m pip install -v --no-build-isolation --no-deps --no-index \
   -Cbuild-dir=build/gpu_check "${ARCH_FLAG[@]}" . || { echo "gpu_check: the build failed (see build.log)"; exit 1; }
 step loads 60 "$OUT/build.log" $PY -c "
 import torch, nexuskv
