@@ -107,40 +107,31 @@ def check_case(case: Case, **overrides):
     return kernels
 
 
-@pytest.mark.parametrize("bits,ratio,q_len,tail,rotate,dgq", GRID)
-def test_float32_grid_matches_float64_and_cpu(bits, ratio, q_len, tail, rotate, dgq):
-    comp_lens = (100, 45, 20) if tail else (100, 45, 20 + q_len)
-    case = Case(
+def grid_case(bits, ratio, q_len, tail, rotate, dgq, longest, dtype=torch.float32) -> Case:
+    """A case of the GRID: three ragged sequences (the longest `longest` compressed tokens)."""
+    return Case(
         bits=bits,
         ratio=ratio,
         q_len=q_len,
         tail=tail,
         tail_lens=[tail, 5, tail] if tail else None,
-        comp_lens=comp_lens,
-        rotate=rotate,
-        dgq=dgq,
-        seed=bits * 100 + ratio * 10 + q_len,
-    )
-    check_case(case)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("bits,ratio,q_len,tail,rotate,dgq", GRID)
-def test_16_bit_grid_both_kernels(dtype, bits, ratio, q_len, tail, rotate, dgq):
-    comp_lens = (200, 45, 20) if tail else (200, 45, 20 + q_len)
-    case = Case(
-        bits=bits,
-        ratio=ratio,
-        q_len=q_len,
-        tail=tail,
-        tail_lens=[tail, 5, tail] if tail else None,
-        comp_lens=comp_lens,
+        comp_lens=(longest, 45, 20) if tail else (longest, 45, 20 + q_len),
         rotate=rotate,
         dgq=dgq,
         dtype=dtype,
         seed=bits * 100 + ratio * 10 + q_len,
     )
-    kernels = check_case(case)
+
+
+@pytest.mark.parametrize("bits,ratio,q_len,tail,rotate,dgq", GRID)
+def test_float32_grid_matches_float64_and_cpu(bits, ratio, q_len, tail, rotate, dgq):
+    check_case(grid_case(bits, ratio, q_len, tail, rotate, dgq, longest=100))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits,ratio,q_len,tail,rotate,dgq", GRID)
+def test_16_bit_grid_both_kernels(dtype, bits, ratio, q_len, tail, rotate, dgq):
+    kernels = check_case(grid_case(bits, ratio, q_len, tail, rotate, dgq, longest=200, dtype=dtype))
     assert ("mma" in kernels) == (bits in MMA_BITS)  # the 2/4/8-bit cases do run on the tensor cores
 
 
