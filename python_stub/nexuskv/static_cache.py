@@ -63,6 +63,11 @@ class StaticKVCache(torch.nn.Module):
                 raise ValueError(f"StaticKVCache: {name} must be a positive int, got {val!r}")
         if not isinstance(residual, int) or residual < 0:
             raise ValueError(f"StaticKVCache: residual must be an int >= 0, got {residual!r}")
+        if torch.device(device).type != "cpu":
+            raise ValueError(
+                f"StaticKVCache: the static cache runs on the CPU only for now, got device {device!r} "
+                f"(on CUDA use the dynamic cache, nexuskv.cache.make_cache / nexuskv.hf.cache_for)"
+            )
         if window is not None and (not isinstance(window, int) or window < 1):
             raise ValueError(f"StaticKVCache: window must be a positive int or None, got {window!r}")
         value_bits = bits if value_bits is None else value_bits

@@ -191,6 +191,20 @@ def test_bad_input_is_a_clear_error_in_the_kernel_and_the_fake(mutate, match):
         torch.ops.nexuskv.static_kv_append_(**fake)
 
 
+def test_constructor_arguments_are_checked():
+    for kw, match in [
+        (dict(batch=0), "batch must be a positive int"),
+        (dict(max_tokens=-1), "max_tokens"),
+        (dict(residual=-2), "residual must be an int >= 0"),
+        (dict(window=0), "window must be"),
+        (dict(device="meta"), "runs on the CPU only"),
+        (dict(bits=5), "bits must be one of"),
+    ]:
+        args = dict(batch=B, kv_heads=H, head_dim=D, max_tokens=64) | kw
+        with pytest.raises((ValueError, RuntimeError), match=match):
+            StaticKVCache(**args)
+
+
 def test_opcheck():
     static = _static({})
     static.append(torch.randn(B, H, 30, D), torch.randn(B, H, 30, D))
