@@ -108,7 +108,9 @@ def test_grid():
     assert rows[0] == ec.DENSE_SETTING and len(rows) == len(set(rows))
     assert {(r.bits, r.residual) for r in rows if r.kind == ec.NEXUSKV} >= {(b, t) for b in (8, 4, 3, 2)
                                                                           for t in (0, 128)}
-    assert [r.bits for r in rows if r.kind == ec.QUANTO] == [4, 2]
+    # quanto as transformers runs it and with 16-bit scales (equal bits, issue 14)
+    assert [(r.bits, r.meta) for r in rows if r.kind == ec.QUANTO] == [(4, None), (4, ec.META_16), (2, None),
+                                                                      (2, ec.META_16)]
     assert ec.BEST_2BIT in rows
     names = [r.name for r in rows]
     assert len(names) == len(set(names))
@@ -119,7 +121,7 @@ def test_grid():
 def test_parse_settings():
     rows = ec.grid()
     assert ec.parse_settings("all", rows) == rows
-    assert [s.kind for s in ec.parse_settings("quanto", rows)] == [ec.QUANTO, ec.QUANTO]
+    assert [s.kind for s in ec.parse_settings("quanto", rows)] == [ec.QUANTO] * 4
     with pytest.raises(ValueError, match="no setting matches 'nothing'"):
         ec.parse_settings("nothing", rows)
 
