@@ -6,6 +6,7 @@ model's attention sees (masks included), quanto and nexuskv meet at equal effect
 bits, knob verdicts respect the noise, and `eval --model DIR` runs end to end."""
 
 import json
+import pathlib
 import sys
 
 import pytest
@@ -117,10 +118,14 @@ def test_dense_baseline_is_the_cache_transformers_makes(arch):
     # visible token on (at most window + 15 compressed tokens), a full one every group.
     cache = ec.make_cache(model, ec.nexuskv(4, 0, group_size=16, value_group_size=16), direct=True)
     assert evaluate.fill_as_generation(cache, models.capture_qkv(model, ids)) == {
-        k: four[k] for k in ("total", "compressed", "full_precision")
+        k: four[k] for k in ("total", "compressed", "full_precision", "used")
     }
     held = [int(layer.cache.compressed_lengths()[0]) for layer in cache.layers]
     assert held == [32 if w < tokens else 192 for w in windows]
+    # "used": the held tokens alone at the format's bits (6 with groups of 16 and bf16
+    # scales), the 8 tail tokens in bf16; "total" adds the buffers' growth capacity.
+    bits = ec.effective_bits(ec.nexuskv(4, 0, group_size=16, value_group_size=16), d, torch.bfloat16)["kv"]
+    assert four["used"] == sum(2 * kv * d * (c * bits / 8 + 8 * 2) for c in held) <= four["total"]
 
 
 # -- 2. BOS --------------------------------------------------------------------------------------
@@ -294,6 +299,62 @@ def test_paired_verdict_reports_no_win_below_the_noise():
     assert evaluate.paired_verdict(_row("b", [5.0]), _row("a", [10.0]))["verdict"] == "one repeat"
 
 
+def _eval_row(setting, deltas):
+    """An eval row of `setting` with these per-repeat ΔPPLs, as evaluate.run makes it."""
+    return {
+        **setting.as_dict(),
+        **_row(setting.name, deltas),
+        "knobs": list(setting.knobs) if setting.kind == ec.NEXUSKV else [],
+        "effective_bits": ec.effective_bits(setting, 64, torch.float32),
+        "delta_ppl_pct_min": min(deltas),
+        "delta_ppl_pct_max": max(deltas),
+    }
+
+
+def test_targets_report_no_win_below_the_noise():
+    """A nexuskv row below quanto at equal bits on average but above it on one repeat: the
+    printed comparison says "within noise", and the spread is printed."""
+    rows = [
+        _eval_row(ec.DENSE_SETTING, [0.0, 0.0, 0.0]),
+        _eval_row(ec.nexuskv(4, 128), [1.0, 0.2, 2.3]),
+        _eval_row(ec.quanto(4, ec.META_16), [1.5, 1.2, 1.6]),
+    ]
+    lines = evaluate.targets(rows)
+    equal = [line for line in lines if line.startswith("equal bits:")]
+    assert len(equal) == 1 and "(4.500 bits)" in equal[0] and equal[0].endswith("nexuskv within noise")
+    assert any(line.startswith("noise: ΔPPL spread over 3 repeats") for line in lines)
+    rows[1]["repeats"][2]["delta_ppl_pct"] = 0.9  # now below quanto on every repeat, by more than the noise
+    rows[1]["delta_ppl_pct"] = 0.7
+    assert [line for line in evaluate.targets(rows) if line.startswith("equal bits:")][0].endswith("nexuskv lower")
+
+
+# Committed `eval` runs (benchmarks/eval*.json), one per model: the recommended 2-bit
+# setting must hold on each of them.
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_2bit_recommendation_holds_on_every_measured_model():
+    """ec.RECOMMENDED_2BIT, the 2-bit setting README recommends, follows from the committed
+    eval runs of at least two models: it holds exactly the knobs that, switched on alone at
+    2 bits within the 2.6-bit budget, lowered ΔPPL beyond the noise on every model (paired
+    over the same repeats), and it is better than plain 2-bit beyond the noise on each."""
+    docs = [json.loads(p.read_text()) for p in sorted(BENCHMARKS.glob("eval*.json"))]
+    assert len({d["model"] for d in docs}) >= 2, [d["model"] for d in docs]
+    verdicts = {}  # knob -> {model: verdict alone at 2 bits}
+    for d in docs:
+        rows = {r["name"]: r for r in d["rows"]}
+        rec = rows[ec.RECOMMENDED_2BIT.name]
+        assert rec["effective_bits"]["kv"] <= 2.6 and len(rec["repeats"]) >= 3
+        assert evaluate.paired_verdict(rec, rows[ec.nexuskv(2, 128).name])["verdict"] == "lower", d["model"]
+        for e in evaluate.knob_effects(d["rows"]):
+            if e["bits"] == 2 and e["how"] == "alone" and e["with_bits"] <= 2.6:
+                verdicts.setdefault(e["knob"], {})[d["model"]] = e["verdict"]
+    measured_everywhere = {k: v for k, v in verdicts.items() if len(v) == len(docs)}
+    assert {"rotate", "sinks"} <= set(measured_everywhere)
+    helps_everywhere = {k for k, v in measured_everywhere.items() if set(v.values()) == {"lower"}}
+    assert set(ec.RECOMMENDED_2BIT.knobs) == helps_everywhere, measured_everywhere
+
+
 # -- end to end ----------------------------------------------------------------------------------
 
 
@@ -343,6 +404,7 @@ def test_eval_cli_on_a_tiny_sliding_window_model(tiny_dir, text_file, tmp_path, 
     assert doc["sequence_prefix"] == [1] and "['<bos>']" in printed
     rows = {r["name"]: r for r in doc["rows"]}
     assert all(len(r["repeats"]) == 2 for r in rows.values())
+    assert "- noise: ΔPPL spread over 2 repeats (max - min)" in printed and doc["noise"]["repeats"] == 2
     dense = rows["dense"]
     assert dense["bytes"]["total"] == 2 * (WINDOW - 1) * 2 * 2 * 64 * 2  # 2 sliding layers, window - 1 tokens
     assert doc["every_token_dense_bytes"]["total"] == 2 * 128 * 2 * 2 * 64 * 2
