@@ -36,13 +36,16 @@ before the call and are not counted, the output is.
     python benchmarks/bench_attention.py            # full grid, ~5-8 min on 2 cores
     python benchmarks/bench_attention.py --quick    # 1K and 4K, batch 1, 4-bit, < 30 s
     python benchmarks/bench_attention.py --json out.json --png out.png
+    python benchmarks/bench_attention.py --device cuda   # the GPU benchmark: benchmarks/bench_cuda.py
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -391,6 +394,19 @@ def plot(rows, path: Path, info: dict) -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--device" in argv:  # --device cuda: the GPU benchmark (bench_cuda.py), its own options
+        i = argv.index("--device")
+        device = argv[i + 1] if i + 1 < len(argv) else ""
+        rest = argv[:i] + argv[i + 2 :]
+        if device == "cuda":
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import bench_cuda
+
+            return bench_cuda.main(rest)
+        if device != "cpu":
+            sys.exit(f"bench_attention: --device must be cpu or cuda, got {device!r}")
+        argv = rest
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="contexts 1K,4K, batch 1, 4-bit only (< 30 s)")
     ap.add_argument("--json", default="results/bench_attention.json", help="where to write the results")

@@ -4,8 +4,10 @@ graphs / graph breaks torch.compile makes of one decode step (torch._dynamo.expl
     python benchmarks/bench_hf_decode.py                      # SmolLM2-135M (embedded), 512-token prompt
     python benchmarks/bench_hf_decode.py --model DIR --json out.json
 
-Rows: the nexuskv cache on the fused path (attention "nexuskv") and transformers' dense
-cache, each eager and with model.forward compiled (default mode).  Prints a table and
+Rows: the nexuskv caches on the fused path (attention "nexuskv": the dynamic cache, a
+TorchBind object, and the static one, cache_for(..., static=True), whose state is tensors)
+and transformers' dense cache, each eager and with model.forward compiled (default mode).
+Every step gets cache_position / position_ids, as generate() passes them.  Prints a table and
 writes JSON.  Decode tokens/s count the steps after the first (compilation happens in
 the warm-up steps, which are not timed)."""
 
@@ -19,19 +21,29 @@ import time
 import torch
 
 
+def _positions(t: int) -> dict:
+    """cache_position / position_ids of the token at position t, as generate() passes them
+    (so that no step reads the cache's length on the host)."""
+    pos = torch.tensor([t])
+    return dict(cache_position=pos, position_ids=pos[None])
+
+
 def decode_rate(model, ids, make_cache, steps: int, warmup: int, forward) -> float:
     from nexuskv.hf_compat import cache_argument
 
     name = cache_argument(model)
+    t = ids.shape[1]
     with torch.inference_mode():
         cache = make_cache()
         logits = model(ids, **{name: cache}).logits  # the prefill runs eagerly
         nxt = logits[:, -1:].argmax(-1)
         for _ in range(warmup):
-            nxt = forward(nxt, **{name: cache}).logits[:, -1:].argmax(-1)
+            nxt = forward(nxt, **{name: cache}, **_positions(t)).logits[:, -1:].argmax(-1)
+            t += 1
         t0 = time.perf_counter()
         for _ in range(steps):
-            nxt = forward(nxt, **{name: cache}).logits[:, -1:].argmax(-1)
+            nxt = forward(nxt, **{name: cache}, **_positions(t)).logits[:, -1:].argmax(-1)
+            t += 1
         return steps / (time.perf_counter() - t0)
 
 
@@ -43,7 +55,7 @@ def graph_count(model, ids, make_cache) -> tuple[int, int]:
     with torch.inference_mode():
         cache = make_cache()
         nxt = model(ids, **{name: cache}).logits[:, -1:].argmax(-1)
-        ex = torch._dynamo.explain(lambda x: model(x, **{name: cache}).logits)(nxt)
+        ex = torch._dynamo.explain(lambda x: model(x, **{name: cache}, **_positions(ids.shape[1])).logits)(nxt)
     return ex.graph_count, ex.graph_break_count
 
 
@@ -70,7 +82,14 @@ def main() -> None:
         getattr(torch, args.dtype), attn_implementation=nhf.ATTN_IMPLEMENTATION, path=args.model
     )
     ids = models.tokenize(tok, models.load_text(), args.prompt_tokens)
-    caches = {"nexuskv fused": lambda: nhf.cache_for(model, bits=args.bits), "dense (DynamicCache, sdpa)": None}
+    capacity = args.prompt_tokens + args.warmup + args.steps + 1
+    caches = {
+        "nexuskv fused (dynamic cache)": lambda: nhf.cache_for(model, bits=args.bits),
+        "nexuskv fused (static cache)": lambda: nhf.cache_for(
+            model, bits=args.bits, static=True, max_cache_len=capacity
+        ),
+        "dense (DynamicCache, sdpa)": None,
+    }
     rows = []
     for label, make in caches.items():
         if make is None:

@@ -73,6 +73,20 @@ void define_operators(torch::Library& m, const std::vector<at::Tag>& tags) {
   // Randomized Hadamard rotation of the last dim (a power of two):
   // y = H (signs * x) / sqrt(n); inverse=True undoes it.  Allocates its output.
   m.def("hadamard_rotate(Tensor x, Tensor signs, bool inverse=False) -> Tensor", tags);
+  // The append of a fixed-capacity compressed cache whose whole state is
+  // tensors (nexuskv.static_cache.StaticKVCache: a decode step is this and
+  // dgq_fused_attention, which torch.compile(fullgraph=True) and torch.export
+  // trace): k / v [batch, kv_heads, n, head_dim] go to the full-precision tail
+  // k_tail / v_tail [batch, kv_heads, tail_capacity, head_dim]; once it holds
+  // residual + chunk tokens or more, its oldest whole chunks are compressed
+  // into k_store / v_store (the NQ tensors of dgq_fused_attention's k_cache /
+  // v_cache, or DGQ for keys, of a fixed capacity) at the compressed length.
+  // lengths int64 [2, batch]: compressed, tail (dgq_fused_attention's
+  // compressed_lens and tail_lens).  Mutates its first five arguments.
+  m.def(
+      "static_kv_append_(Tensor(a!)[] k_store, Tensor(b!)[] v_store, Tensor(c!) k_tail, Tensor(d!) v_tail, "
+      "Tensor(e!) lengths, Tensor k, Tensor v, int[] k_format, int[] v_format, int residual) -> ()",
+      tags);
 }
 
 }  // namespace
@@ -123,17 +137,14 @@ TORCH_LIBRARY(nexuskv, m) {
       .def("crop", &nexuskv::KVCache::crop)
       .def("crop_with", &nexuskv::KVCache::crop_with)
       .def("reorder", &nexuskv::KVCache::reorder)
-      .def("to",
-           [](const c10::intrusive_ptr<nexuskv::KVCache>& self, const std::string& device) {
-             self->to(c10::Device(device));
-           })
+      .def("to", [](const c10::intrusive_ptr<nexuskv::KVCache>& self,
+                    const std::string& device) { self->to(c10::Device(device)); })
       .def("clone", &nexuskv::KVCache::clone)
       .def("reset", &nexuskv::KVCache::reset)
       .def("state_dict", &nexuskv::KVCache::state_dict)
-      .def_static("from_state_dict",
-                  [](const c10::Dict<std::string, at::Tensor>& state) {
-                    return nexuskv::KVCache::from_state_dict(state);
-                  })
+      .def_static(
+          "from_state_dict",
+          [](const c10::Dict<std::string, at::Tensor>& state) { return nexuskv::KVCache::from_state_dict(state); })
       .def("lengths", &nexuskv::KVCache::lengths)
       .def("compressed_lengths", &nexuskv::KVCache::compressed_lengths)
       .def("evicted_lengths", &nexuskv::KVCache::evicted_lengths)
@@ -146,9 +157,8 @@ TORCH_LIBRARY(nexuskv, m) {
       .def("window", &nexuskv::KVCache::window)
       .def("is_external", &nexuskv::KVCache::is_external)
       // pickle, torch.save and copy.deepcopy carry the state dict.
-      .def_pickle(
-          [](const c10::intrusive_ptr<nexuskv::KVCache>& self) { return self->state_dict(); },
-          [](c10::Dict<std::string, at::Tensor> state) { return nexuskv::KVCache::from_state_dict(state); });
+      .def_pickle([](const c10::intrusive_ptr<nexuskv::KVCache>& self) { return self->state_dict(); },
+                  [](c10::Dict<std::string, at::Tensor> state) { return nexuskv::KVCache::from_state_dict(state); });
 }
 
 // The meta kernels of the operators above, run by the fake kernels of

@@ -10,6 +10,7 @@
 
 #include "attention_args.h"
 #include "nq_args.h"
+#include "static_append_args.h"
 
 namespace nexuskv {
 namespace {
@@ -69,6 +70,12 @@ at::Tensor hadamard_rotate_meta(const at::Tensor& x, const at::Tensor& signs, bo
   return at::empty(x.sizes(), x.options());
 }
 
+void static_kv_append_meta(at::TensorList k_store, at::TensorList v_store, const at::Tensor& k_tail,
+                           const at::Tensor& v_tail, const at::Tensor& lengths, const at::Tensor& k,
+                           const at::Tensor& v, at::IntArrayRef k_format, at::IntArrayRef v_format, int64_t residual) {
+  check_static_append_args(k_store, v_store, k_tail, v_tail, lengths, k, v, k_format, v_format, residual);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(nexuskv_meta, Meta, m) {
@@ -78,6 +85,7 @@ TORCH_LIBRARY_IMPL(nexuskv_meta, Meta, m) {
   m.impl("dgq_decompress", &dgq_decompress_meta);
   m.impl("dgq_fused_attention", &dgq_fused_attention_meta);
   m.impl("hadamard_rotate", &hadamard_rotate_meta);
+  m.impl("static_kv_append_", &static_kv_append_meta);
 }
 
 }  // namespace nexuskv

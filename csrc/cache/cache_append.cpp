@@ -9,7 +9,9 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <string_view>
 
 #include "cache_impl.h"
 #include "nexuskv/ops.h"
@@ -37,10 +39,21 @@ const char* dtype_name(at::ScalarType t) {
   return t == at::kHalf ? "float16" : t == at::kBFloat16 ? "bfloat16" : "float32";
 }
 
+// Whether an append reads its value check back from the device: always on the
+// CPU; on CUDA only with NEXUSKV_CUDA_CHECKS=1, because the read is a
+// synchronization that a decode step must not have.  Unchecked, a NaN/Inf in
+// K/V is kept (the CUDA compress kernel gives its group a NaN scale), so the
+// attention rows that see it are NaN, as dense attention's would be.
+bool checks_values_on_host(const at::Tensor& x) {
+  if (x.device().is_cpu()) return true;
+  const char* v = std::getenv("NEXUSKV_CUDA_CHECKS");
+  return v != nullptr && std::string_view(v) == "1";
+}
+
 // Rejects NaN/Inf and values the compressed part could not hold, before
 // anything is stored: every token the cache accepts can be compressed later.
 void check_values(const KVCache::Impl& c, const at::Tensor& k, const at::Tensor& v) {
-  if (k.numel() == 0) return;
+  if (k.numel() == 0 || !checks_values_on_host(k)) return;
   const bool compressed = c.mode == StorageMode::kFused;
   const double kl = compressed ? compressible_limit(c.keys, k.scalar_type()) : INFINITY;
   const double vl = compressed ? compressible_limit(c.values, k.scalar_type()) : INFINITY;
@@ -48,17 +61,17 @@ void check_values(const KVCache::Impl& c, const at::Tensor& k, const at::Tensor&
     return std::isinf(limit) ? at::isfinite(x).all() : x.abs().le(limit).all();  // NaN fails both
   };
   if (host_flag(fits(k, kl).logical_and(fits(v, vl)))) return;
-  for (const auto& [x, name, limit, spec] :
-       {std::tuple(&k, "k", kl, &c.keys), std::tuple(&v, "v", vl, &c.values)}) {
+  for (const auto& [x, name, limit, spec] : {std::tuple(&k, "k", kl, &c.keys), std::tuple(&v, "v", vl, &c.values)}) {
     TORCH_CHECK(!host_flag(at::isnan(*x).any()), kCls, ": ", name,
                 " holds NaN; a cache only takes values it can keep and compress (nothing of this append was stored)");
     TORCH_CHECK(!host_flag(at::isinf(*x).any()), kCls, ": ", name,
                 " holds Inf; a cache only takes values it can keep and compress (nothing of this append was stored)");
     if (host_flag(fits(*x, limit))) continue;
     const at::ScalarType meta = spec->meta_dtype.value_or(x->scalar_type());
-    TORCH_CHECK(false, kCls, ": ", name, " holds a value of magnitude ", to_host(x->abs().max().to(at::kDouble)).data_ptr<double>()[0],
-                ", beyond ", limit, ", the largest whose group the ", name == std::string("k") ? "key" : "value",
-                " scales/zeros (", dtype_name(meta), ") can always represent (nothing of this append was stored)",
+    TORCH_CHECK(false, kCls, ": ", name, " holds a value of magnitude ",
+                to_host(x->abs().max().to(at::kDouble)).data_ptr<double>()[0], ", beyond ", limit,
+                ", the largest whose group the ", name == std::string("k") ? "key" : "value", " scales/zeros (",
+                dtype_name(meta), ") can always represent (nothing of this append was stored)",
                 meta == at::kHalf ? "; use meta_dtype=torch.bfloat16 or torch.float32" : "");
   }
 }
@@ -67,15 +80,15 @@ void check_values(const KVCache::Impl& c, const at::Tensor& k, const at::Tensor&
 // in this append.  Token counts follow the policy in nexuskv/cache.h.
 struct GroupPlan {
   int64_t b0 = 0, b1 = 0;
-  at::Tensor k_new, v_new;  // [nb, H, n, D] the group's real new tokens
-  int64_t sink_take = 0;    // new tokens that go to the sinks
-  int64_t n_comp = 0;       // tokens that leave the tail (evicted ones included)
-  int64_t evict_old = 0;    // compressed tokens dropped from the front of the buffer
-  int64_t skip = 0;         // tokens leaving the tail already dead: never compressed
-  int64_t tail_at = 0;      // the tail is written from this token on (0: rebuilt)
-  at::Tensor tail_k, tail_v;                  // [nb, H, *, D] written at tail_at
-  StoreParts k_parts, v_parts;                // fused: the newly compressed tokens
-  StoreParts k_moved, v_moved;                // fused: live rows after the evicted ones
+  at::Tensor k_new, v_new;                       // [nb, H, n, D] the group's real new tokens
+  int64_t sink_take = 0;                         // new tokens that go to the sinks
+  int64_t n_comp = 0;                            // tokens that leave the tail (evicted ones included)
+  int64_t evict_old = 0;                         // compressed tokens dropped from the front of the buffer
+  int64_t skip = 0;                              // tokens leaving the tail already dead: never compressed
+  int64_t tail_at = 0;                           // the tail is written from this token on (0: rebuilt)
+  at::Tensor tail_k, tail_v;                     // [nb, H, *, D] written at tail_at
+  StoreParts k_parts, v_parts;                   // fused: the newly compressed tokens
+  StoreParts k_moved, v_moved;                   // fused: live rows after the evicted ones
   std::vector<CompressedTensor> k_objs, v_objs;  // chunk storage (nb = 1)
   int64_t sink_after = 0, evicted_after = 0, compressed_after = 0, tail_after = 0;
 };
@@ -94,15 +107,13 @@ void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::
   TORCH_CHECK(k.defined() && v.defined(), kCls, ": k and v must be tensors");
   TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes(), kCls, ": k and v must have one shape [batch, kv_heads, ",
               "tokens, head_dim], got ", k.sizes(), " and ", v.sizes());
-  TORCH_CHECK(k.scalar_type() == v.scalar_type(), kCls, ": k and v must have one dtype, got ", k.scalar_type(),
-              " and ", v.scalar_type());
-  TORCH_CHECK(is_float(k.scalar_type()), kCls, ": k and v must be float32, float16 or bfloat16, got ",
-              k.scalar_type());
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), kCls, ": k and v must have one dtype, got ", k.scalar_type(), " and ",
+              v.scalar_type());
+  TORCH_CHECK(is_float(k.scalar_type()), kCls, ": k and v must be float32, float16 or bfloat16, got ", k.scalar_type());
   TORCH_CHECK(k.layout() == at::kStrided && v.layout() == at::kStrided, kCls, ": k and v must be dense tensors");
   TORCH_CHECK(!k.is_meta() && !v.is_meta(), kCls,
               ": k and v must hold data (CPU or accelerator tensors), got a meta tensor");
-  TORCH_CHECK(k.device() == v.device(), kCls, ": k and v must be on one device, got ", k.device(), " and ",
-              v.device());
+  TORCH_CHECK(k.device() == v.device(), kCls, ": k and v must be on one device, got ", k.device(), " and ", v.device());
   TORCH_CHECK(!(at::GradMode::is_enabled() && (k.requires_grad() || v.requires_grad())), kCls,
               ": the cache is inference-only, but k or v requires grad while grad mode is on; append under "
               "torch.no_grad() or torch.inference_mode(), or pass detached tensors");
@@ -114,8 +125,8 @@ void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::
     TORCH_CHECK(!options.rotate || (D & (D - 1)) == 0, kCls,
                 ": rotate=True needs head_dim a power of two (the Hadamard rotation), got ", D);
   } else {
-    TORCH_CHECK(B == batch && H == heads && D == head_dim, kCls, ": this cache holds [", batch, ", ", heads,
-                ", *, ", head_dim, "] but k is ", k.sizes(),
+    TORCH_CHECK(B == batch && H == heads && D == head_dim, kCls, ": this cache holds [", batch, ", ", heads, ", *, ",
+                head_dim, "] but k is ", k.sizes(),
                 " (a cache is built for one model and batch; call reset() to reuse it)");
     TORCH_CHECK(k.scalar_type() == x_options.dtype().toScalarType(), kCls, ": this cache holds ",
                 x_options.dtype().toScalarType(), " but k is ", k.scalar_type());
@@ -128,8 +139,8 @@ void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::
   if (valid) {
     TORCH_CHECK(valid->defined() && valid->scalar_type() == at::kBool, kCls, ": valid must be a bool tensor, got ",
                 valid->defined() ? c10::toString(valid->scalar_type()) : "an undefined tensor");
-    TORCH_CHECK(valid->dim() == 2 && valid->size(0) == B && valid->size(1) == n, kCls,
-                ": valid must have shape [", B, ", ", n, "], got ", valid->sizes());
+    TORCH_CHECK(valid->dim() == 2 && valid->size(0) == B && valid->size(1) == n, kCls, ": valid must have shape [", B,
+                ", ", n, "], got ", valid->sizes());
     TORCH_CHECK(valid->device() == k.device() || valid->device().is_cpu(), kCls,
                 ": valid must be on the CPU or on k's device ", k.device(), ", got ", valid->device());
     keep = to_host(*valid);
@@ -213,8 +224,7 @@ void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::
       g.k_moved = store_rows(k_fused, keys, b0, b1, g.evict_old, c);
       g.v_moved = store_rows(v_fused, values, b0, b1, g.evict_old, c);
       for (StoreParts* p : {&g.k_moved, &g.v_moved})
-        for (size_t j = 0; j < p->size(); ++j)
-          (*p)[j] = j == 5 ? (*p)[j].sub(int32_t(g.evict_old)) : (*p)[j].clone();
+        for (size_t j = 0; j < p->size(); ++j) (*p)[j] = j == 5 ? (*p)[j].sub(int32_t(g.evict_old)) : (*p)[j].clone();
     }
     g.sink_after = s + g.sink_take;
     g.evicted_after = e + evict;
@@ -281,8 +291,7 @@ void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::
         }
       } else if (resized && kept > 0) {
         copy_parts(store_rows(k_store, keys, g.b0, g.b1, 0, kept), store_rows(k_fused, keys, g.b0, g.b1, 0, kept));
-        copy_parts(store_rows(v_store, values, g.b0, g.b1, 0, kept),
-                   store_rows(v_fused, values, g.b0, g.b1, 0, kept));
+        copy_parts(store_rows(v_store, values, g.b0, g.b1, 0, kept), store_rows(v_fused, values, g.b0, g.b1, 0, kept));
       }
       if (!g.k_parts.empty()) {
         const int64_t hi = kept + g.k_parts[0].size(2);

@@ -65,6 +65,12 @@ void KVCache::Impl::crop(int64_t length, const std::vector<at::Tensor>* k_compre
                       "dequantized compressed parts (as dense_with() takes them)");
           cut.restore_k = (*k_compressed)[i].slice(1, keep, rel).unsqueeze(0).to(x);
           cut.restore_v = (*v_compressed)[i].slice(1, keep, rel).unsqueeze(0).to(x);
+          // These tokens go back into the tail, to be handed over again: they must be ones an
+          // append could have taken (read back on the CPU only: no sync in a CUDA decode step).
+          TORCH_CHECK(!cut.restore_k.device().is_cpu() ||
+                          host_flag(at::isfinite(cut.restore_k).all().logical_and(at::isfinite(cut.restore_v).all())),
+                      kCls, ": crop_with(): the compressed part given for sequence ", b,
+                      " holds NaN or Inf in the tokens that go back into the tail; a cache only holds finite K/V");
         } else {
           // Per-channel groups dequantize whole: decode the chunk, keep its first m tokens.
           const int64_t hi = mode == StorageMode::kFused ? keep + chunk : rel;

@@ -42,8 +42,7 @@ StoreParts allocate_store(const QuantSpec& spec, int64_t batch, int64_t heads, i
 int64_t store_capacity(const StoreParts& parts);
 // Views of sequences [b0, b1), tokens [lo, hi) of every part (lo, hi on group
 // boundaries for per-channel groups).
-StoreParts store_rows(const StoreParts& parts, const QuantSpec& spec, int64_t b0, int64_t b1, int64_t lo,
-                      int64_t hi);
+StoreParts store_rows(const StoreParts& parts, const QuantSpec& spec, int64_t b0, int64_t b1, int64_t lo, int64_t hi);
 // Compresses x [nb, H, n, D] into parts laid out to land at token `offset`
 // of the buffer (DGQ segment starts shifted by it).
 StoreParts compress_rows(const QuantSpec& spec, const at::Tensor& x, int64_t offset);
@@ -68,20 +67,20 @@ struct KVCache::Impl {
   CacheOptions options;
   StorageMode mode = StorageMode::kFused;
   int64_t chunk = 1;
-  QuantSpec keys, values;                                   // fused storage
-  std::shared_ptr<const KVCompressor> k_comp, v_comp;       // chunk storage
+  QuantSpec keys, values;                              // fused storage
+  std::shared_ptr<const KVCompressor> k_comp, v_comp;  // chunk storage
 
   // Fixed by the first append: shape, dtype and device of K/V.
   int64_t batch = 0, heads = 0, head_dim = 0;
   at::TensorOptions x_options;
 
   // Stored tokens.
-  StoreParts k_fused, v_fused;                                      // fused
-  std::vector<std::vector<CompressedTensor>> k_chunks, v_chunks;    // chunk storage, per sequence
-  std::vector<DueChunk> due;                                        // external storage
-  at::Tensor k_tail, v_tail;  // [B, H, tail capacity, D] x dtype
-  at::Tensor k_sink, v_sink;  // [B, H, sink capacity, D] x dtype (sinks > 0)
-  at::Tensor signs;           // [D] float32, when rotated
+  StoreParts k_fused, v_fused;                                    // fused
+  std::vector<std::vector<CompressedTensor>> k_chunks, v_chunks;  // chunk storage, per sequence
+  std::vector<DueChunk> due;                                      // external storage
+  at::Tensor k_tail, v_tail;                                      // [B, H, tail capacity, D] x dtype
+  at::Tensor k_sink, v_sink;                                      // [B, H, sink capacity, D] x dtype (sinks > 0)
+  at::Tensor signs;                                               // [D] float32, when rotated
   // Per sequence: sinks, compressed tokens dropped by the window, live
   // compressed tokens, tail tokens.  Positions: sink, evicted, compressed, tail.
   std::vector<int64_t> sink_len, evicted_len, compressed_len, tail_len;
@@ -105,8 +104,7 @@ struct KVCache::Impl {
   std::vector<std::pair<int64_t, int64_t>> row_groups() const;
   // Dequantized (and un-rotated) live compressed tokens [lo, hi) of
   // sequences [b0, b1) in dtype: fused or chunk storage.
-  at::Tensor compressed_tokens(bool keys, int64_t b0, int64_t b1, int64_t lo, int64_t hi,
-                               at::ScalarType dtype) const;
+  at::Tensor compressed_tokens(bool keys, int64_t b0, int64_t b1, int64_t lo, int64_t hi, at::ScalarType dtype) const;
   at::Tensor rotation_signs_for(int64_t head_dim, const at::Device& device) const;
 
   void append(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& valid);  // cache_append.cpp
@@ -126,12 +124,15 @@ struct KVCache::Impl {
   int64_t compressed_nbytes() const;
   c10::Dict<std::string, at::Tensor> state_dict() const;  // cache_state.cpp
   void load_state(const c10::Dict<std::string, at::Tensor>& state);
+  void check_loaded_values() const;  // cache_state.cpp, after load_state
 };
 
 // Options recovered from a state dict (cache_state.cpp), for from_state_dict.
 CacheOptions options_from_state(const c10::Dict<std::string, at::Tensor>& state);
 
 at::Tensor host_lengths(const std::vector<int64_t>& v);  // [n] int64 CPU
+// [n] int64 on `device`, copied without a host synchronization.
+at::Tensor lengths_on(const std::vector<int64_t>& v, const at::Device& device);
 
 // The only reads of tensor data on the host (nexuskv/cache.h says why): the
 // value check of an append (one flag), a valid mask, beam indices, and a

@@ -120,6 +120,13 @@ at::Tensor host_lengths(const std::vector<int64_t>& v) {
   return at::tensor(at::ArrayRef<int64_t>(v), at::TensorOptions().dtype(at::kLong));
 }
 
+at::Tensor lengths_on(const std::vector<int64_t>& v, const at::Device& device) {
+  if (device.is_cpu()) return host_lengths(v);
+  // From pinned memory without blocking: a pageable copy would wait for the
+  // stream (torch's caching host allocator keeps the buffer until it is done).
+  return host_lengths(v).pin_memory().to(device, /*non_blocking=*/true);
+}
+
 at::Tensor to_host(const at::Tensor& t) { return t.to(at::kCPU).contiguous(); }
 
 bool host_flag(const at::Tensor& flag) { return to_host(flag.to(at::kBool)).data_ptr<bool>()[0]; }

@@ -77,25 +77,28 @@ at::Tensor KVCache::Impl::attend(const at::Tensor& q, std::optional<double> scal
   check_started("attend()");
   check_mode("attend()", mode != StorageMode::kExternal,
              "the front end holds the compressed chunks, so attend over dense_with() with any attention code");
-  TORCH_CHECK(q.defined() && q.dim() == 4 && q.size(0) == batch && q.size(3) == head_dim, kCls,
-              ": q must have shape [", batch, ", q_heads, q_len, ", head_dim, "], got ",
-              q.defined() ? q.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(q.defined() && q.dim() == 4 && q.size(0) == batch && q.size(3) == head_dim, kCls, ": q must have shape [",
+              batch, ", q_heads, q_len, ", head_dim, "], got ", q.defined() ? q.sizes() : at::IntArrayRef{});
   TORCH_CHECK(!q.is_meta(), kCls, ": q must hold data, got a meta tensor");
   check_device("q", q);
   TORCH_CHECK(!softcap || (std::isfinite(*softcap) && *softcap > 0), kCls, ": softcap must be finite and > 0, got ",
               softcap.value_or(0));
   if (mode == StorageMode::kChunks) {
-    TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
-                kCls, ": q must be float32, float16 or bfloat16, got ", q.scalar_type());
+    TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, kCls,
+                ": q must be float32, float16 or bfloat16, got ", q.scalar_type());
     auto [K, V, lens] = assemble(at::kFloat, nullptr, nullptr);
     std::vector<int64_t> cached_lens;
     for (int64_t b = 0; b < batch; ++b) cached_lens.push_back(cached(b));
     return attention_over_dense(q, K, V, cached_lens, scale.value_or(1.0 / std::sqrt(double(head_dim))),
                                 options.window.value_or(0), softcap.value_or(0));
   }
-  if (device_lengths.empty() || device_lengths[0].device() != q.device())
-    device_lengths = {host_lengths(compressed_len).to(q.device()), host_lengths(tail_len).to(q.device()),
-                      host_lengths(sink_len).to(q.device())};
+  if (device_lengths.empty() || device_lengths[0].device() != q.device()) {
+    std::vector<int64_t> all(compressed_len);
+    all.insert(all.end(), tail_len.begin(), tail_len.end());
+    all.insert(all.end(), sink_len.begin(), sink_len.end());
+    const at::Tensor d = lengths_on(all, q.device()).view({3, batch});
+    device_lengths = {d[0], d[1], d[2]};
+  }
   std::optional<at::Tensor> k_sink_arg, v_sink_arg, sink_lens;
   if (options.sinks > 0) k_sink_arg = k_sink, v_sink_arg = v_sink, sink_lens = device_lengths[2];
   const std::vector<int64_t> kf = {keys.bits, keys.group_size, keys.axis};

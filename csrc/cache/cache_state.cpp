@@ -27,6 +27,8 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "cache_impl.h"
 
@@ -108,7 +110,9 @@ at::Tensor tensor_of(const State& st, const std::string& key, at::IntArrayRef si
   TORCH_CHECK(t.sizes() == sizes && t.scalar_type() == dtype && t.device() == device, kCls, ": entry '", key,
               "' must be ", dtype, " ", sizes, " on ", device, ", got ", t.scalar_type(), " ", t.sizes(), " on ",
               t.device());
-  return t.clone();  // the cache writes its buffers in place: never alias the caller's tensors
+  // The cache writes its buffers in place: never alias the caller's tensors.  Detached:
+  // a cache is inference-only (an entry that requires grad would poison every attend()).
+  return t.detach().clone();
 }
 
 }  // namespace
@@ -190,7 +194,14 @@ void KVCache::Impl::load_state(const c10::Dict<std::string, at::Tensor>& st) {
                                     std::pair("config.value_compressor", v_comp.get())})
       TORCH_CHECK(text_of(st, key) == comp->describe(), kCls, ": the state was saved with compressor '",
                   text_of(st, key), "' but '", comp->describe(), "' was given");
-  if (!has(st, "shape")) return;  // saved before any append
+  if (!has(st, "shape")) {  // saved before any append: then it holds no tokens
+    for (const auto& item : st) {
+      const std::string& key = item.key();
+      TORCH_CHECK(key.rfind("config.", 0) == 0 || key == "nexuskv.version", kCls, ": the state has entry '", key,
+                  "' but no 'shape' (a cache that holds tokens saves its shape; the state is incomplete)");
+    }
+    return;
+  }
   const std::vector<int64_t> shape = ints_of(st, "shape", 3);
   const int64_t B = shape[0], H = shape[1], D = shape[2];
   TORCH_CHECK(B > 0 && H > 0 && D > 0, kCls, ": shape must be positive, got ", at::IntArrayRef(shape));
@@ -283,7 +294,8 @@ void KVCache::Impl::load_state(const c10::Dict<std::string, at::Tensor>& st) {
           c.dtype = dtype_of(st, p + "dtype");
           TORCH_CHECK(c.shape.size() == 3 && c.shape[0] == H && c.shape[2] == D, kCls, ": ", p,
                       "shape must be [", H, ", tokens, ", D, "]");
-          for (int64_t q = 0; has(st, p + std::to_string(q)); ++q) c.parts.push_back(entry(st, p + std::to_string(q)).clone());
+          for (int64_t q = 0; has(st, p + std::to_string(q)); ++q)
+            c.parts.push_back(entry(st, p + std::to_string(q)).detach().clone());
           tokens += c.shape[1];
           (*out)[size_t(b)].push_back(std::move(c));
         }
@@ -300,6 +312,32 @@ void KVCache::Impl::load_state(const c10::Dict<std::string, at::Tensor>& st) {
   due = std::move(d), k_chunks = std::move(kc), v_chunks = std::move(vc);
   signs = options.rotate ? rotation_signs_for(D, device) : at::Tensor();
   lengths_changed();
+  check_loaded_values();
+}
+
+// A loaded cache must hold what an append could have stored (nexuskv/cache.h:
+// finite K/V), or a later compression of its tail, a crop into its compressed
+// part or every attend() would fail or turn NaN: the full-precision rows and
+// due chunks are checked, and the compressed parts are decoded once (which also
+// checks their outlier positions).  On failure the half-built cache is dropped
+// by from_state_dict.
+void KVCache::Impl::check_loaded_values() const {
+  const auto finite = [](const at::Tensor& t) { return !t.defined() || host_flag(at::isfinite(t).all()); };
+  for (const auto& [name, t] : {std::pair("tail.k", &k_tail), std::pair("tail.v", &v_tail),
+                                std::pair("sinks.k", &k_sink), std::pair("sinks.v", &v_sink)})
+    TORCH_CHECK(finite(*t), kCls, ": entry '", name, "' holds NaN or Inf; a cache only holds finite K/V");
+  for (const DueChunk& d : due)
+    TORCH_CHECK(finite(d.k) && finite(d.v), kCls, ": a due chunk (due.k/due.v) holds NaN or Inf");
+  if (mode == StorageMode::kExternal) return;
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> kv;
+  try {
+    kv = assemble(at::kFloat, nullptr, nullptr);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, kCls, ": the stored compressed K/V do not decode: ", e.what_without_backtrace());
+  }
+  TORCH_CHECK(finite(std::get<0>(kv)) && finite(std::get<1>(kv)), kCls,
+              ": the stored compressed K/V decode to NaN or Inf (keys.* / values.* scale, zero or outlier_val are "
+              "not finite); a cache only holds finite K/V");
 }
 
 }  // namespace nexuskv

@@ -27,9 +27,18 @@ void check_compressed_parts(const KVCache::Impl& c, const char* method, const st
                       t->size(2) == c.head_dim,
                   kCls, ": ", method, ": the compressed part of sequence ", b, " must have shape [", c.heads, ", ", n,
                   ", ", c.head_dim, "], got ", t->defined() ? t->sizes() : at::IntArrayRef{});
+      TORCH_CHECK(at::isFloatingType(t->scalar_type()), kCls, ": ", method, ": the compressed part of sequence ", b,
+                  " must be dequantized K/V (a floating dtype), got ", t->scalar_type());
       c.check_device("a compressed part", *t);
     }
   }
+}
+
+// The dtype of dense() / dense_with(): a floating dtype (an integer one would
+// truncate the dequantized values).
+void check_dense_dtype(const char* method, std::optional<at::ScalarType> dtype) {
+  TORCH_CHECK(!dtype || at::isFloatingType(*dtype), kCls, ": ", method,
+              " dtype must be a floating dtype (float32, float16, bfloat16, float64) or None, got ", *dtype);
 }
 
 }  // namespace
@@ -56,6 +65,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> KVCache::dense(std::optional<at::
   impl_->check_started("dense()");
   impl_->check_mode("dense()", impl_->mode != StorageMode::kExternal,
                     "the front end holds the compressed chunks: call dense_with() with them dequantized");
+  check_dense_dtype("dense()", dtype);
   return impl_->assemble(dtype.value_or(impl_->x_options.dtype().toScalarType()), nullptr, nullptr);
 }
 
@@ -82,6 +92,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> KVCache::dense_with(const std::ve
   TORCH_CHECK(impl_->due.empty(), kCls, ": dense_with() while ", impl_->due.size(),
               " chunks wait in take_due_chunks(); take and store them first");
   check_compressed_parts(*impl_, "dense_with()", k_compressed, v_compressed);
+  check_dense_dtype("dense_with()", dtype);
   return impl_->assemble(dtype.value_or(impl_->x_options.dtype().toScalarType()), &k_compressed, &v_compressed);
 }
 

@@ -21,6 +21,9 @@ void check_segment_starts(const char* op, const char* what, const core::NQDims& 
       const int64_t end = i + 1 < S ? s[i + 1] : d.tokens;
       TORCH_CHECK(s[i] <= end && end <= d.tokens, op, ": ", o, "segment_starts of row ", r,
                   " must be non-decreasing within [0, ", d.tokens, "]; segment ", i, " is [", s[i], ", ", end, ")");
+      // outlier_idx holds positions inside a segment in one byte
+      TORCH_CHECK(end - s[i] <= core::kMaxGroupSize, op, ": ", o, "segment_starts of row ", r, ": segment ", i, " is [",
+                  s[i], ", ", end, "), longer than the ", core::kMaxGroupSize, " tokens a segment may hold");
     }
   }
 }

@@ -42,14 +42,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import (
     hf_compat,
+    hf_static,
     integrations,
     ops,  # noqa: F401  (loads the operator library, which defines torch.classes.nexuskv)
 )
 from .cache import from_state_dict, make_cache
 from .compressors import DGQ, NQ, KVCompressor
-from .hf_compat import LayerGeometry, cache_argument  # noqa: F401  (cache_argument: public helper)
-
-ATTN_IMPLEMENTATION = "nexuskv"
+from .hf_compat import ATTN_IMPLEMENTATION, LayerGeometry, cache_argument  # noqa: F401  (cache_argument: public)
 
 _warned: set[str] = set()
 
@@ -260,13 +259,15 @@ class NexusKVLayer(CacheLayerMixin):
             self.external.reorder(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"nexuskv: batch_repeat_interleave: repeats must be an int >= 1, got {repeats!r}")
         if self.seen:
             self._select_rows(torch.arange(self.cache.lengths().numel()).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.seen:
             idx = indices.nonzero().flatten() if indices.dtype == torch.bool else indices
-            self._select_rows(idx.to(torch.long).cpu())
+            self._select_rows(idx.cpu())
 
     _BATCH_ENTRIES = ("lengths.", "keys.", "values.", "tail.", "sinks.")
 
@@ -276,6 +277,13 @@ class NexusKVLayer(CacheLayerMixin):
         are batch-first (csrc/cache/cache_state.cpp documents the format)."""
         if self.pending is not None:
             raise RuntimeError("nexuskv: a batch change between update() and attention")
+        rows = self.cache.lengths().numel()
+        if idx.is_floating_point() or idx.is_complex() or idx.dim() != 1 or idx.numel() == 0:
+            raise ValueError(f"nexuskv: batch indices must be a non-empty 1-D integer (or bool mask) tensor, got "
+                             f"{idx.dtype} of shape {tuple(idx.shape)}")
+        if bool(((idx < 0) | (idx >= rows)).any()):
+            raise IndexError(f"nexuskv: batch indices must be in [0, {rows}) (the cached sequences), got "
+                             f"{idx.tolist()}")
         if idx.numel() == self.cache.lengths().numel():
             self.reorder_cache(idx)
             return
@@ -352,6 +360,9 @@ class NexusKVCache(Cache):
 
     def __init__(self, layers: list[NexusKVLayer] | int, fused: Optional[bool] = None, **settings):
         if isinstance(layers, int):
+            if isinstance(layers, bool) or layers < 1:
+                raise ValueError(f"nexuskv: NexusKVCache(layers) needs layers >= 1 (one per decoder layer), got "
+                                 f"{layers!r}")
             layers = [NexusKVLayer(_layer_settings(**settings), fused=fused, layer_idx=i) for i in range(layers)]
         elif settings or fused is not None:
             raise TypeError("nexuskv: NexusKVCache(layers) takes no settings (they are the layers')")
@@ -374,9 +385,11 @@ def _layer_settings(key_bits=4, value_bits=None, group_size=64, value_group_size
                     key_outliers=0, value_outliers=0, dynamic_keys=False, rotate=False, seed=0, sinks=0,
                     meta_dtype=None, window=None) -> dict:
     """make_cache keywords of one layer, from cache_for's names."""
+    # None (not 0, which make_cache rejects by name) means "as the keys"
     return dict(key_bits=key_bits, key_group_size=group_size, key_axis=-2, key_outliers=key_outliers,
-                key_dynamic=dynamic_keys, value_bits=value_bits or key_bits,
-                value_group_size=value_group_size or group_size, value_axis=-1, value_outliers=value_outliers,
+                key_dynamic=dynamic_keys, value_bits=key_bits if value_bits is None else value_bits,
+                value_group_size=group_size if value_group_size is None else value_group_size, value_axis=-1,
+                value_outliers=value_outliers,
                 residual=residual, sinks=sinks, rotate=rotate, seed=seed, meta_dtype=meta_dtype, window=window)
 
 
@@ -429,12 +442,21 @@ def _probe(settings: dict, g: LayerGeometry, dtype: torch.dtype, fused: bool, wh
                              f"implementation") from None
 
 
+def _check_kv_heads(kv_heads) -> None:
+    if kv_heads is None or kv_heads == "auto":
+        return
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
+        raise ValueError(f"nexuskv: kv_heads must be a positive int (the KV heads this process holds), \"auto\" or "
+                         f"None, got {kv_heads!r}")
+
+
 def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size: int = 64, residual: int = 128,
               outliers: int = 0, dynamic_keys: bool = False, rotate: bool = False, seed: int = 0, sinks: int = 0,
               compressor: Optional[KVCompressor] = None, value_compressor: Optional[KVCompressor] = None,
               value_group_size: Optional[int] = None, value_outliers: Optional[int] = None,
               meta_dtype: Optional[torch.dtype] = None, kv_heads: Optional[int | str] = None,
-              fused: Optional[bool] = None) -> NexusKVCache:
+              fused: Optional[bool] = None, static: bool = False,
+              max_cache_len: Optional[int] = None) -> NexusKVCache:
     """A compressed cache sized for `model`, one layer per decoder layer: keys per
     channel (groups of `group_size` tokens), values per token (groups of
     `value_group_size` channels, default `group_size`), the `residual` newest tokens
@@ -457,9 +479,18 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
     from the first append.  Settings the cache or the fused kernel cannot take for this
     model (e.g. a head_dim the kernel does not support, K and V of different head dims)
     raise a ValueError here.  A DeepSpeed v1 InferenceEngine is taken as its module, with
-    the KV heads its tensor-parallel rank holds (nexuskv.integrations.deepspeed)."""
+    the KV heads its tensor-parallel rank holds (nexuskv.integrations.deepspeed).
+
+    ``static=True, max_cache_len=N``: the compileable cache (nexuskv.hf_static): fixed
+    capacity, state in tensors, a decode step that torch.compile(fullgraph=True) and
+    torch.export trace; no sinks, rotation, eviction, crop or beam search, CPU only, and
+    attn_implementation="nexuskv" required."""
     register()
+    _check_kv_heads(kv_heads)
     model, kv_heads = integrations.deepspeed.unwrap_for_cache(model, kv_heads)
+    if not hasattr(model, "config"):
+        raise TypeError(f"nexuskv: cache_for needs a transformers model (with a .config) or a DeepSpeed engine, "
+                        f"got {type(model).__name__}")
     geometries = hf_compat.layer_geometries(model)
     if kv_heads is not None and kv_heads != "auto":
         geometries = [LayerGeometry(int(kv_heads), g.key_dim, g.value_dim, g.window, g.layer_type)
@@ -486,6 +517,14 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
                                 outliers if value_outliers is None else value_outliers, dynamic_keys, rotate, seed,
                                 sinks, meta_dtype)
     config = hf_compat.text_config(model)
+    if static:
+        if not isinstance(max_cache_len, int) or max_cache_len < 1 or compressors is not None or fused is False:
+            raise ValueError("nexuskv: cache_for(model, static=True) needs max_cache_len=N (a positive int: the "
+                             "tokens each sequence may reach) and the fused path (no fused=False, no Python "
+                             f"compressor), got max_cache_len={max_cache_len!r}")
+        return NexusKVCache([hf_static.NexusKVStaticLayer(
+            hf_static.static_settings(dict(quant, residual=residual), g.window), max_cache_len, i, g, config)
+            for i, g in enumerate(geometries)])
     layers, probed = [], set()
     for i, g in enumerate(geometries):
         settings = dict(quant, residual=residual, sinks=0 if g.window else sinks, window=g.window)
@@ -590,7 +629,16 @@ def nexuskv_attention(module, query, key, value, attention_mask, scaling=None, d
     compressed cache with dgq_fused_attention, within the layer's sliding window and
     with the model's logit soft-cap.  A padded prefill, whose queries include pad
     positions, attends over its own new K/V with the mask instead (exact; nothing older
-    exists).  Returns ([batch, q_len, heads, head_dim], None)."""
+    exists).  Returns ([batch, q_len, heads, head_dim], None).  A static cache's layer
+    (cache_for(..., static=True): nexuskv.hf_static) appended in update() already."""
+    static = hf_static.claim(module)
+    if static is not None:
+        # Padding comes in the prefill (the static layers' masks cover the new tokens
+        # at positions from 0: right for the first forward only).
+        if not torch.compiler.is_compiling() and static.get_seq_length() == query.shape[-2] and \
+                _new_token_validity(attention_mask, query.shape[-2]) is not None:
+            raise NotImplementedError("nexuskv: the static cache takes no padded batches (cache_for(model) does)")
+        return static.attend(query, scaling, softcap, sliding_window), None
     layer = _claims.pending.pop(id(key), None)
     if layer is None or layer.pending is None or layer.pending[0] is not key:
         _warn_once("dense", "nexuskv: attn_implementation='nexuskv' is attending over K/V that do not come from a "

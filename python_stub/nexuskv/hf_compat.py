@@ -15,6 +15,8 @@ from transformers.cache_utils import DynamicLayer
 
 TRANSFORMERS_VERSION = transformers.__version__
 
+ATTN_IMPLEMENTATION = "nexuskv"  # the attention function nexuskv.hf registers
+
 # crop(): 4.57 takes the length to keep (negative: tokens to remove); 5.x takes the
 # (negative) number of tokens to remove and rejects positive values.
 CROP_TAKES_TOKENS_TO_REMOVE = "tokens_to_remove" in inspect.signature(DynamicLayer.crop).parameters

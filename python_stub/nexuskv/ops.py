@@ -473,3 +473,14 @@ def _hadamard_rotate_fake(x, signs, inverse=False):
     if _concrete((x, signs)):
         return _like(x, _meta_outputs("hadamard_rotate", (x, signs, inverse)))
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("nexuskv::static_kv_append_")
+def _static_kv_append_fake(k_store, v_store, k_tail, v_tail, lengths, k, v, k_format, v_format, residual):
+    named = [("k", k), ("v", v), ("k_tail", k_tail), ("v_tail", v_tail), ("lengths", lengths)]
+    named += [("k_store", t) for t in k_store] + [("v_store", t) for t in v_store]
+    _one_device("static_kv_append_", named)
+    args = (list(k_store), list(v_store), k_tail, v_tail, lengths, k, v, list(k_format), list(v_format), residual)
+    if _concrete(args):
+        _meta_outputs("static_kv_append_", args)  # the kernel's checks; it returns nothing
+    return None

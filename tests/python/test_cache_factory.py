@@ -170,6 +170,50 @@ def test_corrupt_state_is_a_clear_error():
         from_state_dict({"a": 1})
 
 
+def poked(t, value, index=0):
+    t = t.clone()
+    t.view(-1)[index] = value
+    return t
+
+
+def test_state_values_a_cache_could_not_hold_are_a_clear_error():
+    # Found by scripts/bad_input_sweep.py: these loaded silently, and then a NaN tail made the
+    # cache stuck once its chunk was due (every later append raised), a NaN/Inf scale made
+    # every attend() NaN, a corrupt outlier position failed only at the first read, and a
+    # state without 'shape' loaded as an empty cache (every token lost).
+    cache = make_cache(**CONFIGS["dgq_rotate_sinks"])
+    feed(cache, 2, 5)
+    good = cache.state_dict()
+    assert int(cache.compressed_lengths().max()) > 0
+    cases = [({"tail.k": poked(good["tail.k"], float("nan"))}, "entry 'tail.k' holds NaN or Inf"),
+             ({"sinks.v": poked(good["sinks.v"], -float("inf"))}, "entry 'sinks.v' holds NaN or Inf"),
+             ({"keys.scale": good["keys.scale"].clone().fill_(float("inf"))}, "decode to NaN or Inf"),
+             ({"values.zero": good["values.zero"].clone().fill_(float("nan"))}, "decode to NaN or Inf"),
+             ({"keys.outlier_idx": good["keys.outlier_idx"].clone().fill_(250)},
+              "do not decode: .*outlier_idx holds a position outside its group")]
+    for changes, message in cases:
+        with pytest.raises(RuntimeError, match="KVCache.from_state_dict: .*" + message):
+            from_state_dict({**good, **changes})
+    no_shape = {k: v for k, v in good.items() if k != "shape"}
+    with pytest.raises(RuntimeError, match="has entry '.*' but no 'shape'"):
+        from_state_dict(no_shape)
+    from_state_dict(good)  # the untouched state still loads
+    new = make_cache(**CONFIGS["nq"]).state_dict()
+    assert "shape" not in new and from_state_dict(new).lengths().numel() == 0
+
+
+def test_state_entries_that_require_grad_load_inference_only():
+    # Once kept requiring grad, so that every attend() of the restored cache raised.
+    cache = make_cache(**CONFIGS["nq"])
+    feed(cache, 2, 5)
+    state = {k: v.clone().requires_grad_(True) if v.is_floating_point() and v.numel() else v
+             for k, v in cache.state_dict().items()}
+    restored = from_state_dict(state)
+    q = torch.randn(3, 4, 1, 64)
+    assert torch.equal(restored.attend(q, None, None), cache.attend(q, None, None))
+    assert not any(t.requires_grad for t in restored.state_dict().values())
+
+
 def test_restored_cache_is_independent_of_the_state_tensors():
     cache = make_cache(**CONFIGS["nq"])
     feed(cache, 2, 6)

@@ -265,3 +265,43 @@ def test_handed_over_chunks_are_copies_not_views_of_the_callers_kv():
     k.fill_(7.0)  # the caller reuses its buffer
     _, _, ks, _ = cache.take_due_chunks()
     assert torch.equal(ks[0], want[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.uint8])
+def test_dense_in_an_integer_dtype_is_a_clear_error(dtype):
+    # Once returned the dequantized K/V truncated to integers.
+    cache = make_cache(key_group_size=16, value_group_size=16, residual=8)
+    cache.append(*kv(n=40), None)
+    with pytest.raises(RuntimeError, match=r"KVCache: dense\(\) dtype must be a floating dtype"):
+        cache.dense(dtype)
+    k64, _, _ = cache.dense(torch.float64)  # a floating dtype is fine
+    assert torch.equal(k64, cache.dense(torch.float32)[0].double())
+
+
+def external_with_a_compressed_chunk():
+    cache = make_cache(key_group_size=16, value_group_size=16, residual=16, external_chunk=16)
+    cache.append(*kv(n=40), None)
+    cache.take_due_chunks()
+    assert cache.compressed_lengths().tolist() == [16, 16]
+    return cache
+
+
+def test_crop_with_non_finite_survivors_is_rejected_and_changes_nothing():
+    # Once the NaN survivors of the cut chunk went into the tail and were handed over again
+    # (take_due_chunks) to a front end whose compressor then rejects them: tokens lost.
+    cache = external_with_a_compressed_chunk()
+    good = [torch.zeros(2, 16, 64)] * 2
+    with pytest.raises(RuntimeError, match=r"crop_with\(\): the compressed part given for sequence 0 holds NaN"):
+        cache.crop_with(8, [torch.full((2, 16, 64), float("nan"))] * 2, good)
+    assert cache.lengths().tolist() == [40, 40] and cache.compressed_lengths().tolist() == [16, 16]
+    cache.crop_with(8, good, good)
+    assert cache.lengths().tolist() == [8, 8] and cache.compressed_lengths().tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("method", ["dense_with", "crop_with"])
+def test_integer_compressed_parts_are_rejected(method):
+    # Once converted to the cache dtype silently: a front end handing over codes, not K/V.
+    cache = external_with_a_compressed_chunk()
+    ints, good = [torch.zeros(2, 16, 64, dtype=torch.int64)] * 2, [torch.zeros(2, 16, 64)] * 2
+    with pytest.raises(RuntimeError, match=method + r"\(\): the compressed part of sequence 0 must be dequantized"):
+        cache.dense_with(ints, good, None) if method == "dense_with" else cache.crop_with(8, ints, good)

@@ -130,6 +130,16 @@ def test_bad_segment_starts_rejected():
         nexuskv.dgq_decompress(*parts[:5], starts, 4, 32, 16)
 
 
+def test_segment_longer_than_256_tokens_rejected():
+    # outlier_idx holds a position inside its segment in one byte: a segment of 300 tokens is
+    # corrupt (once reported only as an outlier position outside its group, or not at all).
+    parts = list(nexuskv.dgq_compress(torch.randn(1, 300, 16), 4, 128, num_outliers=0))
+    starts = parts[5].clone()
+    starts[0, 1:] = 300
+    with pytest.raises(RuntimeError, match=r"segment 0 is \[0, 300\), longer than the 256 tokens"):
+        nexuskv.dgq_decompress(*parts[:5], starts, 4, 128, 16)
+
+
 @pytest.mark.parametrize("group,granule,want", [(20, 16, 48), (24, 16, 48), (40, 32, 96), (100, 48, 240)])
 def test_default_max_len_rounds_up_to_the_granule(group, granule, want):
     # 2 * group_size is no multiple of the granule here: once an error about max_len, which the

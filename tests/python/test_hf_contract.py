@@ -252,3 +252,66 @@ def test_unsupported_settings_fail_in_cache_for():
     with pytest.raises(ValueError, match="head_dim 40.*fused attention kernel cannot take.*fused=False"):
         nhf.cache_for(model, group_size=8, value_group_size=8)
     nhf.cache_for(model, group_size=8, value_group_size=8, fused=False)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(value_group_size=0), "value_group_size must be in"),  # once silently taken as group_size
+        (dict(value_bits=0), "value_bits must be one of"),  # once silently taken as bits
+        (dict(kv_heads=0), "kv_heads must be a positive int"),  # once accepted: a cache for 0 heads
+        (dict(kv_heads=-1), "kv_heads must be a positive int"),
+        (dict(kv_heads="some"), "kv_heads must be a positive int"),  # once "invalid literal for int()"
+    ],
+)
+def test_bad_cache_for_arguments_are_clear_errors(kw, message):
+    import nexuskv.hf as nhf
+
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        nhf.cache_for(tiny_model("llama"), **kw)
+
+
+def test_cache_for_something_that_is_not_a_model():
+    import nexuskv.hf as nhf
+
+    with pytest.raises(TypeError, match="cache_for needs a transformers model"):
+        nhf.cache_for("llama")
+
+
+def filled_layer():
+    import nexuskv.hf as nhf
+
+    layer = nhf.NexusKVLayer(dict(key_group_size=16, value_group_size=16, residual=16), fused=False)
+    layer.update(torch.randn(2, 2, 40, 64), torch.randn(2, 2, 40, 64))
+    return layer
+
+
+@pytest.mark.parametrize(
+    "indices, error",
+    [
+        (torch.tensor([5]), IndexError),  # once "index out of range in self"
+        (torch.tensor([-1]), IndexError),
+        (torch.tensor([0.5]), ValueError),  # once truncated to row 0 silently
+        (torch.tensor([[0]]), ValueError),
+    ],
+)
+def test_bad_batch_indices_are_clear_errors(indices, error):
+    layer = filled_layer()
+    with pytest.raises(error, match="nexuskv: batch indices must"):
+        layer.batch_select_indices(indices)
+    assert layer.cache.lengths().tolist() == [40, 40]
+
+
+@pytest.mark.parametrize("repeats", [0, -1, 1.5])
+def test_bad_repeats_are_clear_errors(repeats):
+    # 0 once failed inside from_state_dict ("shape must be positive"), 1.5 inside torch.
+    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+        filled_layer().batch_repeat_interleave(repeats)
+
+
+@pytest.mark.parametrize("layers", [0, -1])
+def test_nexuskv_cache_needs_a_layer(layers):
+    import nexuskv.hf as nhf
+
+    with pytest.raises(ValueError, match="needs layers >= 1"):  # -1 once gave a cache of no layers
+        nhf.NexusKVCache(layers)

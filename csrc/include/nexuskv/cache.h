@@ -43,10 +43,13 @@
 // and zeros can represent (so that a token accepted now can always be
 // compressed later: no append can fail for an earlier token); inference only
 // (K/V that require grad under grad mode are rejected).  These checks read one
-// flag back from the device per append (a synchronization on accelerators);
-// a `valid` mask and, for reorder(), the beam indices are read on the host
-// too.  Nothing else reads device data on the host: lengths live in host
-// vectors, their device copies are refreshed only when they change.
+// flag back from the device per append; on CUDA that synchronization runs only
+// with NEXUSKV_CUDA_CHECKS=1 (otherwise a non-finite K/V is kept and makes the
+// attention rows that see it NaN, as in dense attention); a `valid` mask
+// and, for reorder(), the beam indices are read on the host too.  Nothing
+// else reads device data on the host: lengths live in host vectors, their
+// device copies are refreshed (from pinned memory, without blocking) when
+// they change.
 //
 // Appends are atomic: an append that raises leaves the cache exactly as it
 // was (a failed first append leaves it new, shape and device unfixed).

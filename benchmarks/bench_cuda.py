@@ -1,0 +1,330 @@
+"""CUDA decode attention: nexuskv dgq_fused_attention straight from the compressed cache
+against torch's scaled_dot_product_attention (SDPA) on the dense cache and against
+decompress-then-SDPA, plus the compression cost of one decode step.
+
+For every (batch, context) this times, side by side in one run:
+
+  fused     dgq_fused_attention over an NQ cache at 8, 4 and 2 bits: keys per channel
+            (axis -2), values per token (axis -1), group 64, no outliers, no tail;
+            bf16 q, bf16 scales/zeros, compressed_lens = context on the device.  Run
+            with NEXUSKV_CUDA_ATTENTION=mma, so the tensor-core kernel is what is timed
+            (the call fails otherwise).
+  SDPA      F.scaled_dot_product_attention on dense K/V in bf16 and in fp16, flash
+            backend where it takes the call, in the faster of two GQA formulations, both
+            timed: "fold" (the q heads of a kv head folded into the query-length dim:
+            q [B, Hkv, Hq/Hkv, D] against K/V [B, Hkv, T, D], no copy of K/V) and "gqa"
+            (enable_gqa=True).
+  deq+SDPA  nq_decompress of K and V to bf16, then the faster bf16 SDPA above; timed together.
+
+Shape: GQA 32/8, head_dim 128, q_len 1; batch 1, 16, 64; context 4K, 32K, 128K where the
+GPU's memory allows (a config is skipped, and says so, when it would not fit).
+
+Timing: CUDA events around each call, after warm-up, with the L2 cache flushed (a buffer
+of twice the L2 size written) before every timed call; the median of --reps (>= 20).
+Bytes: the compressed tensors the fused kernel reads (codes, scales, zeros of K and V up to
+the context) plus q and the output; SDPA: dense K and V.  GB/s = bytes / median time, and
+the percentage of a device-to-device copy (a 2 GiB buffer, bytes read + written) measured
+in the same run.  Each config checks fused against decompress-then-SDPA (bf16 rounding).
+
+Compression per decode step, 32 layers: values are compressed per token (one token per
+step), keys per channel in groups of 64 tokens (one group per 64 steps), so a step costs
+32 x value(1 token) + 32 x key(64 tokens) / 64.
+
+    python benchmarks/bench_cuda.py --json results/bench_cuda.json
+    python benchmarks/bench_cuda.py --quick        # batch 1 and 16, 4K and 32K, 4-bit
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import nexuskv
+from nexuskv.ops import dgq_fused_attention
+
+Q_HEADS, KV_HEADS, HEAD_DIM, GROUP = 32, 8, 128, 64
+GB = 1e9
+
+
+@contextlib.contextmanager
+def env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+class Timer:
+    """Median device time of a call: CUDA events, L2 flushed before each timed call."""
+
+    def __init__(self, reps: int, warmup: int):
+        props = torch.cuda.get_device_properties(0)
+        l2 = getattr(props, "L2_cache_size", 50 << 20) or (50 << 20)
+        self.flush_buf = torch.empty(2 * l2 // 4 + 1, dtype=torch.int32, device="cuda")
+        self.reps, self.warmup = reps, warmup
+
+    def __call__(self, fn) -> float:
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.reps):
+            self.flush_buf.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+        return statistics.median(times)
+
+
+def copy_bandwidth(timer: Timer) -> float:
+    """Device-to-device copy of a 2 GiB buffer: bytes read + written per second."""
+    src = torch.empty(1 << 29, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    t = timer(lambda: dst.copy_(src))
+    return 2 * (1 << 31) / t
+
+
+def sdpa_backends():
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION]), lambda: sdpa_kernel(
+            [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        )
+    except ImportError:  # older torch
+        return contextlib.nullcontext, contextlib.nullcontext
+
+
+FLASH_ONLY, ANY_BACKEND = sdpa_backends()
+
+
+def sdpa_fold(q, k, v):
+    B, Hq, _, D = q.shape
+    Hkv = k.shape[1]
+    return F.scaled_dot_product_attention(q.view(B, Hkv, Hq // Hkv, D), k, v).view(B, Hq, 1, D)
+
+
+def sdpa_gqa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def best_sdpa(timer: Timer, q, k, v):
+    """(seconds, formulation, backend) of the faster GQA formulation, flash first."""
+    best = None
+    for name, fn in (("fold", sdpa_fold), ("gqa", sdpa_gqa)):
+        for backend, ctx in (("flash", FLASH_ONLY), ("auto", ANY_BACKEND)):
+            try:
+                with ctx():
+                    fn(q, k, v)
+                    t = timer(lambda: fn(q, k, v))
+            except RuntimeError:
+                continue
+            if best is None or t < best[0]:
+                best = (t, name, backend, fn, ctx)
+            break  # flash took it: no need for the fallback
+    return best
+
+
+def nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def fits(batch: int, ctx: int, free: int) -> bool:
+    dense = 2 * batch * KV_HEADS * ctx * HEAD_DIM * 2  # bf16 K + V
+    # dense bf16, its fp16 copy or the decompressed pair, the 8-bit cache, slack
+    return 2 * dense + dense // 2 + (2 << 30) < free
+
+
+def bench_config(timer, batch, ctx, bits_list, bw, gen):
+    rows = []
+    q = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(batch, KV_HEADS, ctx, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(batch, KV_HEADS, ctx, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k[..., 3] += 4.0
+    dense_bytes = nbytes([k, v])
+    sdpa = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        qd, kd, vd = (q, k, v) if dtype == torch.bfloat16 else (q.half(), k.half(), v.half())
+        t, form, backend, fn, ctx_mgr = best_sdpa(timer, qd, kd, vd)
+        sdpa[dtype] = dict(us=t * 1e6, form=form, backend=backend, fn=fn, ctx=ctx_mgr)
+        del qd, kd, vd
+    torch.cuda.empty_cache()
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    for bits in bits_list:
+        kc = nexuskv.nq_compress(k, bits, GROUP, -2)
+        vc = nexuskv.nq_compress(v, bits, GROUP, -1)
+        fmt_k, fmt_v = [bits, GROUP, -2], [bits, GROUP, -1]
+
+        def fused():
+            return dgq_fused_attention(q, kc, vc, fmt_k, fmt_v, lens)
+
+        with env("NEXUSKV_CUDA_ATTENTION", "mma"):
+            out = fused()
+            t_fused = timer(fused)
+        s16 = sdpa[torch.bfloat16]
+
+        def deq_sdpa():
+            kd = nexuskv.nq_decompress(*kc, bits, GROUP, -2, HEAD_DIM, torch.bfloat16)
+            vd = nexuskv.nq_decompress(*vc, bits, GROUP, -1, HEAD_DIM, torch.bfloat16)
+            with s16["ctx"]():
+                return s16["fn"](q, kd, vd)
+
+        ref = deq_sdpa()
+        t_deq = timer(deq_sdpa)
+        err = float((out.float() - ref.float()).norm() / ref.float().norm())
+        comp_bytes = nbytes(kc) + nbytes(vc) + 2 * nbytes([q])
+        rows.append(
+            dict(
+                batch=batch,
+                context=ctx,
+                bits=bits,
+                fused_us=t_fused * 1e6,
+                deq_sdpa_us=t_deq * 1e6,
+                sdpa_bf16_us=sdpa[torch.bfloat16]["us"],
+                sdpa_fp16_us=sdpa[torch.float16]["us"],
+                sdpa_bf16_form=f"{sdpa[torch.bfloat16]['form']}/{sdpa[torch.bfloat16]['backend']}",
+                sdpa_fp16_form=f"{sdpa[torch.float16]['form']}/{sdpa[torch.float16]['backend']}",
+                compressed_bytes=comp_bytes,
+                dense_bytes=dense_bytes,
+                fused_gbps=comp_bytes / t_fused / GB,
+                fused_pct_copy=100 * comp_bytes / t_fused / bw,
+                sdpa_bf16_gbps=dense_bytes / (sdpa[torch.bfloat16]["us"] * 1e-6) / GB,
+                speedup_vs_sdpa_bf16=sdpa[torch.bfloat16]["us"] / (t_fused * 1e6),
+                speedup_vs_sdpa_fp16=sdpa[torch.float16]["us"] / (t_fused * 1e6),
+                speedup_vs_deq_sdpa=t_deq / t_fused,
+                rel_err_vs_deq_sdpa=err,
+            )
+        )
+        kc = vc = out = ref = None  # free the cache before the next width
+        torch.cuda.empty_cache()
+    q = k = v = None
+    torch.cuda.empty_cache()
+    return rows
+
+
+def compress_per_step(timer, batch, bits_list, gen, layers=32):
+    """Microseconds of the compression one decode step costs for `layers` layers."""
+    rows = []
+    v1 = torch.randn(batch, KV_HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k64 = torch.randn(batch, KV_HEADS, GROUP, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    for bits in bits_list:
+        t_v = timer(lambda: [nexuskv.nq_compress(v1, bits, GROUP, -1) for _ in range(layers)])
+        t_k = timer(lambda: [nexuskv.nq_compress(k64, bits, GROUP, -2) for _ in range(layers)])
+        rows.append(
+            dict(
+                batch=batch,
+                bits=bits,
+                layers=layers,
+                values_1_token_us=t_v * 1e6,
+                keys_64_tokens_us=t_k * 1e6,
+                per_step_us=(t_v + t_k / GROUP) * 1e6,
+                key_group_gbps=layers * nbytes([k64]) / t_k / GB,
+            )
+        )
+    return rows
+
+
+def print_table(rows, bw):
+    print(f"\ncopy bandwidth (D2D, read + write): {bw / GB:.0f} GB/s")
+    hdr = (
+        f"{'batch':>5} {'ctx':>6} {'bits':>4} {'fused us':>9} {'GB/s':>7} {'%copy':>6} {'SDPA bf16':>10} "
+        f"{'SDPA fp16':>10} {'deq+SDPA':>9} {'x bf16':>7} {'x fp16':>7} {'x deq':>6} {'err':>8}"
+    )
+    print(hdr)
+    for r in rows:
+        print(
+            f"{r['batch']:>5} {r['context'] // 1024:>5}K {r['bits']:>4} {r['fused_us']:>9.1f} {r['fused_gbps']:>7.0f} "
+            f"{r['fused_pct_copy']:>5.1f}% {r['sdpa_bf16_us']:>10.1f} {r['sdpa_fp16_us']:>10.1f} "
+            f"{r['deq_sdpa_us']:>9.1f} {r['speedup_vs_sdpa_bf16']:>6.2f}x {r['speedup_vs_sdpa_fp16']:>6.2f}x "
+            f"{r['speedup_vs_deq_sdpa']:>5.2f}x {r['rel_err_vs_deq_sdpa']:>8.1e}"
+        )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default="results/bench_cuda.json")
+    ap.add_argument("--batches", default=None, help="default 1,16,64 (1,16 with --quick)")
+    ap.add_argument("--contexts", default=None, help="default 4096,32768,131072 (4096,32768 with --quick)")
+    ap.add_argument("--bits", default=None, help="default 8,4,2 (4 with --quick)")
+    ap.add_argument("--reps", type=int, default=20, help="timed runs per measurement (median; >= 20)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_cuda: no CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    batches = [int(x) for x in (args.batches or ("1,16" if args.quick else "1,16,64")).split(",")]
+    contexts = [int(x) for x in (args.contexts or ("4096,32768" if args.quick else "4096,32768,131072")).split(",")]
+    bits_list = [int(x) for x in (args.bits or ("4" if args.quick else "8,4,2")).split(",")]
+    timer = Timer(max(args.reps, 1), args.warmup)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t0 = time.time()
+    bw = copy_bandwidth(timer)
+    rows, skipped = [], []
+    for batch in batches:
+        for ctx in contexts:
+            free, _ = torch.cuda.mem_get_info()
+            if not fits(batch, ctx, free):
+                skipped.append(dict(batch=batch, context=ctx, reason=f"needs more than the {free / GB:.0f} GB free"))
+                print(f"skip batch {batch} context {ctx}: {skipped[-1]['reason']}")
+                continue
+            rows += bench_config(timer, batch, ctx, bits_list, bw, gen)
+            print(
+                f"batch {batch} context {ctx}: "
+                + ", ".join(
+                    f"{r['bits']}-bit {r['fused_us']:.0f} us ({r['speedup_vs_sdpa_bf16']:.2f}x SDPA bf16)"
+                    for r in rows[-len(bits_list) :]
+                ),
+                flush=True,
+            )
+    compress = [r for b in batches for r in compress_per_step(timer, b, bits_list, gen)]
+    print_table(rows, bw)
+    print(f"\n{'batch':>5} {'bits':>4} {'V 1 tok x32 us':>15} {'K 64 tok x32 us':>16} {'per step us':>12}")
+    for r in compress:
+        print(
+            f"{r['batch']:>5} {r['bits']:>4} {r['values_1_token_us']:>15.1f} {r['keys_64_tokens_us']:>16.1f} "
+            f"{r['per_step_us']:>12.1f}"
+        )
+    info = dict(
+        device=torch.cuda.get_device_name(0),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        date=time.strftime("%Y-%m-%d"),
+        copy_gbps=bw / GB,
+        reps=args.reps,
+        warmup=args.warmup,
+        seconds=time.time() - t0,
+        q_heads=Q_HEADS,
+        kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        group=GROUP,
+    )
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(info=info, attention=rows, skipped=skipped, compress=compress), indent=1))
+    print(f"\nwrote {path} ({time.time() - t0:.0f} s)")
+    bad = [r for r in rows if not r["rel_err_vs_deq_sdpa"] <= 2e-2]
+    if bad:
+        print(f"bench_cuda: fused differs from decompress-then-SDPA in {len(bad)} configs", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

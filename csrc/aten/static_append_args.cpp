@@ -1,0 +1,89 @@
+#include "static_append_args.h"
+
+#include <numeric>
+
+#include <c10/util/Exception.h>
+
+#include "nq_args.h"
+
+namespace nexuskv {
+namespace {
+
+constexpr const char* kOp = "static_kv_append_";
+
+core::NQDims store_dims(at::TensorList store, at::IntArrayRef format, int64_t head_dim, const char* what,
+                        bool allow_dgq) {
+  TORCH_CHECK(format.size() == 3 || (allow_dgq && store.size() == 6 && format.size() == 4), kOp, ": ", what,
+              "_format must be [bits, group_size, axis]", allow_dgq ? " (+ granule for DGQ keys)" : "", ", got ",
+              format);
+  if (store.size() == 6 && allow_dgq)
+    return dgq_decompress_dims(kOp, store[0], store[1], store[2], store[3], store[4], store[5], format[0], format[1],
+                               head_dim, what);
+  TORCH_CHECK(store.size() == 5, kOp, ": ", what, "_store must hold the 5 tensors of an NQ tensor",
+              allow_dgq ? " (or 6 of a DGQ one)" : "", ", got ", store.size());
+  return nq_decompress_dims(kOp, store[0], store[1], store[2], store[3], store[4], format[0], format[1], format[2],
+                            head_dim, what);
+}
+
+}  // namespace
+
+StaticAppendShapes check_static_append_args(at::TensorList k_store, at::TensorList v_store, const at::Tensor& k_tail,
+                                            const at::Tensor& v_tail, const at::Tensor& lengths, const at::Tensor& k,
+                                            const at::Tensor& v, at::IntArrayRef k_format, at::IntArrayRef v_format,
+                                            int64_t residual) {
+  StaticAppendShapes s;
+  TORCH_CHECK(k.dim() == 4, kOp, ": k must have shape [batch, kv_heads, tokens, head_dim], got ", k.sizes());
+  TORCH_CHECK(v.sizes() == k.sizes(), kOp, ": v must have k's shape ", k.sizes(), ", got ", v.sizes());
+  TORCH_CHECK(is_float_type(k.scalar_type()) && v.scalar_type() == k.scalar_type(), kOp,
+              ": k and v must be float32, float16 or bfloat16 of one dtype, got ", k.scalar_type(), " and ",
+              v.scalar_type());
+  s.batch = k.size(0), s.kv_heads = k.size(1), s.new_tokens = k.size(2), s.head_dim = k.size(3);
+  TORCH_CHECK(s.batch > 0 && s.kv_heads > 0 && s.head_dim > 0, kOp, ": k must not be empty, got ", k.sizes());
+  check_same_device(kOp, "k", k, {{"v", &v}, {"k_tail", &k_tail}, {"v_tail", &v_tail}, {"lengths", &lengths}});
+  TORCH_CHECK(residual >= 0, kOp, ": residual must be >= 0, got ", residual);
+  s.residual = residual;
+
+  s.k = store_dims(k_store, k_format, s.head_dim, "k", true);
+  s.v = store_dims(v_store, v_format, s.head_dim, "v", false);
+  s.k_dgq = k_store.size() == 6;
+  if (s.k_dgq) {
+    TORCH_CHECK(k_format[2] == -2, kOp, ": DGQ keys are grouped along tokens (axis -2), got axis ", k_format[2]);
+    if (k_format.size() == 4) s.granule = k_format[3];
+    TORCH_CHECK(s.granule >= 1 && s.granule <= s.k.group_size, kOp,
+                ": granule must be in [1, group_size=", s.k.group_size, "], got ", s.granule);
+  }
+  for (const auto& [store, name] : {std::pair{k_store, "k_store"}, std::pair{v_store, "v_store"}}) {
+    check_same_device(kOp, "k", k, {{name, &store[0]}});
+    TORCH_CHECK(store[0].dim() == 4 && store[0].size(0) == s.batch && store[0].size(1) == s.kv_heads, kOp, ": ", name,
+                " must be [batch=", s.batch, ", kv_heads=", s.kv_heads, ", capacity, row_bytes], got codes ",
+                store[0].sizes());
+    TORCH_CHECK(store[4].scalar_type() == k.scalar_type(), kOp, ": ", name, " holds outlier values of ",
+                store[4].scalar_type(), ", but k is ", k.scalar_type());
+  }
+  TORCH_CHECK(s.k.tokens == s.v.tokens, kOp, ": k_store and v_store must have one capacity, got ", s.k.tokens, " and ",
+              s.v.tokens);
+  const int64_t kt = s.k.axis == core::GroupAxis::kTokens ? s.k.group_size : 1;
+  const int64_t vt = s.v.axis == core::GroupAxis::kTokens ? s.v.group_size : 1;
+  s.chunk = std::lcm(kt, vt);
+  TORCH_CHECK(s.k.tokens % s.chunk == 0, kOp, ": the capacity (", s.k.tokens,
+              ") must be a multiple of the tokens one compression covers (", s.chunk, ")");
+  for (const auto& [t, name] : {std::pair{&k_tail, "k_tail"}, std::pair{&v_tail, "v_tail"}}) {
+    TORCH_CHECK(t->dim() == 4 && t->size(0) == s.batch && t->size(1) == s.kv_heads && t->size(3) == s.head_dim, kOp,
+                ": ", name, " must be [batch=", s.batch, ", kv_heads=", s.kv_heads,
+                ", tail_capacity, head_dim=", s.head_dim, "], got ", t->sizes());
+    TORCH_CHECK(t->scalar_type() == k.scalar_type(), kOp, ": ", name, " must have k's dtype ", k.scalar_type(),
+                ", got ", t->scalar_type());
+  }
+  TORCH_CHECK(v_tail.size(2) == k_tail.size(2), kOp, ": k_tail and v_tail must have one capacity, got ", k_tail.size(2),
+              " and ", v_tail.size(2));
+  s.tail_capacity = k_tail.size(2);
+  TORCH_CHECK(s.tail_capacity >= residual + s.chunk - 1, kOp,
+              ": the tail must hold residual + chunk - 1 = ", residual + s.chunk - 1, " tokens, got ", s.tail_capacity);
+  TORCH_CHECK(
+      lengths.scalar_type() == at::kLong && lengths.dim() == 2 && lengths.size(0) == 2 && lengths.size(1) == s.batch,
+      kOp, ": lengths must be int64 [2, batch=", s.batch, "] (compressed, tail), got ", lengths.scalar_type(), " ",
+      lengths.sizes());
+  return s;
+}
+
+}  // namespace nexuskv

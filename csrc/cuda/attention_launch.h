@@ -1,0 +1,80 @@
+// The split kernels of dgq_fused_attention behind one function per problem
+// type, so that the glue (attention_cuda.cpp) compiles without the kernels and
+// the kernels (attention_<T>.cu, one file per element type, torch-free)
+// compile in parallel.
+#pragma once
+
+#include <cstddef>
+
+#include "launch.h"
+#include "nexuskv/core/attention_params.h"
+
+namespace nexuskv::cuda {
+
+constexpr int kAttnRows = 16;  // query rows per block
+
+// A launch of the split kernels: the problem (core::AttentionParams, one
+// instantiation per element / meta / outlier type) plus the work split and
+// where the partials go.
+template <typename Params>
+struct AttentionLaunch {
+  Params p;
+  int64_t splits = 1, row_tiles = 1;
+  float* partials = nullptr;  // [B, Hkv, row_tiles, splits, kAttnRows, D + 2]
+  uint32_t* status = nullptr;
+
+  NEXUSKV_HD int64_t partial_index(int64_t b, int64_t h, int64_t rt, int64_t split) const {
+    return (((b * p.kv_heads + h) * row_tiles + rt) * splits + split) * kAttnRows * (p.head_dim + 2);
+  }
+};
+
+// The merge of the splits (attention_merge_kernel): one block per (kv head x
+// row tile, batch); writes out [B, Hq, Lq, D] in q's dtype.
+struct MergeArgs {
+  int64_t batch, q_heads, kv_heads, q_len, head_dim, splits, row_tiles;
+  const float* partials;        // [B, Hkv, row_tiles, splits, kAttnRows, D + 2]
+  const float* rotation_signs;  // [D] or null
+
+  NEXUSKV_HD int64_t partial_index(int64_t b, int64_t h, int64_t rt, int64_t split) const {
+    return (((b * kv_heads + h) * row_tiles + rt) * splits + split) * kAttnRows * (head_dim + 2);
+  }
+};
+
+inline size_t merge_smem_bytes(const MergeArgs& a) {
+  return size_t(kAttnRows * a.head_dim + kAttnRows * a.splits) * sizeof(float);
+}
+// Returns a cudaError_t of the set-up, 0 if none (attention_merge.cu).
+template <typename Out>
+int launch_attention_merge(const MergeArgs& a, Out* out, Stream stream);
+
+enum class KernelChoice { kAuto, kSimple, kMma };
+
+struct AttentionLaunchResult {
+  bool mma = false;  // the tensor-core kernel ran (else the reference kernel)
+  int error = 0;     // a cudaError_t of the launch set-up, 0 if none
+};
+
+// Launches the split kernel of L over the grid (splits, kv heads x row tiles,
+// batch) on stream: the tensor-core kernel where it takes the problem (and
+// choice allows it), else the reference kernel unless choice is kMma.
+template <typename Params>
+AttentionLaunchResult launch_attention(const AttentionLaunch<Params>& L, Stream stream, KernelChoice choice);
+
+// Every instantiation the glue dispatches to: declared extern by the glue
+// (PREFIX extern), defined once each in attention_<T>.cu (PREFIX empty).
+#define NEXUSKV_ATTENTION_INSTANCES(PREFIX, T)                                                       \
+  PREFIX template AttentionLaunchResult launch_attention<core::AttentionParams<T, float, T>>(        \
+      const AttentionLaunch<core::AttentionParams<T, float, T>>&, Stream, KernelChoice);             \
+  PREFIX template AttentionLaunchResult launch_attention<core::AttentionParams<T, core::half_t, T>>( \
+      const AttentionLaunch<core::AttentionParams<T, core::half_t, T>>&, Stream, KernelChoice);      \
+  PREFIX template AttentionLaunchResult launch_attention<core::AttentionParams<T, core::bf16_t, T>>( \
+      const AttentionLaunch<core::AttentionParams<T, core::bf16_t, T>>&, Stream, KernelChoice);
+
+extern template int launch_attention_merge<float>(const MergeArgs&, float*, Stream);
+extern template int launch_attention_merge<core::half_t>(const MergeArgs&, core::half_t*, Stream);
+extern template int launch_attention_merge<core::bf16_t>(const MergeArgs&, core::bf16_t*, Stream);
+NEXUSKV_ATTENTION_INSTANCES(extern, float)
+NEXUSKV_ATTENTION_INSTANCES(extern, core::half_t)
+NEXUSKV_ATTENTION_INSTANCES(extern, core::bf16_t)
+
+}  // namespace nexuskv::cuda

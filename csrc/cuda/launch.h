@@ -1,0 +1,105 @@
+// The launch functions of the CUDA kernels: plain declarations over raw
+// pointers, so that the ATen glue (*_cuda.cpp, a C++ compiler) does not
+// compile the kernels and the kernels (*.cu, nvcc) do not parse torch.  Each
+// is defined beside its kernel and instantiated in a .cu file of csrc/cuda.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "nexuskv/core/half.h"
+#include "nexuskv/core/hd.h"
+#include "nexuskv/core/nq_format.h"
+
+#include <cuda_runtime_api.h>
+
+namespace nexuskv::cuda {
+using Stream = cudaStream_t;
+}
+
+namespace nexuskv::cuda {
+
+using core::DType;
+
+// x viewed as [N, T, D]: element (n, t, c) at data[n * stride_n + t * stride_t + c * stride_d].
+template <typename In>
+struct RowsView {
+  const In* data;
+  int64_t stride_n, stride_t, stride_d;
+  NEXUSKV_HD const In& at(int64_t n, int64_t t, int64_t c) const {
+    return data[n * stride_n + t * stride_t + c * stride_d];
+  }
+};
+
+// ---- NQ (nq_compress.cuh, nq_decompress.cuh; nq_kernels.cu) ------------------------------------
+
+template <typename In, typename Meta>
+struct NQCompressArgs {
+  core::NQDims dims;  // segment_starts: device pointer for DGQ, else null
+  RowsView<In> x;
+  uint8_t* codes;        // [N, T, row_bytes]
+  Meta* scale;           // [N, A, B]
+  Meta* zero;            // [N, A, B]
+  uint8_t* outlier_idx;  // [N, A, B, k]
+  In* outlier_val;       // [N, A, B, k]
+  uint32_t* status;      // device status word (status.h) or null
+};
+template <typename In, typename Meta>
+void launch_nq_compress(const NQCompressArgs<In, Meta>& a, Stream stream);
+
+struct NQDecompressArgs {
+  core::NQDims dims;           // segment_starts: device pointer for DGQ, else null
+  const uint8_t* codes;        // [N, T, row_bytes]
+  const void* scale;           // [N, A, B]     meta_dtype
+  const void* zero;            // [N, A, B]
+  const uint8_t* outlier_idx;  // [N, A, B, k]
+  const void* outlier_val;     // [N, A, B, k]  val_dtype
+  DType meta_dtype, val_dtype;
+  uint8_t* row_ok;  // [N] scratch for DGQ, else null
+  uint32_t* status;
+};
+template <typename Out>
+void launch_nq_decompress(const NQDecompressArgs& a, Out* out, Stream stream);  // out [N, T, D]
+
+// ---- DGQ segments (dgq_segments.cuh; dgq_kernels.cu) -------------------------------------------
+
+// Bytes of scratch per row, and the offsets of its arrays.
+struct SegmentScratchLayout {
+  int64_t ng = 0, D = 0;
+  NEXUSKV_HD int64_t gmin() const { return 0; }
+  NEXUSKV_HD int64_t gmax() const { return gmin() + ng * D * 4; }
+  NEXUSKV_HD int64_t cost() const { return gmax() + ng * D * 4; }  // 8-byte aligned: ng * D * 8 bytes before
+  NEXUSKV_HD int64_t delta() const { return cost() + ng * 8; }
+  NEXUSKV_HD int64_t next() const { return delta() + ng * 8; }
+  NEXUSKV_HD int64_t prev() const { return next() + ng * 4; }
+  NEXUSKV_HD int64_t len() const { return prev() + ng * 4; }
+  NEXUSKV_HD int64_t mergeable() const { return len() + ng * 4; }
+  NEXUSKV_HD int64_t bytes() const { return (mergeable() + ng + 15) / 16 * 16; }
+};
+
+// Bytes of scratch per row the segment choice needs.
+inline int64_t dgq_scratch_bytes_per_row(int64_t T, int64_t D, int64_t granule) {
+  SegmentScratchLayout lay;
+  lay.ng = core::ceil_div(T, granule), lay.D = D;
+  return lay.bytes();
+}
+template <typename In>
+void launch_dgq_segments(const RowsView<In>& x, int64_t rows, int64_t T, int64_t D, int64_t granule, int64_t max_len,
+                         int64_t S,
+                         unsigned char* scratch,  // [rows, dgq_scratch_bytes_per_row]
+                         int32_t* starts,         // [rows, S]
+                         uint32_t* status, Stream stream);
+
+// ---- Hadamard rotation (hadamard.cuh; hadamard_kernels.cu) -------------------------------------
+
+constexpr int64_t kHadamardSmemMax = 8192;  // floats of one row in shared memory (32 KB)
+template <typename T>
+void launch_hadamard(const T* x,  // [rows, n] contiguous
+                     int64_t rows, int64_t n,
+                     const void* signs,  // [n] signs_dtype
+                     DType signs_dtype, bool inverse,
+                     T* y,            // [rows, n]
+                     float* scratch,  // [rows, n] when n > kHadamardSmemMax, else unused
+                     uint32_t* status, Stream stream);
+
+}  // namespace nexuskv::cuda

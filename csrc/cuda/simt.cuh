@@ -1,0 +1,117 @@
+// The handful of CUDA constructs the kernels of csrc/cuda use, named once: the
+// exactly rounded arithmetic the compress kernels need to match the CPU bit for
+// bit, warp exchanges, launches, and the few PTX instructions of the
+// tensor-core attention kernel (mma, cp.async, cvt, prmt), each with a comment
+// on its operand layout.  Warp shuffles and block barriers are reached by every
+// thread of the block.
+#pragma once
+
+#include <cstdint>
+
+#include "launch.h"
+#include "nexuskv/core/half.h"
+
+#if !defined(__CUDACC__)
+#error "csrc/cuda kernels are compiled by nvcc"
+#endif
+#include <cuda_runtime.h>
+
+namespace nexuskv::cuda {
+
+constexpr int kWarp = 32;
+constexpr size_t kDefaultSmem = 48 << 10;  // dynamic shared memory a kernel gets without opting in
+
+#define NKV_KERNEL __global__
+#define NKV_DEVICE __device__ __forceinline__
+#define NKV_HOST_DEVICE __host__ __device__ __forceinline__
+#define NKV_SYNC() __syncthreads()
+// A kernel parameter whose address is taken, without a copy to local memory.
+#define NKV_GRID_CONSTANT __grid_constant__
+// Dynamic shared memory of a kernel, 16-byte aligned.
+#define NKV_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+using Dim3 = dim3;
+
+// Exactly rounded float/double arithmetic: no FMA contraction, so that the
+// compress kernels compute what the CPU kernels compute, bit for bit.
+NKV_DEVICE float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+NKV_DEVICE float add_rn(float a, float b) { return __fadd_rn(a, b); }
+NKV_DEVICE float sub_rn(float a, float b) { return __fsub_rn(a, b); }
+NKV_DEVICE float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+NKV_DEVICE double dmul_rn(double a, double b) { return __dmul_rn(a, b); }
+NKV_DEVICE double dadd_rn(double a, double b) { return __dadd_rn(a, b); }
+NKV_DEVICE double dsub_rn(double a, double b) { return __dsub_rn(a, b); }
+
+// Butterfly exchange among the 32 lanes of a warp (all lanes take part).
+NKV_DEVICE float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+NKV_DEVICE uint32_t shfl_xor(uint32_t v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+
+NKV_DEVICE uint32_t atomic_or(uint32_t* p, uint32_t v) { return atomicOr(p, v); }
+NKV_DEVICE float atomic_add(float* p, float v) { return atomicAdd(p, v); }
+
+// Launches kernel<<<grid, block, smem, stream>>>(args...).
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), Dim3 grid, Dim3 block, size_t smem, Stream stream, Args... args) {
+  kernel<<<grid, block, smem, stream>>>(args...);
+}
+// Raises the dynamic shared memory limit of a kernel above the default 48 KB.
+template <typename... Params>
+cudaError_t allow_smem(void (*kernel)(Params...), size_t bytes) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+}
+
+// ---- the few instructions of the tensor-core attention kernel -----------------------------
+
+NKV_DEVICE float shfl(float v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+
+// Bytes of (hi:lo) picked by the selector's nibbles (PRMT).
+NKV_DEVICE uint32_t byte_perm(uint32_t lo, uint32_t hi, uint32_t selector) { return __byte_perm(lo, hi, selector); }
+
+// fp16 bits -> float by the hardware converter (exact, as core::half_to_float).
+NKV_DEVICE float half_bits_to_float(uint16_t h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(h));
+  return f;
+}
+
+// Two fp16 values (lo in bits 0..15) from two floats, round to nearest.
+NKV_DEVICE uint32_t pack_half2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// Two fp16 values minus 1024 each (exact for 1024 + small integers).
+NKV_DEVICE uint32_t half2_minus_1024(uint32_t h) {
+  uint32_t r;
+  asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(h), "r"(0x64006400u));
+  return r;
+}
+// D = A . B + D for one m16n8k16 tile: A fp16 16x16 row-major, B fp16 16x8
+// column-major, D float 16x8, in the PTX fragment layout (g = lane / 4,
+// t = lane % 4): a[i] holds A[g + 8 (i % 2)][2t + 8 (i / 2) + {0, 1}];
+// b[j] holds B[2t + 8 j + {0, 1}][g]; d[i] holds D[g + 8 (i / 2)][2t + i % 2].
+// All 32 lanes call it together.
+NKV_DEVICE void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Asynchronous 16-byte copy global -> shared, and its groups (cp.async).
+NKV_DEVICE void cp_async16(void* smem, const void* gmem) {
+  const uint32_t s = uint32_t(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+NKV_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most `pending` committed groups of this thread are in flight.
+template <int kPending>
+NKV_DEVICE void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// Bits of a float and back (the kernels' magic-number conversions): half.h's.
+using core::bits_float;
+using core::float_bits;
+
+}  // namespace nexuskv::cuda

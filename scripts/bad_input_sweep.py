@@ -1,0 +1,2531 @@
+#!/usr/bin/env python3
+"""Bad-input sweep over nexuskv's public surface, as an outside tester would run it.
+
+Every public operator (torch.ops.nexuskv.* through the typed wrappers of nexuskv.ops, and
+the raw dispatcher calls where the wrappers add a check), the compressed cache
+(nexuskv.cache.make_cache / KVCache: constructor, append, attend, dense, reorder, crop,
+state_dict / from_state_dict) and the Hugging Face binding (nexuskv.hf.cache_for,
+NexusKVLayer) gets
+
+  * bad inputs, by category: wrong dtypes, bits, group sizes, outlier counts, shapes
+    (empty / 0-D / 5-D), non-contiguous and stride-0 views, NaN / Inf / huge values,
+    mismatched decompress inputs, GQA mismatches, bad lengths, tails, signs, meta tensors,
+    grad mode, other arguments, corrupt state dicts;
+  * valid edge cases (empty batch, length 0, partial groups, q_len > cached, fp16 / bf16 /
+    fp32, non-contiguous and stride-0 views, subnormal and huge values), checked against a
+    float64 reference (tests/python/nq_reference.py for the format; softmax over
+    nq_decompress for attention) with tolerances from the math.
+
+Each case runs in its own forked process with a timeout.  Verdicts:
+  bad input:  clear      an error (RuntimeError/ValueError/TypeError/IndexError/
+                         NotImplementedError) whose message names the argument or what was
+                         expected (the case lists the words that count)
+              unclear    an exception whose message does not say what was wrong
+              crash      the process died (signal, abnormal exit)
+              hang       it ran past the timeout
+              silent     it returned (garbage), or an error left a cache changed (lost data)
+  valid case: pass / wrong (error above the tolerance) / error (raised) / crash / hang
+
+    python scripts/bad_input_sweep.py --json results/bad_input_sweep.json
+    python scripts/bad_input_sweep.py --only nq_compress --verbose
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import pathlib
+import select
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+import nexuskv
+from nexuskv import cache as nkcache
+from nexuskv import hf, ops
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "python"))
+import nq_reference as ref  # noqa: E402  (the independent float64 reference of the format)
+
+F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
+NAN, INF = float("nan"), float("inf")
+CLEAR_TYPES = (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError)
+UNCLEAR_MARKS = ("internal assert", "expected a proper tensor", "please report a bug", "segmentation")
+
+
+@dataclass
+class Case:
+    name: str  # target/what
+    target: str  # the operator or API
+    category: str  # bad-input category, or "valid"
+    fn: Callable  # bad: makes the call; valid: returns (error, tolerance)
+    hints: Sequence[str] = ()  # bad: words (lower case) one of which a clear message contains
+    propagates: bool = False  # bad: non-finite buffer values, which may also come out as NaN/Inf
+
+
+CASES: list[Case] = []
+
+
+def bad(target: str, category: str, what: str, fn: Callable, *hints: str) -> None:
+    CASES.append(Case(f"{target}/{what}", target, category, fn, tuple(h.lower() for h in hints)))
+
+
+def nonfinite(target: str, what: str, fn: Callable, *hints: str) -> None:
+    """NaN/Inf in the values of compressed buffers given to a raw operator: the buffers'
+    values are data (only positions, segment starts and lengths, which steer memory
+    access, are checked), so either a clear error or NaN/Inf in the output is right;
+    finite output would hide them (silent)."""
+    CASES.append(Case(f"{target}/{what}", target, "values", fn, tuple(h.lower() for h in hints), True))
+
+
+def valid(target: str, what: str, fn: Callable) -> None:
+    CASES.append(Case(f"{target}/{what}", target, "valid", fn))
+
+
+class LostData(Exception):
+    """Raised by a bad case whose call raised but changed the state it should have kept."""
+
+
+# ---- inputs --------------------------------------------------------------------------------
+
+
+def rnd(*shape, dtype=F32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=F64) * scale).to(dtype)
+
+
+def poke(x: torch.Tensor, value: float, index=None) -> torch.Tensor:
+    x = x.clone()
+    x.view(-1)[x.numel() // 2 if index is None else index] = value
+    return x
+
+
+def replace(seq, i, t):
+    seq = list(seq)
+    seq[i] = t
+    return seq
+
+
+def grad_leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+NQ_SHAPE = (2, 3, 40, 64)  # partial last token group at G=16
+
+
+def nq_parts(shape=NQ_SHAPE, bits=4, G=16, axis=-2, k=1, dtype=F32, meta=None, seed=0):
+    return list(ops.nq_compress(rnd(*shape, dtype=dtype, seed=seed), bits, G, axis, k, meta))
+
+
+def nq_dec(parts, bits=4, G=16, axis=-2, D=64, out=None):
+    return ops.nq_decompress(*parts, bits, G, axis, D, out)
+
+
+def dgq_parts(shape=(2, 3, 80, 64), bits=4, G=32, granule=16, max_len=None, k=1, dtype=F32):
+    return list(ops.dgq_compress(rnd(*shape, dtype=dtype), bits, G, granule, max_len, k))
+
+
+def dgq_dec(parts, bits=4, G=32, D=64, out=None):
+    return ops.dgq_decompress(*parts, bits, G, D, out)
+
+
+def hadamard_f64(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=F64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def rotation_f64(signs: torch.Tensor) -> torch.Tensor:
+    """R with rotate(x) = x @ R.T: R = H diag(signs) / sqrt(n)."""
+    n = signs.shape[0]
+    return hadamard_f64(n) @ torch.diag(signs.to(F64)) / math.sqrt(n)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.to(F64), b.to(F64)
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def attention_tol(q_dtype) -> float:
+    # fp32 q: float32 tiles, 1e-4 relative (the suite's bound); fp16/bf16 q: the integer-key
+    # path's documented 1e-3 plus rounding the output to q's dtype (eps/2 per element).
+    return 1e-4 if q_dtype == F32 else 1e-3 + torch.finfo(q_dtype).eps
+
+
+def attention_f64(q, K, V, lens, scale, window=None, softcap=None):
+    """Causal float64 attention of the last q_len positions of each sequence over its
+    first lens[b] keys K[b] [Hkv, L, D]; a query row that sees no key gives zeros."""
+    B, Hq, Lq, D = q.shape
+    out = torch.zeros(B, Hq, Lq, D, dtype=F64)
+    for b in range(B):
+        L = int(lens[b])
+        if L == 0:
+            continue
+        g = Hq // K[b].shape[0]
+        k, v = K[b][:, :L].to(F64).repeat_interleave(g, 0), V[b][:, :L].to(F64).repeat_interleave(g, 0)
+        s = (q[b].to(F64) @ k.transpose(-1, -2)) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        key, pos = torch.arange(L)[None, :], torch.arange(L - Lq, L)[:, None]
+        hidden = key > pos
+        if window is not None:
+            hidden |= key <= pos - window
+        s = s.masked_fill(hidden, -math.inf)
+        seen = ~hidden.all(-1)
+        p = torch.where(seen[None, :, None], torch.softmax(s.masked_fill(~seen[:, None], 0.0), -1), 0.0)
+        out[b] = p @ v
+    return out
+
+
+class Att:
+    """A valid dgq_fused_attention call (keywords in self.args) and its float64 reference:
+    softmax over nq_decompress / dgq_decompress of the buffers (float32 out), rotated back."""
+
+    def __init__(
+        self,
+        B=2,
+        Hkv=2,
+        Hq=4,
+        Lq=1,
+        D=64,
+        T=64,
+        kb=4,
+        kG=32,
+        kaxis=-2,
+        kk=1,
+        vb=4,
+        vG=32,
+        vaxis=-1,
+        vk=1,
+        dtype=F32,
+        q_dtype=None,
+        dgq=False,
+        tail=8,
+        tail_lens=(8, 3),
+        comp_lens=(64, 40),
+        sinks=0,
+        sink_lens=None,
+        rotate=False,
+        window=None,
+        softcap=None,
+        seed=0,
+    ):
+        K, V = rnd(B, Hkv, T, D, dtype=dtype, seed=seed), rnd(B, Hkv, T, D, dtype=dtype, seed=seed + 1)
+        self.signs = nexuskv.rotation_signs(D, seed) if rotate else None
+        if rotate:
+            K, V = ops.hadamard_rotate(K, self.signs), ops.hadamard_rotate(V, self.signs)
+        kc = ops.dgq_compress(K, kb, kG, 16, None, kk) if dgq else ops.nq_compress(K, kb, kG, kaxis, kk)
+        vc = ops.nq_compress(V, vb, vG, vaxis, vk)
+        self.fmt = dict(kb=kb, kG=kG, kaxis=-2 if dgq else kaxis, vb=vb, vG=vG, vaxis=vaxis, D=D, dgq=dgq)
+        a = dict(
+            q=rnd(B, Hq, Lq, D, dtype=q_dtype or dtype, seed=seed + 2),
+            k_cache=list(kc),
+            v_cache=list(vc),
+            k_format=[kb, kG, self.fmt["kaxis"]],
+            v_format=[vb, vG, vaxis],
+            compressed_lens=torch.tensor(comp_lens[:B] if B else [], dtype=torch.int64),
+        )
+        if tail:
+            a.update(
+                k_tail=rnd(B, Hkv, tail, D, dtype=dtype, seed=seed + 3),
+                v_tail=rnd(B, Hkv, tail, D, dtype=dtype, seed=seed + 4),
+                tail_lens=torch.tensor(tail_lens[:B] if B else [], dtype=torch.int64),
+            )
+        if sinks:
+            a.update(
+                k_sink=rnd(B, Hkv, sinks, D, dtype=dtype, seed=seed + 5),
+                v_sink=rnd(B, Hkv, sinks, D, dtype=dtype, seed=seed + 6),
+                sink_lens=torch.tensor((sink_lens or [sinks] * B)[:B], dtype=torch.int64),
+            )
+        a.update(rotation_signs=self.signs, window=window, softcap=softcap)
+        self.args = a
+
+    def call(self, **over):
+        return ops.dgq_fused_attention(**{**self.args, **over})
+
+    def raw(self, **over):
+        """The dispatcher call without the wrapper's argument checks."""
+        a = {**self.args, **over}
+        return torch.ops.nexuskv.dgq_fused_attention(
+            a["q"],
+            a["k_cache"],
+            a["v_cache"],
+            a["k_format"],
+            a["v_format"],
+            a["compressed_lens"],
+            a.get("k_tail"),
+            a.get("v_tail"),
+            a.get("tail_lens"),
+            a.get("rotation_signs"),
+            a.get("scale"),
+            a.get("k_sink"),
+            a.get("v_sink"),
+            a.get("sink_lens"),
+            a.get("window"),
+            a.get("softcap"),
+        )
+
+    def reference(self):
+        a, f = self.args, self.fmt
+        if f["dgq"]:
+            Kh = ops.dgq_decompress(*a["k_cache"], f["kb"], f["kG"], f["D"], F32)
+        else:
+            Kh = ops.nq_decompress(*a["k_cache"], f["kb"], f["kG"], f["kaxis"], f["D"], F32)
+        Vh = ops.nq_decompress(*a["v_cache"], f["vb"], f["vG"], f["vaxis"], f["D"], F32)
+        Kh, Vh = Kh.to(F64), Vh.to(F64)
+        if self.signs is not None:
+            R = rotation_f64(self.signs)
+            Kh, Vh = Kh @ R, Vh @ R
+        q = a["q"]
+        B = q.shape[0]
+        Ks, Vs, lens = [], [], []
+        for b in range(B):
+            parts_k, parts_v = [], []
+            if a.get("k_sink") is not None:
+                s = int(a["sink_lens"][b])
+                parts_k.append(a["k_sink"][b, :, :s].to(F64)), parts_v.append(a["v_sink"][b, :, :s].to(F64))
+            c = int(a["compressed_lens"][b])
+            parts_k.append(Kh[b, :, :c]), parts_v.append(Vh[b, :, :c])
+            if a.get("k_tail") is not None:
+                t = int(a["tail_lens"][b])
+                parts_k.append(a["k_tail"][b, :, :t].to(F64)), parts_v.append(a["v_tail"][b, :, :t].to(F64))
+            Ks.append(torch.cat(parts_k, 1)), Vs.append(torch.cat(parts_v, 1))
+            lens.append(Ks[-1].shape[1])
+        scale = a.get("scale") or q.shape[-1] ** -0.5
+        return attention_f64(q, Ks, Vs, lens, scale, a.get("window"), a.get("softcap"))
+
+    def check(self, **over):
+        self.args.update(over)
+        out = self.call()
+        if out.shape != self.args["q"].shape or out.dtype != self.args["q"].dtype:
+            return INF, 0.0
+        return rel_err(out, self.reference()), attention_tol(self.args["q"].dtype)
+
+
+# ---- valid-case checks of the format ------------------------------------------------------
+
+
+def meta_of(dtype, meta):
+    return meta or dtype
+
+
+def check_nq_roundtrip(x, bits, G, axis, k, meta=None, out=None):
+    """x_hat = decompress(compress(x)) against the float64 reference's scale: every dense
+    entry within scale/2 (+ float32 arithmetic, + rounding into the output dtype), every
+    outlier exact (up to the output rounding).  Returns (max excess over the bound, 0)."""
+    parts = ops.nq_compress(x, bits, G, axis, k, meta)
+    x_hat = ops.nq_decompress(*parts, bits, G, axis, x.shape[-1], out)
+    out_dtype = out or x.dtype
+    if x_hat.shape != x.shape or x_hat.dtype != out_dtype:
+        return INF, 0.0
+    return _excess(x, x_hat, bits, G, axis, k, meta_of(x.dtype, meta), out_dtype), 0.0
+
+
+def _excess(x, x_hat, bits, G, axis, k, meta, out_dtype, seg_scale=None):
+    N = max(1, math.prod(x.shape[:-2]))
+    T, D = x.shape[-2:]
+    x3, h3 = x.reshape(N, T, D).to(F64), x_hat.reshape(N, T, D).to(F64)
+    if seg_scale is None:
+        p = ref.reference_params(x.reshape(N, T, D), bits, G, axis, k, meta)
+        s_el = ref.per_element(p["scale"], T, D, G, axis)
+        outlier = torch.zeros(N, T, D, dtype=torch.bool)
+        if k:
+            pos = p["pos"]  # [N, A, B, k] position in the group
+            A, Bm = pos.shape[1:3]
+            for n in range(N):
+                for slot in range(k):
+                    if axis == -2:
+                        t = torch.arange(A)[:, None] * G + pos[n, :, :, slot]
+                        ch = torch.arange(Bm)[None, :].expand(A, Bm)
+                    else:
+                        t = torch.arange(A)[:, None].expand(A, Bm)
+                        ch = torch.arange(Bm)[None, :] * G + pos[n, :, :, slot]
+                    ok = (t < T) & (ch < D)
+                    outlier[n, t[ok], ch[ok]] = True
+    else:
+        s_el, outlier = seg_scale
+    arith = 2.0**-22 * x3.abs()  # float32 code * scale + zero
+    rounding = ref.ulp(h3, out_dtype) / 2 if out_dtype != F32 else torch.zeros_like(h3)
+    bound = torch.where(outlier, rounding, s_el / 2 + arith + rounding)
+    return float(((x3 - h3).abs() - bound).max().clamp_min(0)) if x3.numel() else 0.0
+
+
+def check_dgq_roundtrip(x, bits, G, granule=16, max_len=None, k=0, meta=None):
+    parts = ops.dgq_compress(x, bits, G, granule, max_len, k, meta)
+    starts = parts[5]
+    N = max(1, math.prod(x.shape[:-2]))
+    T, D = x.shape[-2:]
+    S = -(-T // G)
+    limit = max_len or min(256, -(-2 * G // granule) * granule)
+    st = starts.reshape(N, S).long()
+    if starts.shape[-1] != S or int(st[:, 0].max()) != 0:
+        return INF, 0.0
+    x_hat = ops.dgq_decompress(*parts, bits, G, D, None)
+    x3 = x.reshape(N, T, D)
+    s_el = torch.zeros(N, T, D, dtype=F64)
+    outlier = torch.zeros(N, T, D, dtype=torch.bool)
+    for n in range(N):
+        bounds = st[n].tolist() + [T]
+        for s in range(S):
+            a, b = bounds[s], bounds[s + 1]
+            if b < a or (b - a) > limit or (b != T and (a % granule or b % granule)):
+                return INF, 0.0
+            if b == a:
+                continue
+            p = ref.reference_params(x3[n : n + 1, a:b], bits, b - a, -2, k, meta_of(x.dtype, meta))
+            s_el[n, a:b] = p["scale"][0, 0][None, :]
+            for slot in range(k):
+                t = a + p["pos"][0, 0, :, slot]
+                outlier[n, t, torch.arange(D)] = True
+    return _excess(x, x_hat, bits, G, -2, k, meta_of(x.dtype, meta), x.dtype, (s_el, outlier)), 0.0
+
+
+# ==== cases ===================================================================================
+
+BAD_DTYPES = [torch.float64, torch.int32, torch.int64, torch.int8, torch.uint8, torch.bool, torch.complex64]
+if hasattr(torch, "float8_e4m3fn"):
+    BAD_DTYPES.append(torch.float8_e4m3fn)
+BAD_BITS = [0, 1, 5, 6, 7, 9, 16, -1, -4, 2**32 + 4, 2**63 - 1]
+BAD_GROUPS = [0, -1, 257, 1024, 2**31, 2**32 + 16, -(2**63)]
+
+
+def nq_compress_cases():
+    op = "nq_compress"
+    x = lambda **kw: rnd(2, 3, 40, 64, **kw)  # noqa: E731
+    for dt in BAD_DTYPES:
+        bad(op, "dtype", f"x {dt}", lambda dt=dt: ops.nq_compress(x().to(dt), 4, 16, -2), "x must", "float32")
+    for dt in (torch.int32, torch.float64, torch.bool, torch.uint8):
+        bad(op, "dtype", f"meta_dtype {dt}", lambda dt=dt: ops.nq_compress(x(), 4, 16, -2, 0, dt), "meta_dtype")
+    for b in BAD_BITS:
+        bad(op, "bits", f"bits {b}", lambda b=b: ops.nq_compress(x(), b, 16, -2), "bits")
+    bad(op, "bits", "bits=True", lambda: ops.nq_compress(x(), True, 16, -2), "bits")
+    bad(op, "bits", "bits 4.0 (float)", lambda: ops.nq_compress(x(), 4.0, 16, -2), "bits")
+    for g in BAD_GROUPS:
+        bad(op, "group_size", f"group_size {g}", lambda g=g: ops.nq_compress(x(), 4, g, -1), "group_size")
+    for G, k in ((16, -1), (16, 16), (16, 17), (256, 256), (16, 2**32 + 1), (8, 2**63 - 1)):
+        bad(
+            op, "outliers", f"num_outliers {k} G{G}", lambda G=G, k=k: ops.nq_compress(x(), 4, G, -2, k), "num_outliers"
+        )
+    for a in (0, 1, -3, 2, 3, 2**32 - 2):
+        bad(op, "args", f"axis {a}", lambda a=a: ops.nq_compress(x(), 4, 16, a), "axis")
+    for shape in ((), (64,), (0, 64), (2, 0, 64), (2, 3, 40, 0), (0, 3, 40, 64)):
+        bad(op, "shape", f"x shape {shape}", lambda s=shape: ops.nq_compress(torch.zeros(s), 4, 16, -1), "x must")
+    for dt in (F32, F16, BF16):
+        for axis in (-2, -1):
+            for v in (NAN, INF, -INF):
+                bad(
+                    op,
+                    "values",
+                    f"x {dt} axis {axis} holds {v}",
+                    lambda dt=dt, axis=axis, v=v: ops.nq_compress(poke(x(dtype=dt), v), 4, 16, axis, 1),
+                    "nan",
+                    "inf",
+                    "finite",
+                )
+    bad(
+        op,
+        "values",
+        "fp32 range beyond FLT_MAX",
+        lambda: ops.nq_compress(poke(poke(x(), 3e38, 0), -3e38, 64), 4, 16, -2),
+        "range",
+        "float32",
+        "finite",
+    )
+    bad(
+        op,
+        "values",
+        "bf16 1e6 into float16 meta",
+        lambda: ops.nq_compress(poke(x(dtype=BF16), 1e6), 4, 16, -2, 0, F16),
+        "meta_dtype",
+        "float16",
+    )
+    bad(
+        op,
+        "values",
+        "fp32 1e30 into bfloat16->float16 meta",
+        lambda: ops.nq_compress(poke(x(), 1e30), 8, 16, -1, 0, F16),
+        "meta_dtype",
+        "float16",
+    )
+    # Non-contiguous and stride-0 views whose defect only the view shows.
+    bad(
+        op,
+        "layout",
+        "transposed view with NaN",
+        lambda: ops.nq_compress(poke(rnd(2, 3, 64, 40), NAN, 7).transpose(-1, -2), 4, 16, -2),
+        "nan",
+    )
+    bad(
+        op,
+        "layout",
+        "stride-0 expanded Inf",
+        lambda: ops.nq_compress(torch.tensor(INF).expand(2, 40, 64), 4, 16, -1),
+        "inf",
+    )
+    bad(
+        op,
+        "layout",
+        "strided slice with -Inf",
+        lambda: ops.nq_compress(poke(rnd(2, 3, 80, 64), -INF, 64 * 2)[:, :, ::2], 4, 16, -2),
+        "inf",
+    )
+    bad(op, "meta", "meta x bits 5", lambda: ops.nq_compress(torch.empty(2, 40, 64, device="meta"), 5, 16, -2), "bits")
+    bad(
+        op,
+        "meta",
+        "meta x float64",
+        lambda: ops.nq_compress(torch.empty(2, 40, 64, device="meta", dtype=F64), 4, 16, -2),
+        "x must",
+    )
+    bad(op, "meta", "meta x empty", lambda: ops.nq_compress(torch.empty(0, 40, 64, device="meta"), 4, 16, -2), "empty")
+    bad(
+        op,
+        "meta",
+        "meta x num_outliers = G",
+        lambda: ops.nq_compress(torch.empty(2, 40, 64, device="meta"), 4, 16, -2, 16),
+        "num_outliers",
+    )
+    bad(
+        op,
+        "meta",
+        "meta x meta_dtype int32",
+        lambda: ops.nq_compress(torch.empty(2, 40, 64, device="meta"), 4, 16, -2, 0, torch.int32),
+        "meta_dtype",
+    )
+    bad(op, "grad", "x requires grad", lambda: ops.nq_compress(grad_leaf(x()), 4, 16, -2), "grad")
+    bad(op, "grad", "non-leaf x requiring grad", lambda: ops.nq_compress(grad_leaf(x()) * 2, 4, 16, -1), "grad")
+    bad(op, "args", "meta_dtype 'float16' (str)", lambda: ops.nq_compress(x(), 4, 16, -2, 0, "float16"), "meta_dtype")
+    bad(op, "args", "x is a list", lambda: ops.nq_compress([[1.0] * 64] * 16, 4, 16, -2), "x", "tensor")
+
+    # valid
+    for i, (bits, axis, dt) in enumerate((b, a, d) for b in (2, 3, 4, 8) for a in (-2, -1) for d in (F32, F16, BF16)):
+        k = (0, 1, 2)[i % 3]
+        T, D, G = (37, 64, 16) if axis == -2 else (9, 40, 16)  # partial last groups
+        valid(
+            op,
+            f"roundtrip {bits}b axis {axis} {dt} k{k} partial",
+            lambda bits=bits, axis=axis, dt=dt, k=k, T=T, D=D, G=G: check_nq_roundtrip(
+                rnd(2, 2, T, D, dtype=dt, seed=bits), bits, G, axis, k
+            ),
+        )
+    valid(op, "5-D x", lambda: check_nq_roundtrip(rnd(2, 1, 2, 20, 32), 4, 8, -2, 1))
+    valid(op, "G=1 per-token", lambda: check_nq_roundtrip(rnd(1, 5, 32), 4, 1, -1, 0))
+    valid(op, "G=256 one group", lambda: check_nq_roundtrip(rnd(1, 300, 16), 2, 256, -2, 3))
+    valid(op, "T=1", lambda: check_nq_roundtrip(rnd(1, 1, 64), 4, 64, -2, 0))
+    valid(op, "partial group with fewer tokens than outliers", lambda: check_nq_roundtrip(rnd(1, 66, 16), 4, 64, -2, 3))
+    valid(op, "transposed view", lambda: check_nq_roundtrip(rnd(2, 64, 40).transpose(-1, -2), 4, 16, -2, 1))
+    valid(op, "stride-0 expanded", lambda: check_nq_roundtrip(rnd(1, 1, 64).expand(3, 40, 64), 4, 16, -2, 0))
+    valid(op, "strided slice", lambda: check_nq_roundtrip(rnd(2, 80, 64)[:, ::2], 3, 16, -1, 1))
+    valid(op, "subnormal fp32", lambda: check_nq_roundtrip(rnd(2, 32, 32, scale=1e-40), 4, 16, -2, 0))
+    valid(op, "huge same-sign fp32", lambda: check_nq_roundtrip(rnd(2, 32, 32).abs() * 1e37 + 2e38, 4, 16, -1, 1))
+    valid(op, "constant group", lambda: check_nq_roundtrip(torch.full((2, 32, 32), 3.25), 4, 16, -2, 0))
+    valid(
+        op, "bf16 in float16 meta (in range)", lambda: check_nq_roundtrip(rnd(2, 32, 64, dtype=BF16), 4, 16, -2, 0, F16)
+    )
+    valid(op, "fp32 to float16 out", lambda: check_nq_roundtrip(rnd(2, 32, 64), 4, 16, -1, 1, None, F16))
+    valid(
+        op,
+        "meta tensors give meta outputs",
+        lambda: _meta_shapes_ok(
+            ops.nq_compress(torch.empty(2, 40, 64, device="meta"), 4, 16, -2, 1), (2, 40, 32), (2, 3, 64)
+        ),
+    )
+    valid(
+        op,
+        "no_grad with requires_grad x",
+        lambda: _no_grad(lambda: check_nq_roundtrip(grad_leaf(rnd(2, 16, 32)), 4, 8, -2, 0)),
+    )
+
+
+def _meta_shapes_ok(parts, codes_shape, meta_shape):
+    ok = parts[0].device.type == "meta" and tuple(parts[0].shape) == codes_shape and tuple(parts[1].shape) == meta_shape
+    return (0.0 if ok else INF), 0.0
+
+
+def _no_grad(fn):
+    with torch.no_grad():
+        return fn()
+
+
+def nq_decompress_cases():
+    op = "nq_decompress"
+    good = lambda **kw: nq_parts(**kw)  # noqa: E731
+    m_hints = ("codes", "scale", "zero", "outlier", "must", "bits", "group", "head_dim", "axis")
+    for b in (2, 8, 3, 5, 0, 2**32 + 4):
+        bad(op, "bits", f"bits {b}", lambda b=b: nq_dec(good(), bits=b), "bits", "row", "codes")
+    for g in (8, 0, -1, 257, 2**32 + 16):
+        bad(op, "group_size", f"group_size {g}", lambda g=g: nq_dec(good(), G=g), "group_size", "scale")
+    for a in (-1, 0, 1):
+        bad(op, "args", f"axis {a}", lambda a=a: nq_dec(good(), axis=a), "axis", "scale")
+    for d in (32, 65, 0, -64, 96, 2**32 + 64):
+        bad(op, "mismatch", f"head_dim {d}", lambda d=d: nq_dec(good(), D=d), "head_dim", "codes", "scale")
+    for i, dt in (
+        (0, torch.int8),
+        (0, F32),
+        (1, F64),
+        (1, torch.int32),
+        (2, F16),
+        (3, torch.int64),
+        (4, F64),
+        (4, torch.int32),
+    ):
+        bad(op, "dtype", f"part {i} {dt}", lambda i=i, dt=dt: nq_dec(replace(good(), i, good()[i].to(dt))), *m_hints)
+    for dt in (torch.int32, F64, torch.uint8, torch.bool):
+        bad(op, "dtype", f"out_dtype {dt}", lambda dt=dt: nq_dec(good(), out=dt), "out_dtype")
+    bad(op, "shape", "codes 0-D", lambda: nq_dec(replace(good(), 0, torch.zeros((), dtype=torch.uint8))), "codes")
+    bad(op, "shape", "codes 1-D", lambda: nq_dec(replace(good(), 0, torch.zeros(32, dtype=torch.uint8))), "codes")
+    bad(
+        op,
+        "shape",
+        "codes empty",
+        lambda: nq_dec(replace(good(), 0, torch.zeros(2, 3, 0, 32, dtype=torch.uint8))),
+        "codes",
+        "empty",
+        "scale",
+        "must",
+    )
+    bad(op, "shape", "codes 5-D extra lead", lambda: nq_dec(replace(good(), 0, good()[0][None])), *m_hints)
+    bad(op, "mismatch", "codes one token short", lambda: nq_dec(replace(good(), 0, good()[0][:, :, :39])), *m_hints)
+    bad(op, "mismatch", "codes lead dims differ", lambda: nq_dec(replace(good(), 0, good()[0][:, :2])), *m_hints)
+    bad(op, "mismatch", "scale shape", lambda: nq_dec(replace(good(), 1, good()[1][..., :-1])), "scale")
+    bad(op, "mismatch", "zero shape", lambda: nq_dec(replace(good(), 2, good()[2][:, :, :1])), "zero")
+    bad(
+        op,
+        "mismatch",
+        "scale/zero dtypes differ",
+        lambda: nq_dec(replace(good(), 2, good()[2].to(F16))),
+        "zero",
+        "scale",
+    )
+    bad(op, "mismatch", "outlier_idx k 2 val k 1", lambda: nq_dec(replace(good(k=2), 4, good(k=1)[4])), "outlier")
+    bad(op, "mismatch", "outlier_idx shape", lambda: nq_dec(replace(good(), 3, good()[3][:, :, :1])), "outlier_idx")
+    bad(
+        op,
+        "mismatch",
+        "outlier_idx beyond group",
+        lambda: nq_dec(replace(good(), 3, good()[3].fill_(200))),
+        "outlier_idx",
+    )
+    bad(
+        op,
+        "mismatch",
+        "outlier_idx beyond partial group",
+        lambda: nq_dec(replace(good(), 3, _last_group(good()[3], 12))),
+        "outlier_idx",
+    )
+    bad(op, "mismatch", "parts from axis -1 read as -2", lambda: nq_dec(good(axis=-1)), *m_hints)
+    bad(op, "mismatch", "parts of 3-bit read as 4-bit", lambda: nq_dec(good(bits=3)), *m_hints)
+    bad(
+        op,
+        "mismatch",
+        "dgq parts given to nq (6 tensors)",
+        lambda: ops.nq_decompress(*dgq_parts(), 4, 32, -2, 64),
+        "nq_decompress",
+        "argument",
+        "positional",
+    )
+    nonfinite(op, "NaN scale", lambda: nq_dec(replace(good(), 1, poke(good()[1], NAN))), "scale", "nan", "finite")
+    nonfinite(op, "Inf zero", lambda: nq_dec(replace(good(), 2, poke(good()[2], INF))), "zero", "inf", "finite")
+    nonfinite(
+        op, "NaN outlier_val", lambda: nq_dec(replace(good(), 4, poke(good()[4], NAN))), "outlier_val", "nan", "finite"
+    )
+    for i, nm in enumerate(("codes", "scale", "zero", "outlier_idx", "outlier_val")):
+        bad(op, "meta", f"{nm} on meta", lambda i=i: nq_dec(replace(good(), i, good()[i].to("meta"))), "device")
+    bad(
+        op,
+        "meta",
+        "all meta, head_dim mismatch",
+        lambda: nq_dec([t.to("meta") for t in good()], D=32),
+        "head_dim",
+        "codes",
+        "scale",
+    )
+    bad(
+        op,
+        "meta",
+        "all meta, outlier k mismatch",
+        lambda: nq_dec([t.to("meta") for t in replace(good(k=2), 4, good(k=1)[4])]),
+        "outlier",
+    )
+    for i, nm in ((1, "scale"), (2, "zero"), (4, "outlier_val")):
+        bad(op, "grad", f"{nm} requires grad", lambda i=i: nq_dec(replace(good(), i, grad_leaf(good()[i]))), "grad")
+    bad(
+        op,
+        "layout",
+        "stride-0 codes of wrong shape",
+        lambda: nq_dec(replace(good(), 0, good()[0][:, :, :1].expand(2, 3, 49, 32))),
+        *m_hints,
+    )
+    bad(op, "layout", "transposed codes", lambda: nq_dec(replace(good(), 0, good()[0].transpose(-1, -2))), *m_hints)
+    bad(op, "args", "head_dim True", lambda: nq_dec(good(), D=True), "head_dim")
+
+    # valid
+    for bits, axis, dt in ((4, -2, F32), (2, -1, F16), (8, -2, BF16), (3, -1, F32)):
+        valid(
+            op,
+            f"non-contiguous parts {bits}b axis {axis} {dt}",
+            lambda bits=bits, axis=axis, dt=dt: _noncontig_dec(bits, axis, dt),
+        )
+    valid(
+        op, "bf16 parts to float32 out", lambda: check_nq_roundtrip(rnd(2, 40, 64, dtype=BF16), 4, 16, -2, 1, None, F32)
+    )
+    valid(
+        op,
+        "all-meta parts give a meta output",
+        lambda: (0.0 if nq_dec([t.to("meta") for t in nq_parts()]).shape == NQ_SHAPE else INF, 0.0),
+    )
+
+
+def _last_group(idx, value):
+    idx = idx.clone()
+    idx[:, :, -1] = value  # the last token group has 8 tokens (40 = 2*16 + 8)
+    return idx
+
+
+def _noncontig_dec(bits, axis, dt):
+    x = rnd(3, 2, 40, 64, dtype=dt)
+    parts = ops.nq_compress(x, bits, 16, axis, 1)
+    # The same buffers as permuted / strided views (lead dims swapped back by a transpose).
+    views = [p.transpose(0, 1).contiguous().transpose(0, 1) for p in parts]
+    x_hat = ops.nq_decompress(*views, bits, 16, axis, 64)
+    x_ref = ops.nq_decompress(*parts, bits, 16, axis, 64)
+    if not torch.equal(x_hat, x_ref):
+        return INF, 0.0
+    return _excess(x, x_hat, bits, 16, axis, 1, dt, dt), 0.0
+
+
+def dgq_cases():
+    op = "dgq_compress"
+    x = lambda **kw: rnd(2, 3, 80, 64, **kw)  # noqa: E731
+    for dt in BAD_DTYPES[:5]:
+        bad(op, "dtype", f"x {dt}", lambda dt=dt: ops.dgq_compress(x().to(dt), 4, 32), "x must", "float32")
+    for b in (0, 5, 9, -1, 2**32 + 4):
+        bad(op, "bits", f"bits {b}", lambda b=b: ops.dgq_compress(x(), b, 32), "bits")
+    for g in (0, -1, 257, 2**32 + 32):
+        bad(op, "group_size", f"group_size {g}", lambda g=g: ops.dgq_compress(x(), 4, g), "group_size")
+    for gr in (0, -1, 512, 2**32 + 16):
+        bad(op, "args", f"granule {gr}", lambda gr=gr: ops.dgq_compress(x(), 4, 32, gr), "granule")
+    for ml in (0, -16, 8, 40, 272, 2**32 + 64):
+        bad(op, "args", f"max_len {ml}", lambda ml=ml: ops.dgq_compress(x(), 4, 32, 16, ml), "max_len")
+    bad(op, "args", "max_len < group_size", lambda: ops.dgq_compress(x(), 4, 64, 16, 32), "max_len", "group_size")
+    bad(op, "args", "default max_len above 256 (G=200)", lambda: ops.dgq_compress(x(), 4, 200), "max_len")
+    for k in (-1, 32, 33):
+        bad(op, "outliers", f"num_outliers {k}", lambda k=k: ops.dgq_compress(x(), 4, 32, 16, None, k), "num_outliers")
+    for shape in ((), (64,), (0, 64), (2, 0, 64), (2, 80, 0)):
+        bad(op, "shape", f"x shape {shape}", lambda s=shape: ops.dgq_compress(torch.zeros(s), 4, 32), "x must")
+    for v in (NAN, INF):
+        bad(op, "values", f"x holds {v}", lambda v=v: ops.dgq_compress(poke(x(), v), 4, 32), "nan", "inf")
+    bad(
+        op,
+        "values",
+        "fp16 into... range fine but bf16 1e6 to float16 meta",
+        lambda: ops.dgq_compress(poke(x(dtype=BF16), 1e6), 4, 32, 16, None, 0, F16),
+        "meta_dtype",
+        "float16",
+    )
+    bad(
+        op,
+        "layout",
+        "transposed view with NaN",
+        lambda: ops.dgq_compress(poke(rnd(2, 64, 80), NAN, 3).transpose(-1, -2), 4, 32),
+        "nan",
+    )
+    bad(
+        op,
+        "meta",
+        "meta x granule 0",
+        lambda: ops.dgq_compress(torch.empty(2, 80, 64, device="meta"), 4, 32, 0),
+        "granule",
+    )
+    bad(op, "meta", "meta x empty", lambda: ops.dgq_compress(torch.empty(2, 0, 64, device="meta"), 4, 32), "empty")
+    bad(op, "grad", "x requires grad", lambda: ops.dgq_compress(grad_leaf(x()), 4, 32), "grad")
+    bad(op, "dtype", "meta_dtype int32", lambda: ops.dgq_compress(x(), 4, 32, 16, None, 0, torch.int32), "meta_dtype")
+    for bits, G, gr, T, k, dt in (
+        (4, 32, 16, 80, 1, F32),
+        (2, 16, 16, 37, 0, F16),
+        (8, 64, 16, 200, 2, BF16),
+        (3, 32, 8, 100, 1, F32),
+        (4, 8, 1, 23, 0, F32),
+        (4, 64, 16, 66, 3, F32),
+    ):
+        valid(
+            op,
+            f"roundtrip {bits}b G{G} granule {gr} T{T} k{k} {dt}",
+            lambda bits=bits, G=G, gr=gr, T=T, k=k, dt=dt: check_dgq_roundtrip(
+                rnd(2, 2, T, 32, dtype=dt, seed=T), bits, G, gr, None, k
+            ),
+        )
+    valid(
+        op,
+        "level shift in the data",
+        lambda: check_dgq_roundtrip(torch.cat([rnd(1, 48, 32), rnd(1, 80, 32) * 50 + 100], 1), 4, 32, 16, None, 0),
+    )
+    valid(op, "transposed view", lambda: check_dgq_roundtrip(rnd(2, 32, 96).transpose(-1, -2), 4, 32, 16, None, 1))
+    valid(op, "max_len = 2 * group_size", lambda: check_dgq_roundtrip(rnd(2, 64, 32), 4, 16, 16, 32, 0))
+    valid(op, "granule 7", lambda: check_dgq_roundtrip(rnd(2, 90, 32), 4, 32, 7, None, 1))
+
+    op = "dgq_decompress"
+    good = lambda **kw: dgq_parts(**kw)  # noqa: E731
+
+    def with_starts(fn):
+        p = good()
+        return dgq_dec(replace(p, 5, fn(p[5].clone())))
+
+    for nm, fn in (
+        ("int64", lambda s: s.long()),
+        ("float", lambda s: s.float()),
+        ("one more", lambda s: torch.cat([s, s[..., -1:]], -1)),
+        ("one fewer", lambda s: s[..., :-1]),
+        ("not from 0", lambda s: s.add_(16)),
+        ("decreasing", lambda s: s.flip(-1).contiguous()),
+        ("beyond T", lambda s: s.mul_(10)),
+        ("negative", lambda s: s.sub_(32)),
+        ("lead dims differ", lambda s: s[:1]),
+        ("0-D", lambda s: s[0, 0, 0]),
+        ("on meta", lambda s: s.to("meta")),
+    ):
+        bad(
+            op,
+            "mismatch" if nm != "on meta" else "meta",
+            f"segment_starts {nm}",
+            lambda fn=fn: with_starts(fn),
+            "segment_starts",
+            "segment",
+            "device",
+        )
+    bad(op, "mismatch", "segment_starts segment of 300 > 256", _long_segment, "segment")
+    for b in (2, 8, 5):
+        bad(op, "bits", f"bits {b}", lambda b=b: dgq_dec(good(), bits=b), "bits", "codes", "row")
+    for g in (16, 0, 300):
+        bad(op, "group_size", f"group_size {g}", lambda g=g: dgq_dec(good(), G=g), "group_size", "scale", "segment")
+    for d in (32, 0, 72):
+        bad(op, "mismatch", f"head_dim {d}", lambda d=d: dgq_dec(good(), D=d), "head_dim", "codes", "scale")
+    bad(
+        op,
+        "mismatch",
+        "nq parts + made-up starts",
+        lambda: ops.dgq_decompress(
+            *nq_parts(shape=(2, 3, 80, 64), G=32), torch.zeros(2, 3, 3, dtype=torch.int32), 4, 32, 64
+        ),
+        "segment",
+        "scale",
+        "outlier",
+    )
+    bad(
+        op,
+        "mismatch",
+        "outlier_idx beyond segment",
+        lambda: dgq_dec(replace(good(), 3, good()[3].fill_(250))),
+        "outlier_idx",
+    )
+    bad(op, "grad", "scale requires grad", lambda: dgq_dec(replace(good(), 1, grad_leaf(good()[1]))), "grad")
+    nonfinite(op, "NaN scale", lambda: dgq_dec(replace(good(), 1, poke(good()[1], NAN))), "scale", "nan", "finite")
+    bad(op, "dtype", "out_dtype int8", lambda: dgq_dec(good(), out=torch.int8), "out_dtype")
+    valid(op, "non-contiguous parts", lambda: _dgq_views())
+
+
+def _long_segment():
+    """A segment of 300 tokens: more than the 256 a segment may hold (outlier_idx is one byte)."""
+    p = dgq_parts(shape=(1, 1, 300, 64), G=128)
+    p[5] = p[5].clone()
+    p[5][..., 1:] = 300
+    return dgq_dec(p, G=128)
+
+
+def _dgq_views():
+    x = rnd(3, 2, 80, 64)
+    parts = ops.dgq_compress(x, 4, 32, 16, None, 1)
+    views = [p.transpose(0, 1).contiguous().transpose(0, 1) for p in parts]
+    return (
+        0.0 if torch.equal(ops.dgq_decompress(*views, 4, 32, 64), ops.dgq_decompress(*parts, 4, 32, 64)) else INF
+    ), 0.0
+
+
+def hadamard_cases():
+    op = "hadamard_rotate"
+    s64 = lambda: nexuskv.rotation_signs(64, 0)  # noqa: E731
+    x = lambda **kw: rnd(3, 5, 64, **kw)  # noqa: E731
+    for dt in BAD_DTYPES[:5]:
+        bad(op, "dtype", f"x {dt}", lambda dt=dt: ops.hadamard_rotate(x().to(dt), s64()), "x must", "float32")
+    for dt in (torch.int32, torch.bool, torch.int8):
+        bad(op, "signs", f"signs {dt}", lambda dt=dt: ops.hadamard_rotate(x(), s64().to(dt)), "signs")
+    for nm, s in (
+        ("length 32", lambda: s64()[:32]),
+        ("length 65", lambda: torch.ones(65)),
+        ("2-D", lambda: s64()[None]),
+        ("0-D", lambda: torch.tensor(1.0)),
+        ("on meta", lambda: s64().to("meta")),
+    ):
+        bad(
+            op,
+            "signs" if nm != "on meta" else "meta",
+            f"signs {nm}",
+            lambda s=s: ops.hadamard_rotate(x(), s()),
+            "signs",
+            "device",
+        )
+    for nm, s in (
+        ("zeros", lambda: torch.zeros(64)),
+        ("0.5", lambda: torch.full((64,), 0.5)),
+        ("NaN", lambda: poke(s64(), NAN)),
+        ("2", lambda: poke(s64(), 2.0)),
+    ):
+        bad(op, "signs", f"signs value {nm}", lambda s=s: ops.hadamard_rotate(x(), s()), "signs", "+-1", "1")
+    for n in (48, 3, 96):
+        bad(
+            op,
+            "shape",
+            f"n {n} not a power of two",
+            lambda n=n: ops.hadamard_rotate(rnd(2, n), torch.ones(n)),
+            "power of two",
+        )
+    for shape in ((), (0, 64), (2, 0)):
+        bad(
+            op,
+            "shape",
+            f"x shape {shape}",
+            lambda sh=shape: ops.hadamard_rotate(torch.zeros(sh), s64()),
+            "x must",
+            "empty",
+            "signs",
+        )
+    bad(op, "meta", "x on meta, signs cpu", lambda: ops.hadamard_rotate(x().to("meta"), s64()), "device")
+    bad(
+        op,
+        "meta",
+        "all meta, signs wrong length",
+        lambda: ops.hadamard_rotate(x().to("meta"), torch.ones(32, device="meta")),
+        "signs",
+    )
+    bad(op, "grad", "x requires grad", lambda: ops.hadamard_rotate(grad_leaf(x()), s64()), "grad")
+    bad(op, "grad", "signs requires grad", lambda: ops.hadamard_rotate(x(), grad_leaf(s64())), "grad")
+    bad(op, "args", "inverse=1", lambda: ops.hadamard_rotate(x(), s64(), 1), "inverse")
+    bad(
+        op,
+        "layout",
+        "stride-0 signs of length 1 expanded to 64 but 0.5",
+        lambda: ops.hadamard_rotate(x(), torch.tensor([0.5]).expand(64)),
+        "signs",
+        "1",
+    )
+
+    def check(xx, signs, inverse=False):
+        y = ops.hadamard_rotate(xx, signs, inverse)
+        R = rotation_f64(signs)
+        want = xx.to(F64) @ (R if inverse else R.T)
+        eps = 2.0**-24 if xx.dtype == F32 else torch.finfo(xx.dtype).eps / 2
+        # fp32 butterflies: log2(n) roundings of the row norm; the output rounded to x's dtype.
+        n = xx.shape[-1]
+        tol = (math.log2(n) + 1) * 2.0**-24 * xx.to(F64).norm(dim=-1, keepdim=True) + eps * want.abs()
+        if y.shape != xx.shape or y.dtype != xx.dtype:
+            return INF, 0.0
+        return float(((y.to(F64) - want).abs() - tol).max().clamp_min(0)), 0.0
+
+    for n in (1, 2, 16, 64, 128, 256):
+        for dt in (F32, F16, BF16):
+            valid(op, f"n {n} {dt}", lambda n=n, dt=dt: check(rnd(3, n, dtype=dt), nexuskv.rotation_signs(n, n)))
+    valid(op, "inverse", lambda: check(rnd(4, 64), s64(), True))
+    valid(op, "transposed view", lambda: check(rnd(64, 6).t(), s64()))
+    valid(op, "stride-0 x", lambda: check(rnd(1, 64).expand(5, 64), s64()))
+    valid(op, "non-contiguous signs", lambda: check(rnd(3, 64), nexuskv.rotation_signs(128, 1)[::2]))
+    # finite exact results near FLT_MAX: a one-hot row, and rows of norm 2.4e38
+    valid(op, "near FLT_MAX (one-hot)", lambda: check(torch.eye(64)[:3] * 3e38, s64()))
+    valid(op, "near FLT_MAX (norm 2.4e38)", lambda: check(rnd(3, 64).sign() * 3e37, s64()))
+    valid(op, "5-D x", lambda: check(rnd(2, 1, 2, 3, 32), nexuskv.rotation_signs(32, 2)))
+
+
+def attention_cases():
+    op = "dgq_fused_attention"
+    A = Att
+    q = lambda *shape, **kw: rnd(*shape, **kw)  # noqa: E731
+    for dt in (F64, torch.int32, torch.bool, torch.uint8):
+        bad(op, "dtype", f"q {dt}", lambda dt=dt: A().call(q=q(2, 4, 1, 64).to(dt)), "q must")
+    bad(op, "shape", "q 3-D", lambda: A().call(q=q(2, 4, 64)), "q must")
+    bad(op, "shape", "q 5-D", lambda: A().call(q=q(2, 4, 1, 1, 64)), "q must")
+    bad(op, "shape", "q 0-D", lambda: A().call(q=torch.tensor(1.0)), "q must")
+    bad(op, "shape", "q_len 0", lambda: A().call(q=q(2, 4, 0, 64)), "q must", "empty")
+    bad(op, "shape", "q head_dim 32 vs cache 64", lambda: A().call(q=q(2, 4, 1, 32)), "head_dim", "codes", "scale")
+    bad(op, "shape", "head_dim 72 (not a multiple of 16)", lambda: A(D=72, kG=8, vG=8).call(), "head_dim")
+    bad(
+        op,
+        "shape",
+        "head_dim 512 (too large)",
+        lambda: A(D=512, B=1, Hkv=1, Hq=1, T=16, comp_lens=(16,), tail=0).call(),
+        "head_dim",
+    )
+    bad(op, "shape", "q batch 3 vs cache 2", lambda: A().call(q=q(3, 4, 1, 64)), "sequences", "batch")
+    bad(op, "gqa", "q_heads 3 kv_heads 2", lambda: A().call(q=q(2, 3, 1, 64)), "q_heads", "kv_heads")
+    bad(op, "gqa", "q_heads 1 kv_heads 2", lambda: A().call(q=q(2, 1, 1, 64)), "q_heads", "kv_heads")
+    bad(
+        op,
+        "gqa",
+        "v_cache 1 head, k_cache 2",
+        lambda: A().call(v_cache=A(Hkv=1, Hq=4).args["v_cache"]),
+        "kv heads",
+        "kv_heads",
+        "v_cache",
+    )
+    bad(
+        op,
+        "gqa",
+        "k_tail 1 head, cache 2",
+        lambda: A().call(k_tail=rnd(2, 1, 8, 64), v_tail=rnd(2, 1, 8, 64)),
+        "k_tail",
+        "v_tail",
+    )
+    bad(
+        op,
+        "gqa",
+        "meta q_heads 3",
+        lambda: A().call(q=torch.empty(2, 3, 1, 64, device="meta"), **_meta_args(A())),
+        "q_heads",
+    )
+    for nm, lens in (
+        ("> capacity", [65, 40]),
+        ("negative", [-1, 40]),
+        ("2**40", [2**40, 1]),
+        ("float", torch.tensor([64.0, 40.0])),
+        ("int16", torch.tensor([64, 40], dtype=torch.int16)),
+        ("bool", torch.tensor([True, False])),
+        ("shape [3]", [64, 40, 1]),
+        ("shape [2,1]", [[64], [40]]),
+        ("0-D", torch.tensor(64)),
+        ("on meta", torch.tensor([64, 40], device="meta")),
+        ("int32 > capacity", torch.tensor([64, 99], dtype=torch.int32)),
+    ):
+        t = lens if isinstance(lens, torch.Tensor) else torch.tensor(lens)
+        bad(
+            op,
+            "lengths" if nm != "on meta" else "meta",
+            f"compressed_lens {nm}",
+            lambda t=t: A().call(compressed_lens=t),
+            "compressed_lens",
+        )
+    for nm, lens in (
+        ("> tail capacity", [9, 3]),
+        ("negative", [8, -2]),
+        ("float", torch.tensor([8.0, 3.0])),
+        ("shape [1]", [8]),
+        ("2**33", [2**33, 0]),
+    ):
+        t = lens if isinstance(lens, torch.Tensor) else torch.tensor(lens)
+        bad(op, "lengths", f"tail_lens {nm}", lambda t=t: A().call(tail_lens=t), "tail_lens")
+    for nm, lens in (("> sink capacity", [5, 4]), ("negative", [-1, 4]), ("shape [3]", [4, 4, 4])):
+        bad(
+            op,
+            "lengths",
+            f"sink_lens {nm}",
+            lambda lens=lens: A(sinks=4).call(sink_lens=torch.tensor(lens)),
+            "sink_lens",
+        )
+    bad(
+        op,
+        "lengths",
+        "q_len > a sequence's length",
+        lambda: A(Lq=12, comp_lens=(0, 2), tail_lens=(3, 0)).call(),
+        "q_len",
+    )
+    bad(
+        op,
+        "lengths",
+        "total length beyond int32",
+        lambda: A().call(tail_lens=torch.tensor([8, 3]), compressed_lens=torch.tensor([2**31, 0])),
+        "compressed_lens",
+    )
+    # tails and sinks
+    bad(op, "tail", "k_tail without v_tail", lambda: A().call(v_tail=None), "k_tail", "v_tail")
+    bad(op, "tail", "tail_lens without tail", lambda: A(tail=0).call(tail_lens=torch.tensor([1, 1])), "tail_lens")
+    bad(op, "tail", "k_tail/v_tail token counts differ", lambda: A().call(v_tail=rnd(2, 2, 7, 64)), "k_tail", "v_tail")
+    bad(op, "tail", "k_tail head_dim 32", lambda: A().call(k_tail=rnd(2, 2, 8, 32)), "k_tail")
+    bad(op, "tail", "k_tail int32", lambda: A().call(k_tail=torch.zeros(2, 2, 8, 64, dtype=torch.int32)), "k_tail")
+    bad(op, "tail", "k_tail 3-D", lambda: A().call(k_tail=rnd(2, 8, 64)), "k_tail")
+    bad(op, "tail", "k_tail batch 1", lambda: A().call(k_tail=rnd(1, 2, 8, 64), v_tail=rnd(1, 2, 8, 64)), "k_tail")
+    bad(op, "tail", "k_sink without v_sink", lambda: A(sinks=4).call(v_sink=None), "k_sink", "v_sink")
+    bad(op, "tail", "sink_lens without sinks", lambda: A().call(sink_lens=torch.tensor([1, 1])), "sink_lens")
+    bad(
+        op,
+        "tail",
+        "v_sink float64",
+        lambda: A(sinks=4).call(v_sink=rnd(2, 2, 4, 64, dtype=F64)),
+        "v_sink",
+        "k_sink",
+        "float",
+    )
+    bad(op, "meta", "k_tail on meta", lambda: A().call(k_tail=torch.empty(2, 2, 8, 64, device="meta")), "device")
+    bad(op, "meta", "tail_lens on meta", lambda: A().call(tail_lens=torch.tensor([8, 3], device="meta")), "device")
+    bad(op, "meta", "q on meta, cache cpu", lambda: A().call(q=torch.empty(2, 4, 1, 64, device="meta")), "device")
+    for i in range(5):
+        bad(
+            op,
+            "meta",
+            f"v_cache[{i}] on meta",
+            lambda i=i: A().call(v_cache=replace(A().args["v_cache"], i, A().args["v_cache"][i].to("meta"))),
+            "device",
+        )
+    # signs
+    bad(op, "signs", "rotation_signs length 32", lambda: A().call(rotation_signs=torch.ones(32)), "signs")
+    bad(
+        op, "signs", "rotation_signs int32", lambda: A().call(rotation_signs=torch.ones(64, dtype=torch.int32)), "signs"
+    )
+    bad(op, "signs", "rotation_signs 2-D", lambda: A().call(rotation_signs=torch.ones(1, 64)), "signs")
+    bad(
+        op,
+        "signs",
+        "rotation_signs value 0.5",
+        lambda: A(rotate=True).call(rotation_signs=torch.full((64,), 0.5)),
+        "signs",
+        "1",
+    )
+    bad(op, "signs", "rotation_signs zeros", lambda: A().call(rotation_signs=torch.zeros(64)), "signs", "1")
+    bad(
+        op,
+        "signs",
+        "rotation_signs head_dim 48",
+        lambda: A(D=48, kG=16, vG=16).call(rotation_signs=torch.ones(48)),
+        "power of two",
+    )
+    bad(
+        op,
+        "meta",
+        "rotation_signs on meta",
+        lambda: A().call(rotation_signs=torch.ones(64, device="meta")),
+        "device",
+        "signs",
+    )
+    # the compressed buffers and their formats
+    bad(op, "mismatch", "k_format length 2", lambda: A().call(k_format=[4, 32]), "k_format")
+    bad(op, "mismatch", "v_format length 4", lambda: A().call(v_format=[4, 32, -1, 0]), "v_format")
+    bad(op, "bits", "k_format bits 5", lambda: A().call(k_format=[5, 32, -2]), "bits")
+    bad(
+        op, "bits", "k_format bits 2 (row bytes differ)", lambda: A().call(k_format=[2, 32, -2]), "bits", "codes", "row"
+    )
+    bad(op, "bits", "v_format bits 2**32+4", lambda: A().raw(v_format=[2**32 + 4, 32, -1]), "bits")
+    bad(op, "group_size", "k_format group 16", lambda: A().call(k_format=[4, 16, -2]), "group_size", "scale")
+    bad(op, "group_size", "v_format group 0", lambda: A().call(v_format=[4, 0, -1]), "group_size")
+    bad(op, "group_size", "v_format group 300", lambda: A().call(v_format=[4, 300, -1]), "group_size")
+    bad(op, "args", "k_format axis 0", lambda: A().call(k_format=[4, 32, 0]), "axis")
+    bad(
+        op,
+        "mismatch",
+        "k axis -1 given for axis -2 buffers",
+        lambda: A().call(k_format=[4, 32, -1]),
+        "scale",
+        "axis",
+        "k_cache",
+    )
+    bad(op, "mismatch", "k_cache 4 tensors", lambda: A().call(k_cache=A().args["k_cache"][:4]), "k_cache")
+    bad(op, "mismatch", "k_cache 7 tensors", lambda: A().call(k_cache=A().args["k_cache"] * 2), "k_cache")
+    bad(
+        op,
+        "mismatch",
+        "DGQ keys with axis -1",
+        lambda: A(dgq=True).call(k_format=[4, 32, -1]),
+        "axis",
+        "segment_starts",
+    )
+    bad(
+        op,
+        "mismatch",
+        "v_cache 6 tensors (DGQ values, axis -1)",
+        lambda: A().call(v_cache=A(dgq=True).args["k_cache"]),
+        "axis",
+        "segment_starts",
+        "v_cache",
+    )
+    bad(
+        op,
+        "mismatch",
+        "corrupt k outlier_idx",
+        lambda: A().call(k_cache=replace(A().args["k_cache"], 3, A().args["k_cache"][3].clone().fill_(99))),
+        "outlier_idx",
+    )
+    bad(
+        op,
+        "mismatch",
+        "corrupt DGQ segment_starts",
+        lambda: A(dgq=True).call(
+            k_cache=replace(A(dgq=True).args["k_cache"], 5, A(dgq=True).args["k_cache"][5].flip(-1).contiguous())
+        ),
+        "segment_starts",
+        "segment",
+    )
+    bad(
+        op,
+        "dtype",
+        "k codes int8",
+        lambda: A().call(k_cache=replace(A().args["k_cache"], 0, A().args["k_cache"][0].to(torch.int8))),
+        "codes",
+    )
+    bad(
+        op,
+        "dtype",
+        "v scale float64",
+        lambda: A().call(v_cache=replace(A().args["v_cache"], 1, A().args["v_cache"][1].double())),
+        "scale",
+    )
+    bad(
+        op,
+        "mismatch",
+        "k codes batch 3",
+        lambda: A().call(k_cache=A(B=3, comp_lens=(1, 1, 1)).args["k_cache"]),
+        "sequences",
+        "k_cache",
+    )
+    nonfinite(
+        op,
+        "NaN k scale",
+        lambda: A().call(k_cache=replace(A().args["k_cache"], 1, A().args["k_cache"][1].clone().fill_(NAN))),
+        "scale",
+        "nan",
+        "finite",
+    )
+    # scalars
+    for nm, kw, hint in (
+        ("scale NaN", dict(scale=NAN), "scale"),
+        ("scale Inf", dict(scale=INF), "scale"),
+        ("scale 1e39", dict(scale=1e39), "scale"),
+        ("softcap 0", dict(softcap=0.0), "softcap"),
+        ("softcap -1", dict(softcap=-1.0), "softcap"),
+        ("softcap NaN", dict(softcap=NAN), "softcap"),
+        ("softcap Inf", dict(softcap=INF), "softcap"),
+        ("window 0", dict(window=0), "window"),
+        ("window -5", dict(window=-5), "window"),
+        ("scale True", dict(scale=True), "scale"),
+        ("window True", dict(window=True), "window"),
+    ):
+        bad(op, "args", nm, lambda kw=kw: A().call(**kw), hint)
+    bad(op, "args", "k_format holds a bool", lambda: A().call(k_format=[4, True, -2]), "k_format")
+    bad(op, "grad", "q requires grad", lambda: A().call(q=grad_leaf(rnd(2, 4, 1, 64))), "grad")
+    bad(op, "grad", "k_tail requires grad", lambda: A().call(k_tail=grad_leaf(A().args["k_tail"])), "grad")
+    bad(
+        op,
+        "grad",
+        "k_cache outlier_val requires grad",
+        lambda: A().call(k_cache=replace(A().args["k_cache"], 4, grad_leaf(A().args["k_cache"][4]))),
+        "grad",
+    )
+    bad(
+        op,
+        "layout",
+        "stride-0 compressed_lens of 3 expanded",
+        lambda: A().call(compressed_lens=torch.tensor([64]).expand(3)),
+        "compressed_lens",
+    )
+    bad(
+        op,
+        "layout",
+        "q transposed to [B, Hq, D, Lq] shape",
+        lambda: A(Lq=64).call(q=rnd(2, 4, 64, 64)[..., :48].transpose(-1, -2)),
+        "head_dim",
+        "q",
+        "codes",
+    )
+
+    # valid
+    combos = [
+        dict(),
+        dict(Lq=4),
+        dict(Lq=8, tail=8, tail_lens=(8, 8)),
+        dict(Hq=2),
+        dict(Hq=8),
+        dict(Hkv=1, Hq=4),
+        dict(dtype=F16),
+        dict(dtype=BF16),
+        dict(dtype=F16, q_dtype=F16, Lq=3),
+        dict(dgq=True),
+        dict(dgq=True, kk=0),
+        dict(rotate=True),
+        dict(rotate=True, dgq=True),
+        dict(sinks=4),
+        dict(sinks=4, sink_lens=[4, 1]),
+        dict(window=20),
+        dict(window=1),
+        dict(softcap=5.0),
+        dict(tail=0),
+        dict(comp_lens=(0, 40)),
+        dict(comp_lens=(0, 0), tail_lens=(0, 0)),
+        dict(comp_lens=(0, 0), tail_lens=(8, 0)),
+        dict(comp_lens=(33, 1)),
+        dict(kb=2, vb=2),
+        dict(kb=8, vb=3),
+        dict(kb=3, vb=8),
+        dict(kaxis=-1, vaxis=-2),
+        dict(kaxis=-1, vaxis=-1),
+        dict(kaxis=-2, vaxis=-2),
+        # key outliers + value float-tile path (issue 8 item 1); partial group with fewer tokens than outliers
+        dict(T=128, kG=64, kk=2, vaxis=-2, vG=64, vk=0, comp_lens=(128, 100), tail=0),
+        dict(T=128, kG=64, kk=2, vG=24, comp_lens=(128, 128), tail=0),
+        dict(T=66, kG=64, kk=3, comp_lens=(66, 65), tail=0),
+        dict(B=2, D=16, T=9, kG=8, kk=2, vG=16, comp_lens=(0, 9), tail=0),
+        dict(D=128, kG=64, vG=64),
+        dict(D=16, kG=16, vG=16),
+        dict(D=256, B=1, Hkv=1, Hq=2, comp_lens=(64,)),
+        dict(D=48, kG=16, vG=16),
+        dict(B=1, comp_lens=(64,)),
+        dict(B=3, comp_lens=(64, 0, 17), tail_lens=(0, 5, 8)),
+        # q_len > cached: the rows before the first cached position see nothing
+        dict(Lq=12, comp_lens=(0, 40), tail_lens=(0, 0)),
+        dict(Lq=5, B=3, comp_lens=(0, 0, 64), tail_lens=(0, 0, 8)),
+        dict(Lq=4, window=3, softcap=2.0, sinks=2),
+        dict(kG=1, vG=1, kk=0, vk=0, T=16, comp_lens=(16, 5)),
+        dict(kG=256, T=300, comp_lens=(300, 257), vG=256),
+    ]
+    for i, c in enumerate(combos):
+        valid(
+            op,
+            "valid " + (",".join(f"{k}={v}" for k, v in c.items()) or "default"),
+            lambda c=c, i=i: Att(seed=i, **c).check(),
+        )
+    # An empty q is a documented clear error (also for an empty batch).
+    bad(op, "shape", "B=0 (empty batch)", lambda: _empty_batch_attention(), "q must not be empty")
+    valid(op, "non-contiguous q", lambda: _noncontig_q())
+    valid(op, "stride-0 q (one query broadcast over heads)", lambda: _stride0_q())
+    valid(
+        op,
+        "int32 lengths",
+        lambda: Att().check(
+            compressed_lens=torch.tensor([64, 40], dtype=torch.int32), tail_lens=torch.tensor([8, 3], dtype=torch.int32)
+        ),
+    )
+    valid(
+        op,
+        "fp16 tail with fp32 q and cache",
+        lambda: Att().check(k_tail=rnd(2, 2, 8, 64, dtype=F16), v_tail=rnd(2, 2, 8, 64, dtype=F16)),
+    )
+    valid(op, "scale 0.01", lambda: Att().check(scale=0.01))
+    valid(op, "tail without tail_lens (all valid)", lambda: _tail_all_valid())
+    valid(
+        op,
+        "all-meta gives a meta output",
+        lambda: (
+            0.0
+            if A().call(**_meta_args(A()), q=torch.empty(2, 4, 1, 64, device="meta")).device.type == "meta"
+            else INF,
+            0.0,
+        ),
+    )
+    valid(op, "no_grad with requires_grad q", lambda: _no_grad(lambda: Att().check(q=grad_leaf(rnd(2, 4, 1, 64)))))
+
+
+def _meta_args(a: Att):
+    m = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return {
+        k: ([m(t) for t in v] if isinstance(v, list) and v and isinstance(v[0], torch.Tensor) else m(v))
+        for k, v in a.args.items()
+        if k != "q"
+    }
+
+
+def _tail_all_valid():
+    a = Att()
+    out = a.call(tail_lens=None)  # every tail token valid: the reference with tail_lens [8, 8]
+    a.args["tail_lens"] = torch.tensor([8, 8])
+    return rel_err(out, a.reference()), attention_tol(F32)
+
+
+def _empty_batch_attention():
+    a = Att()
+    empty = lambda t: t[:0] if isinstance(t, torch.Tensor) else t  # noqa: E731
+    a.args = {
+        k: (
+            [empty(t) for t in v]
+            if isinstance(v, list) and v and isinstance(v[0], torch.Tensor)
+            else empty(v)
+            if k != "rotation_signs"
+            else v
+        )
+        for k, v in a.args.items()
+    }
+    return a.call()
+
+
+def _noncontig_q():
+    a = Att(Lq=3)
+    return a.check(q=rnd(2, 3, 4, 64).transpose(1, 2))
+
+
+def _stride0_q():
+    a = Att()
+    return a.check(q=rnd(2, 1, 1, 64).expand(2, 4, 1, 64))
+
+
+# ---- the cache ---------------------------------------------------------------------------------
+
+CACHE_DEFAULTS = dict(
+    key_bits=4,
+    key_group_size=16,
+    key_axis=-2,
+    key_outliers=0,
+    key_dynamic=False,
+    value_bits=4,
+    value_group_size=16,
+    value_axis=-1,
+    value_outliers=0,
+    residual=16,
+    rotate=False,
+    seed=0,
+    sinks=0,
+    external_chunk=0,
+    meta_dtype=None,
+    window=None,
+)
+CACHE_FIELDS = list(CACHE_DEFAULTS)
+
+
+def mk(**kw):
+    return nkcache.make_cache(**{**CACHE_DEFAULTS, **kw})
+
+
+def kv(B=2, H=2, n=40, D=64, dtype=F32, seed=0):
+    return rnd(B, H, n, D, dtype=dtype, seed=seed), rnd(B, H, n, D, dtype=dtype, seed=seed + 100)
+
+
+def filled(n=40, **kw):
+    c = mk(**kw)
+    c.append(*kv(n=n), None)
+    return c
+
+
+def snapshot(c):
+    return (c.lengths().tolist(), c.compressed_lengths().tolist(), c.evicted_lengths().tolist(), c.nbytes())
+
+
+def kept(c, fn):
+    """Runs fn(c), which must raise; if the cache changed, raises LostData instead."""
+    before = snapshot(c)
+    dense_before = c.dense(None) if before[0] and not c.is_external() else None
+    try:
+        fn(c)
+    except Exception:
+        after = snapshot(c)
+        same = after == before and (
+            dense_before is None or all(torch.equal(a, b) for a, b in zip(dense_before, c.dense(None)))
+        )
+        if not same:
+            raise LostData(f"the call raised but the cache changed: {before} -> {after}")
+        raise
+
+
+def cache_cases():
+    op = "KVCache()"
+    for field, values in (
+        ("key_bits", (0, 1, 5, 9, -1, 2**32 + 4)),
+        ("value_bits", (0, 7, 2**63 - 1)),
+        ("key_group_size", (0, -1, 257, 2**40)),
+        ("value_group_size", (0, 300, -(2**63))),
+        ("key_axis", (0, 1, -3)),
+        ("value_axis", (2, -4)),
+        ("key_outliers", (-1, 16, 2**40)),
+        ("value_outliers", (16, -5)),
+        ("residual", (-1, 2**63 - 1, 2**40)),
+        ("sinks", (-1, 2**40)),
+        ("window", (0, -1, 2**40)),
+        ("external_chunk", (-1, 2**40)),
+    ):
+        cat = (
+            "bits"
+            if "bits" in field
+            else "group_size"
+            if "group" in field
+            else "outliers"
+            if "outliers" in field
+            else "args"
+        )
+        for v in values:
+            bad(op, cat, f"{field}={v}", lambda f=field, v=v: mk(**{f: v}).append(*kv(), None), field)
+            raw_fields = ("key_bits", "key_group_size", "residual", "value_group_size")
+            if field in raw_fields and v in (2**32 + 4, 0, 2**40):
+                # the TorchBind constructor without make_cache's Python checks
+                bad(
+                    op,
+                    cat,
+                    f"raw {field}={v}",
+                    lambda f=field, v=v: nkcache.KVCache(*[{**CACHE_DEFAULTS, f: v}[n] for n in CACHE_FIELDS]).append(
+                        *kv(), None
+                    ),
+                    field,
+                )
+    bad(
+        op,
+        "group_size",
+        "value_group_size 0 with axis -2",
+        lambda: mk(value_group_size=0, value_axis=-2),
+        "value_group_size",
+    )
+    bad(op, "dtype", "meta_dtype int32", lambda: mk(meta_dtype=torch.int32), "meta_dtype")
+    bad(op, "dtype", "meta_dtype float64", lambda: mk(meta_dtype=F64), "meta_dtype")
+    bad(op, "dtype", "meta_dtype 'half' (str)", lambda: mk(meta_dtype="half"), "meta_dtype")
+    bad(op, "args", "key_dynamic=1", lambda: mk(key_dynamic=1), "key_dynamic")
+    bad(op, "args", "rotate='yes'", lambda: mk(rotate="yes"), "rotate")
+    bad(op, "args", "residual 1.5", lambda: mk(residual=1.5), "residual")
+    bad(op, "args", "residual 2**64", lambda: mk(residual=2**64), "residual")
+    bad(op, "args", "DGQ keys with axis -1", lambda: mk(key_dynamic=True, key_axis=-1), "key_dynamic", "axis")
+    bad(
+        op,
+        "args",
+        "DGQ keys G=200 (max_len > 256)",
+        lambda: mk(key_dynamic=True, key_group_size=200),
+        "key_dynamic",
+        "group_size",
+    )
+    bad(op, "args", "window with sinks", lambda: mk(window=16, sinks=2), "window", "sinks")
+    bad(op, "args", "external with rotate", lambda: mk(external_chunk=16, rotate=True), "external")
+
+    op = "KVCache.append"
+    for dt in (F64, torch.int32, torch.bool, torch.float8_e4m3fn if hasattr(torch, "float8_e4m3fn") else torch.int8):
+        bad(op, "dtype", f"k/v {dt}", lambda dt=dt: mk().append(*(t.to(dt) for t in kv()), None), "k", "float")
+    bad(op, "dtype", "k fp32, v fp16", lambda: mk().append(kv()[0], kv()[1].half(), None), "dtype", "v")
+    for nm, shape in (("3-D", (2, 40, 64)), ("5-D", (2, 2, 1, 40, 64)), ("0-D", ()), ("head_dim 0", (2, 2, 40, 0))):
+        bad(op, "shape", f"k/v {nm}", lambda s=shape: mk().append(torch.zeros(s), torch.zeros(s), None), "k", "shape")
+    bad(op, "shape", "k/v shapes differ", lambda: mk().append(rnd(2, 2, 40, 64), rnd(2, 2, 41, 64), None), "v", "shape")
+    bad(op, "shape", "rotate with head_dim 48", lambda: mk(rotate=True).append(*kv(D=48), None), "power of two")
+    for nm, second in (
+        ("batch 3", dict(B=3)),
+        ("heads 1", dict(H=1)),
+        ("head_dim 32", dict(D=32)),
+        ("dtype fp16", dict(dtype=F16)),
+    ):
+        bad(
+            op,
+            "mismatch",
+            f"second append {nm}",
+            lambda s=second: kept(filled(), lambda c: c.append(*kv(**{"n": 5, **s}), None)),
+            "batch",
+            "heads",
+            "head_dim",
+            "holds",
+            "shape",
+            "first append",
+        )
+    for nm, v in (("NaN", NAN), ("Inf", INF), ("-Inf", -INF)):
+        bad(
+            op,
+            "values",
+            f"k holds {nm}",
+            lambda v=v: kept(filled(), lambda c: c.append(poke(kv(n=30)[0], v), kv(n=30)[1], None)),
+            "nan",
+            "inf",
+            "finite",
+        )
+        bad(
+            op,
+            "values",
+            f"v of sequence 1 holds {nm} (atomic)",
+            lambda v=v: kept(
+                filled(), lambda c: c.append(kv(n=30)[0], poke(kv(n=30)[1], v, kv(n=30)[1].numel() - 5), None)
+            ),
+            "nan",
+            "inf",
+            "finite",
+        )
+        bad(
+            op,
+            "values",
+            f"external: k holds {nm}",
+            lambda v=v: kept(filled(external_chunk=16), lambda c: c.append(poke(kv(n=30)[0], v), kv(n=30)[1], None)),
+            "nan",
+            "inf",
+            "finite",
+        )
+    bad(
+        op,
+        "values",
+        "fp32 1e6 into float16 meta",
+        lambda: kept(filled(meta_dtype=F16), lambda c: c.append(poke(kv(n=30)[0], 1e6), kv(n=30)[1], None)),
+        "meta",
+        "float16",
+        "range",
+    )
+    bad(
+        op,
+        "values",
+        "fp32 range beyond FLT_MAX",
+        lambda: kept(filled(), lambda c: c.append(poke(poke(kv(n=30)[0], 3e38, 0), -3e38, 64), kv(n=30)[1], None)),
+        "range",
+        "float32",
+        "finite",
+    )
+    bad(
+        op,
+        "layout",
+        "stride-0 NaN k",
+        lambda: mk().append(torch.tensor(NAN).expand(2, 2, 40, 64), kv()[1], None),
+        "nan",
+    )
+    bad(
+        op,
+        "layout",
+        "transposed v with Inf",
+        lambda: mk().append(kv()[0], poke(rnd(2, 2, 64, 40), INF, 7).transpose(-1, -2), None),
+        "inf",
+    )
+    for nm, mask in (
+        ("int", torch.ones(2, 40, dtype=torch.int64)),
+        ("float", torch.ones(2, 40)),
+        ("shape [2]", torch.ones(2, dtype=torch.bool)),
+        ("shape [2, 41]", torch.ones(2, 41, dtype=torch.bool)),
+        ("shape [3, 40]", torch.ones(3, 40, dtype=torch.bool)),
+        ("on meta", torch.ones(2, 40, dtype=torch.bool, device="meta")),
+    ):
+        bad(
+            op,
+            "mismatch" if nm != "on meta" else "meta",
+            f"valid mask {nm}",
+            lambda m=mask: kept(filled(), lambda c: c.append(*kv(), m)),
+            "valid",
+            "device",
+        )
+    bad(op, "meta", "k/v on meta", lambda: mk().append(*(t.to("meta") for t in kv()), None), "meta", "device")
+    bad(op, "meta", "k on meta, v cpu", lambda: mk().append(kv()[0].to("meta"), kv()[1], None), "device", "meta")
+    bad(
+        op,
+        "meta",
+        "meta after a cpu append",
+        lambda: kept(filled(), lambda c: c.append(*(t.to("meta") for t in kv(n=4)), None)),
+        "device",
+        "meta",
+    )
+    bad(op, "grad", "k requires grad", lambda: mk().append(grad_leaf(kv()[0]), kv()[1], None), "grad")
+    bad(
+        op,
+        "grad",
+        "v requires grad after an append",
+        lambda: kept(filled(), lambda c: c.append(kv(n=3)[0], grad_leaf(kv(n=3)[1]), None)),
+        "grad",
+    )
+    bad(op, "args", "k is None", lambda: mk().append(None, kv()[1], None), "k", "tensor")
+
+    # An empty batch cannot fix the cache's shape: a clear error at the first append (a
+    # B=0 append to a started cache would not match its batch either).
+    bad(op, "shape", "first append with an empty batch", lambda: _cache_empty_batch(), "batch", "> 0")
+
+    op = "KVCache.attend"
+    for nm, qq in (
+        ("float64", rnd(2, 4, 1, 64, dtype=F64)),
+        ("int32", torch.zeros(2, 4, 1, 64, dtype=torch.int32)),
+        ("3-D", rnd(2, 4, 64)),
+        ("5-D", rnd(2, 4, 1, 1, 64)),
+        ("batch 3", rnd(3, 4, 1, 64)),
+        ("head_dim 32", rnd(2, 4, 1, 32)),
+        ("q_len 0", rnd(2, 4, 0, 64)),
+        ("on meta", torch.empty(2, 4, 1, 64, device="meta")),
+    ):
+        cat = {"float64": "dtype", "int32": "dtype", "on meta": "meta"}.get(nm, "shape")
+        bad(op, cat, f"q {nm}", lambda qq=qq: filled().attend(qq, None, None), "q", "device")
+    bad(
+        op,
+        "gqa",
+        "q_heads 3 on 2 kv heads",
+        lambda: filled().attend(rnd(2, 3, 1, 64), None, None),
+        "q_heads",
+        "kv_heads",
+        "heads",
+    )
+    bad(
+        op,
+        "gqa",
+        "q_heads 1 on 2 kv heads",
+        lambda: filled().attend(rnd(2, 1, 1, 64), None, None),
+        "q_heads",
+        "kv_heads",
+        "heads",
+    )
+    bad(op, "grad", "q requires grad", lambda: filled().attend(grad_leaf(rnd(2, 4, 1, 64)), None, None), "grad")
+    for nm, sc, cap in (
+        ("scale NaN", NAN, None),
+        ("scale Inf", INF, None),
+        ("softcap 0", None, 0.0),
+        ("softcap -3", None, -3.0),
+    ):
+        bad(op, "args", nm, lambda sc=sc, cap=cap: filled().attend(rnd(2, 4, 1, 64), sc, cap), "scale", "softcap")
+    bad(
+        op,
+        "shape",
+        "q_len beyond the cached positions",
+        lambda: filled(n=5).attend(rnd(2, 4, 6, 64), None, None),
+        "q_len",
+        "q",
+        "queries",
+    )
+
+    op = "KVCache.reorder"
+    for nm, idx, cat in (
+        ("float", torch.tensor([1.0, 0.0]), "dtype"),
+        ("bool", torch.tensor([True, False]), "dtype"),
+        ("complex", torch.tensor([1 + 0j, 0j]), "dtype"),
+        ("2-D", torch.tensor([[1, 0]]), "shape"),
+        ("length 3", torch.tensor([1, 0, 1]), "shape"),
+        ("0-D", torch.tensor(1), "shape"),
+        ("index 2", torch.tensor([2, 0]), "args"),
+        ("index -3", torch.tensor([-3, 0]), "args"),
+        ("index 2**40", torch.tensor([2**40, 0]), "args"),
+        ("on meta", torch.tensor([1, 0], device="meta"), "meta"),
+    ):
+        bad(op, cat, f"beam_idx {nm}", lambda idx=idx: kept(filled(), lambda c: c.reorder(idx)), "beam_idx", "device")
+    bad(op, "args", "beam_idx a list", lambda: kept(filled(), lambda c: c.reorder([1, 0])), "beam_idx", "tensor")
+
+    op = "KVCache.crop"
+    bad(op, "args", "crop(-1)", lambda: kept(filled(), lambda c: c.crop(-1)), "length", "crop")
+    bad(op, "args", "crop(-2**63)", lambda: kept(filled(), lambda c: c.crop(-(2**63))), "length", "crop")
+    bad(op, "args", "crop(1.5)", lambda: kept(filled(), lambda c: c.crop(1.5)), "length", "crop", "int")
+    bad(op, "args", "crop into evicted positions", lambda: kept(_windowed(), lambda c: c.crop(3)), "window", "evicted")
+
+    op = "KVCache.dense"
+    bad(op, "dtype", "dense(int32)", lambda: filled().dense(torch.int32), "dtype")
+    bad(op, "dtype", "dense(bool)", lambda: filled().dense(torch.bool), "dtype")
+    bad(op, "dtype", "dense_with(int8) (external)", lambda: _dense_with(torch.int8), "dtype")
+    bad(op, "dtype", "dense_with integer parts", lambda: _dense_with(None, torch.int32), "floating", "dequantized")
+    bad(op, "shape", "dense_with one part short", lambda: _dense_with(None, F32, -1), "compressed part", "shape")
+    bad(
+        op,
+        "shape",
+        "dense_with one part per sequence missing",
+        lambda: _dense_with(None, F32, 0, 1),
+        "compressed part",
+        "per sequence",
+    )
+    bad(op, "meta", "dense_with parts on meta", lambda: _dense_with(None, F32, 0, 0, "meta"), "device")
+    nonfinite(op, "dense_with NaN parts", lambda: _dense_with(None, F32, 0, 0, "cpu", NAN)[0], "nan", "finite")
+
+    op = "KVCache methods"
+    for nm, fn in (
+        ("attend", lambda c: c.attend(rnd(1, 1, 1, 64), None, None)),
+        ("dense", lambda c: c.dense(None)),
+        ("reorder", lambda c: c.reorder(torch.tensor([0]))),
+        ("take_due_chunks", lambda c: c.take_due_chunks()),
+        ("dense_with", lambda c: c.dense_with([], [], None)),
+        ("crop_with", lambda c: c.crop_with(0, [], [])),
+        ("to(meta)", lambda c: c.to("meta")),
+    ):
+        bad(
+            op,
+            "args",
+            f"{nm} on a new fused cache",
+            lambda fn=fn: fn(mk()),
+            "before any append",
+            "not available",
+            "device",
+        )
+    bad(op, "args", "to(meta) after an append", lambda: kept(filled(), lambda c: c.to("meta")), "device", "meta")
+    bad(op, "args", "to('bogus')", lambda: kept(filled(), lambda c: c.to("bogus")), "device", "bogus")
+    bad(op, "args", "take_due_chunks on fused storage", lambda: filled().take_due_chunks(), "take_due_chunks", "fused")
+    bad(
+        op,
+        "args",
+        "attend on external storage",
+        lambda: filled(external_chunk=16).attend(rnd(2, 4, 1, 64), None, None),
+        "external",
+    )
+    bad(
+        op,
+        "args",
+        "dense_with while chunks are due",
+        lambda: filled(external_chunk=16).dense_with([torch.zeros(2, 16, 64)] * 2, [torch.zeros(2, 16, 64)] * 2, None),
+        "take_due_chunks",
+    )
+    bad(
+        op,
+        "values",
+        "crop_with NaN survivors (into the tail)",
+        lambda: kept(
+            _external_taken(),
+            lambda c: c.crop_with(8, [torch.full((2, 16, 64), NAN)] * 2, [torch.zeros(2, 16, 64)] * 2),
+        ),
+        "nan",
+        "finite",
+    )
+    bad(
+        op,
+        "shape",
+        "crop_with part short",
+        lambda: kept(
+            _external_taken(), lambda c: c.crop_with(8, [torch.zeros(2, 15, 64)] * 2, [torch.zeros(2, 16, 64)] * 2)
+        ),
+        "compressed part",
+        "shape",
+    )
+    bad(
+        op,
+        "dtype",
+        "crop_with integer parts",
+        lambda: kept(
+            _external_taken(),
+            lambda c: c.crop_with(8, [torch.zeros(2, 16, 64, dtype=torch.int64)] * 2, [torch.zeros(2, 16, 64)] * 2),
+        ),
+        "floating",
+        "dequantized",
+    )
+    bad(
+        op,
+        "args",
+        "crop on external storage inside a chunk",
+        lambda: kept(_external_taken(), lambda c: c.crop(8)),
+        "crop_with",
+    )
+
+    op = "KVCache.from_state_dict"
+    sd = lambda **kw: filled(**kw).state_dict()  # noqa: E731
+
+    def corrupt(fn, **kw):
+        s = dict(sd(**kw))
+        fn(s)
+        return nkcache.from_state_dict(s)
+
+    bad(op, "args", "not a dict", lambda: nkcache.from_state_dict([1, 2]), "state")
+    bad(op, "args", "dict with a non-tensor", lambda: corrupt(lambda s: s.update(shape=[2, 2, 64])), "state", "tensor")
+    for key in ("nexuskv.version", "shape", "lengths.tail", "keys.codes", "tail.k", "config.key_bits"):
+        bad(op, "state", f"missing {key}", lambda key=key: corrupt(lambda s: s.pop(key)), key)
+    bad(
+        op, "state", "version 99", lambda: corrupt(lambda s: s.update({"nexuskv.version": torch.tensor(99)})), "version"
+    )
+    bad(
+        op,
+        "bits",
+        "config.key_bits 5",
+        lambda: corrupt(lambda s: s.update({"config.key_bits": torch.tensor(5)})),
+        "key_bits",
+    )
+    bad(
+        op,
+        "group_size",
+        "config.value_group_size 0",
+        lambda: corrupt(lambda s: s.update({"config.value_group_size": torch.tensor(0)})),
+        "value_group_size",
+    )
+    bad(
+        op,
+        "lengths",
+        "lengths.compressed > capacity",
+        lambda: corrupt(lambda s: s.update({"lengths.compressed": torch.tensor([10**6, 0])})),
+        "lengths",
+        "compressed",
+        "capacity",
+    )
+    bad(
+        op,
+        "lengths",
+        "lengths.tail negative",
+        lambda: corrupt(lambda s: s.update({"lengths.tail": torch.tensor([-1, 0])})),
+        "lengths",
+        "tail",
+    )
+    bad(
+        op,
+        "lengths",
+        "lengths.tail > tail capacity",
+        lambda: corrupt(lambda s: s.update({"lengths.tail": torch.tensor([10**6, 0])})),
+        "lengths",
+        "tail",
+    )
+    bad(
+        op,
+        "lengths",
+        "lengths.compressed not a whole chunk",
+        lambda: corrupt(lambda s: s.update({"lengths.compressed": s["lengths.compressed"] + 3})),
+        "lengths",
+        "compressed",
+        "chunk",
+    )
+    bad(
+        op,
+        "lengths",
+        "lengths.compressed batch 3",
+        lambda: corrupt(lambda s: s.update({"lengths.compressed": torch.tensor([16, 16, 16])})),
+        "lengths",
+    )
+    bad(
+        op,
+        "mismatch",
+        "keys.codes truncated",
+        lambda: corrupt(lambda s: s.update({"keys.codes": s["keys.codes"][:, :, :1]})),
+        "keys.codes",
+        "codes",
+        "capacity",
+    )
+    bad(
+        op,
+        "mismatch",
+        "keys.scale float64",
+        lambda: corrupt(lambda s: s.update({"keys.scale": s["keys.scale"].double()})),
+        "keys.scale",
+        "scale",
+    )
+    bad(
+        op,
+        "mismatch",
+        "tail.k wrong head_dim",
+        lambda: corrupt(lambda s: s.update({"tail.k": s["tail.k"][..., :32]})),
+        "tail.k",
+        "tail",
+    )
+    bad(
+        op,
+        "mismatch",
+        "shape says batch 3",
+        lambda: corrupt(lambda s: s.update(shape=torch.tensor([3, 2, 64]))),
+        "shape",
+        "lengths",
+        "batch",
+    )
+    bad(
+        op,
+        "mismatch",
+        "dtype entry int32",
+        lambda: corrupt(lambda s: s.update(dtype=torch.empty(0, dtype=torch.int32))),
+        "dtype",
+    )
+    bad(
+        op,
+        "mismatch",
+        "keys.outlier_idx corrupt",
+        lambda: corrupt(lambda s: s.update({"keys.outlier_idx": s["keys.outlier_idx"].fill_(200)}), key_outliers=1),
+        "outlier_idx",
+    )
+    bad(
+        op,
+        "values",
+        "tail.k holds NaN",
+        lambda: corrupt(lambda s: s.update({"tail.k": poke(s["tail.k"], NAN, 0)})),
+        "tail",
+        "nan",
+        "finite",
+    )
+    bad(
+        op,
+        "values",
+        "keys.scale holds Inf",
+        lambda: corrupt(lambda s: s.update({"keys.scale": poke(s["keys.scale"], INF, 0)})),
+        "scale",
+        "inf",
+        "finite",
+    )
+    bad(
+        op,
+        "meta",
+        "keys.codes on meta",
+        lambda: corrupt(lambda s: s.update({"keys.codes": s["keys.codes"].to("meta")})),
+        "device",
+        "meta",
+    )
+    bad(
+        op,
+        "values",
+        "sinks.v holds -Inf",
+        lambda: corrupt(lambda s: s.update({"sinks.v": poke(s["sinks.v"], -INF, 3)}), sinks=4),
+        "sinks",
+        "inf",
+        "finite",
+    )
+    bad(
+        op,
+        "values",
+        "values.outlier_val holds NaN",
+        lambda: corrupt(
+            lambda s: s.update({"values.outlier_val": s["values.outlier_val"].fill_(NAN)}), value_outliers=1
+        ),
+        "outlier_val",
+        "nan",
+        "finite",
+    )
+    bad(
+        op,
+        "values",
+        "values.zero holds NaN (per-token values)",
+        lambda: corrupt(lambda s: s.update({"values.zero": s["values.zero"].fill_(NAN)})),
+        "zero",
+        "nan",
+        "finite",
+    )
+    bad(
+        op,
+        "mismatch",
+        "DGQ segment_starts corrupt",
+        lambda: corrupt(
+            lambda s: s.update({"keys.segment_starts": s["keys.segment_starts"].clone().fill_(5)}), key_dynamic=True
+        ),
+        "segment_starts",
+    )
+
+    # valid
+    op = "KVCache"
+    for i, kw in enumerate(
+        (
+            dict(),
+            dict(key_outliers=1, value_outliers=2),
+            dict(key_dynamic=True),
+            dict(rotate=True),
+            dict(sinks=3),
+            dict(window=24),
+            dict(key_bits=2, value_bits=8),
+            dict(key_axis=-1, value_axis=-2),
+            dict(meta_dtype=BF16),
+            dict(residual=0),
+            dict(key_group_size=1, value_group_size=1),
+            dict(key_group_size=64, value_group_size=24),
+            dict(external_chunk=16),
+        )
+    ):
+        for dt in (F32, F16, BF16) if i < 3 else (F32,):
+            valid(op, f"decode {kw} {dt}", lambda kw=kw, dt=dt, i=i: _cache_decode(kw, dt, i))
+    valid(op, "append of 0 tokens", lambda: _cache_zero_tokens())
+    valid(op, "left padding via valid", lambda: _cache_padding())
+    valid(op, "non-contiguous and stride-0 K/V", lambda: _cache_views())
+    valid(op, "state_dict round trip continues bit-exactly", lambda: _cache_state_roundtrip())
+    valid(op, "reorder with duplicates", lambda: _cache_reorder())
+    valid(op, "crop inside the compressed part", lambda: _cache_crop())
+    valid(op, "crop beyond the length keeps all", lambda: _cache_crop_beyond())
+    valid(op, "dense(float64) = dense(float32) widened", lambda: _cache_dense64())
+    valid(op, "fp16 q on an fp32 cache", lambda: _cache_q_dtype())
+    valid(op, "state with requires-grad entries loads inference-only", lambda: _cache_state_grad())
+    valid(op, "attend q_len = cached", lambda: _cache_decode({}, F32, 99, n0=7, steps=0, lq=7))
+
+
+def _external_taken():
+    c = filled(external_chunk=16)
+    c.take_due_chunks()
+    assert int(c.compressed_lengths()[0]) == 16
+    return c
+
+
+def _dense_with(dtype, part_dtype=F32, short=0, missing=0, device="cpu", fill=0.0):
+    c = _external_taken()
+    parts = [torch.full((2, int(n) + short, 64), fill, dtype=part_dtype, device=device) for n in c.compressed_lengths()]
+    return c.dense_with(parts[missing:], parts, dtype)
+
+
+def _windowed():
+    c = mk(window=8, residual=0)
+    c.append(*kv(n=64), None)
+    for t in range(30):
+        c.append(*kv(n=1, seed=t), None)
+    assert int(c.evicted_lengths()[0]) > 0
+    return c
+
+
+def _cache_reference(c, q, scale=None, window=None):
+    """softmax over the cache's own dense() (float32), the dequantize path."""
+    k, v, lens = c.dense(F32)
+    return attention_f64(q, k, v, lens, scale or q.shape[-1] ** -0.5, window)
+
+
+def _dense_excess(c, K, V, kw, dtype):
+    """dense() against the appended K/V: compressed tokens within the reference scale/2 of
+    their group (computed from the original data), sinks and tail exact."""
+    k, v, lens = c.dense(None)
+    comp, sinks = c.compressed_lengths().tolist(), c.sinks()
+    ev = c.evicted_lengths().tolist()
+    worst = 0.0
+    for which, orig, got in (("key", K, k), ("value", V, v)):
+        bits, G, axis = kw.get(f"{which}_bits", 4), kw.get(f"{which}_group_size", 16), kw.get(f"{which}_axis", 0)
+        axis = axis or (-2 if which == "key" else -1)
+        kout = kw.get(f"{which}_outliers", 0)
+        meta = kw.get("meta_dtype") or dtype
+        for b in range(orig.shape[0]):
+            L, n_c = int(lens[b]), comp[b]
+            start = ev[b] + sinks  # first live compressed position in the original
+            o = orig[b, :, ev[b] : ev[b] + L]
+            g = got[b, :, :L]
+            if not torch.equal(
+                torch.cat([o[:, :sinks], o[:, sinks + n_c :]], 1), torch.cat([g[:, :sinks], g[:, sinks + n_c :]], 1)
+            ):
+                return INF
+            if n_c == 0 or kw.get("key_dynamic") or kw.get("rotate"):
+                continue  # (DGQ / rotated parts: checked through attention against dense())
+            x = orig[b, :, start : start + n_c]
+            worst = max(worst, _excess(x, g[:, sinks : sinks + n_c], bits, G, axis, kout, meta, dtype))
+    return worst
+
+
+def _cache_decode(kw, dtype, seed, n0=37, steps=20, lq=1):
+    c = mk(**kw)
+    B, H, Hq, D = 2, 2, 4, 64
+    K, V = kv(B, H, n0 + steps, D, dtype, seed)
+    c.append(K[:, :, :n0], V[:, :, :n0], None)
+    err = 0.0
+    window = kw.get("window")
+    for t in range(n0, n0 + steps + 1):
+        if t > n0:
+            c.append(K[:, :, t - 1 : t], V[:, :, t - 1 : t], None)
+        if c.is_external():
+            c.take_due_chunks()
+            continue
+        q = rnd(B, Hq, lq, D, dtype=dtype, seed=t)
+        err = max(err, rel_err(c.attend(q, None, None), _cache_reference(c, q, None, window)))
+    if c.is_external():
+        return (0.0 if c.lengths().tolist() == [n0 + steps] * B else INF), 0.0
+    excess = _dense_excess(c, K, V, kw, dtype)
+    tol = attention_tol(dtype)
+    return max(err, tol + excess if excess > 0 else 0.0), tol
+
+
+def _cache_dense64():
+    c = filled(n=50)
+    a, b = c.dense(F64), c.dense(F32)
+    return (0.0 if all(torch.equal(x, y.double()) for x, y in zip(a[:2], b[:2])) else INF), 0.0
+
+
+def _cache_q_dtype():
+    c = filled(n=50)
+    q = rnd(2, 4, 1, 64, dtype=F16)
+    out = c.attend(q, None, None)
+    if out.dtype != F16:
+        return INF, 0.0
+    return rel_err(out, _cache_reference(c, q)), attention_tol(F16)
+
+
+def _cache_state_grad():
+    c = filled(n=50)
+    s = {k: (grad_leaf(v) if v.is_floating_point() and v.numel() else v) for k, v in c.state_dict().items()}
+    d = nkcache.from_state_dict(s)
+    d.append(*kv(n=3, seed=9), None)
+    c.append(*kv(n=3, seed=9), None)
+    q = rnd(2, 4, 1, 64)
+    return (0.0 if torch.equal(d.attend(q, None, None), c.attend(q, None, None)) else INF), 0.0
+
+
+def _cache_empty_batch():
+    c = mk()
+    try:
+        c.append(*kv(B=0, n=40), None)
+    except RuntimeError:
+        if snapshot(c) != snapshot(mk()):
+            raise LostData("a failed first append changed the cache")
+        raise
+    return c.attend(rnd(0, 4, 1, 64), None, None)
+
+
+def _cache_zero_tokens():
+    c = filled()
+    before = c.dense(None)
+    c.append(*kv(n=0), None)
+    ok = c.lengths().tolist() == [40, 40] and all(torch.equal(a, b) for a, b in zip(before, c.dense(None)))
+    return (0.0 if ok else INF), 0.0
+
+
+def _cache_padding():
+    c = mk()
+    K, V = kv(n=40)
+    valid_mask = torch.ones(2, 40, dtype=torch.bool)
+    valid_mask[1, :13] = False
+    c.append(K, V, valid_mask)
+    if c.lengths().tolist() != [40, 27]:
+        return INF, 0.0
+    k, v, _ = c.dense(None)
+    tail_ok = torch.equal(k[1, :, 27 - 16 : 27], K[1, :, 40 - 16 :]) and torch.equal(k[0, :, 24:40], K[0, :, 24:])
+    q = rnd(2, 4, 1, 64)
+    err = rel_err(c.attend(q, None, None), _cache_reference(c, q))
+    return (err if tail_ok else INF), attention_tol(F32)
+
+
+def _cache_views():
+    K, V = kv(n=40)
+    a, b = mk(), mk()
+    a.append(K, V, None)
+    b.append(K.transpose(1, 2).contiguous().transpose(1, 2), V.transpose(2, 3).contiguous().transpose(2, 3), None)
+    one = rnd(2, 2, 1, 64)
+    a.append(one.expand(2, 2, 5, 64).contiguous(), one.expand(2, 2, 5, 64).contiguous(), None)
+    b.append(one.expand(2, 2, 5, 64), one.expand(2, 2, 5, 64), None)
+    same = all(torch.equal(x, y) for x, y in zip(a.dense(None), b.dense(None)))
+    return (0.0 if same else INF), 0.0
+
+
+def _cache_state_roundtrip():
+    import io
+
+    c = filled(n=50, key_outliers=1)
+    buf = io.BytesIO()
+    torch.save(c.state_dict(), buf)
+    buf.seek(0)
+    d = nkcache.from_state_dict(torch.load(buf, weights_only=True))
+    more = kv(n=20, seed=5)
+    c.append(*more, None), d.append(*more, None)
+    q = rnd(2, 4, 1, 64)
+    same = torch.equal(c.attend(q, None, None), d.attend(q, None, None)) and all(
+        torch.equal(x, y) for x, y in zip(c.dense(None), d.dense(None))
+    )
+    return (0.0 if same else INF), 0.0
+
+
+def _cache_reorder():
+    c = filled(n=50)
+    k, v, _ = c.dense(None)
+    c.reorder(torch.tensor([1, 1], dtype=torch.int32))
+    k2, v2, lens = c.dense(None)
+    ok = torch.equal(k2[0], k[1]) and torch.equal(k2[1], k[1]) and torch.equal(v2[0], v[1])
+    return (0.0 if ok else INF), 0.0
+
+
+def _cache_crop():
+    c = filled(n=60)
+    k, v, _ = c.dense(None)
+    c.crop(20)
+    k2, v2, lens = c.dense(None)
+    ok = lens.tolist() == [20, 20] and torch.equal(k2, k[:, :, :20]) and torch.equal(v2, v[:, :, :20])
+    return (0.0 if ok else INF), 0.0
+
+
+def _cache_crop_beyond():
+    c = filled(n=60)
+    before = c.dense(None)
+    c.crop(1000)
+    ok = all(torch.equal(a, b) for a, b in zip(before, c.dense(None)))
+    return (0.0 if ok else INF), 0.0
+
+
+# ---- Hugging Face ---------------------------------------------------------------------------
+
+
+def tiny_llama():
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(cfg).eval()
+
+
+def hf_cases():
+    op = "hf.cache_for"
+    for nm, kw, hints in (
+        ("bits 5", dict(bits=5), ("bits",)),
+        ("bits 0", dict(bits=0), ("bits",)),
+        ("group_size 0", dict(group_size=0), ("group_size",)),
+        ("group_size 300", dict(group_size=300), ("group_size",)),
+        ("residual -1", dict(residual=-1), ("residual",)),
+        ("residual 2**40", dict(residual=2**40), ("residual",)),
+        ("outliers 64", dict(outliers=64), ("outliers",)),
+        ("outliers -1", dict(outliers=-1), ("outliers",)),
+        ("value_bits 7", dict(value_bits=7), ("value_bits",)),
+        ("value_bits 0", dict(value_bits=0), ("value_bits",)),
+        ("value_group_size 0", dict(value_group_size=0), ("value_group_size", "group_size")),
+        ("value_outliers 99", dict(value_outliers=99), ("value_outliers", "outliers")),
+        ("sinks -2", dict(sinks=-2), ("sinks",)),
+        ("meta_dtype int32", dict(meta_dtype=torch.int32), ("meta_dtype",)),
+        ("kv_heads 0", dict(kv_heads=0), ("kv_heads", "heads")),
+        ("kv_heads -1", dict(kv_heads=-1), ("kv_heads", "heads")),
+        ("kv_heads 'some'", dict(kv_heads="some"), ("kv_heads",)),
+        ("compressor object()", dict(compressor=object()), ("compressor",)),
+        ("value_compressor 3", dict(compressor=nexuskv.NQ(), value_compressor=3), ("compressor",)),
+        ("rotate 'yes'", dict(rotate="yes"), ("rotate",)),
+        ("dynamic_keys with G 200", dict(dynamic_keys=True, group_size=200), ("key_dynamic", "dynamic", "group_size")),
+        ("bits True", dict(bits=True), ("bits",)),
+    ):
+        cat = (
+            "bits"
+            if "bits" in nm
+            else "group_size"
+            if "group" in nm
+            else "outliers"
+            if "outliers" in nm
+            else "dtype"
+            if "dtype" in nm
+            else "gqa"
+            if "kv_heads" in nm
+            else "args"
+        )
+        bad(op, cat, nm, lambda kw=kw: hf.cache_for(tiny_llama(), **kw), *hints)
+    bad(op, "args", "model is not a model", lambda: hf.cache_for("llama"), "model", "config")
+
+    op = "hf.NexusKVLayer"
+
+    def L(**s):
+        return hf.NexusKVLayer({**dict(key_group_size=16, value_group_size=16, residual=16), **s}, fused=False)
+
+    for nm, s, h in (
+        ("key_group_size 0", dict(key_group_size=0), "key_group_size"),
+        ("key_bits 5", dict(key_bits=5), "key_bits"),
+        ("residual -1", dict(residual=-1), "residual"),
+        ("unknown setting", dict(colour="red"), "colour"),
+    ):
+        bad(op, "args" if "group" not in nm else "group_size", f"settings {nm}", lambda s=s: L(**s).update(*kv()), h)
+    bad(op, "shape", "update with 3-D states", lambda: L().update(rnd(2, 40, 64), rnd(2, 40, 64)), "shape")
+    bad(op, "shape", "update k/v shapes differ", lambda: L().update(rnd(2, 2, 40, 64), rnd(2, 2, 40, 32)), "shape")
+    bad(op, "dtype", "update int32 states", lambda: L().update(*(t.int() for t in kv())), "float")
+    bad(op, "dtype", "update float64 states", lambda: L().update(*(t.double() for t in kv())), "float")
+    bad(op, "values", "update NaN states", lambda: L().update(poke(kv()[0], NAN), kv()[1]), "nan")
+    bad(op, "grad", "update requires-grad states", lambda: L().update(grad_leaf(kv()[0]), kv()[1]), "grad")
+    bad(op, "meta", "update meta states", lambda: L().update(*(t.to("meta") for t in kv())), "meta", "device")
+    bad(
+        op,
+        "mismatch",
+        "layer made for the model, other head_dim",
+        lambda: hf.cache_for(tiny_llama()).layers[0].update(*kv(D=32)),
+        "head_dim",
+    )
+    bad(
+        op,
+        "gqa",
+        "layer made for the model, other kv heads",
+        lambda: hf.cache_for(tiny_llama()).layers[0].update(*kv(H=3, D=16)),
+        "kv heads",
+        "heads",
+    )
+    bad(op, "args", "cache.update beyond the layers", lambda: hf.cache_for(tiny_llama()).update(*kv(D=16), 5), "layer")
+    bad(op, "args", "reorder_cache beam index 7", lambda: _hf_filled().reorder_cache(torch.tensor([7, 0])), "beam_idx")
+    bad(
+        op,
+        "args",
+        "reorder_cache float beams",
+        lambda: _hf_filled().reorder_cache(torch.tensor([1.0, 0.0])),
+        "beam_idx",
+    )
+
+    op = "hf.NexusKVLayer batch"
+    for nm, idx, h in (
+        ("index 5", torch.tensor([5]), "batch indices"),
+        ("float", torch.tensor([0.5]), "batch indices"),
+        ("negative", torch.tensor([-1]), "batch indices"),
+        ("2-D", torch.tensor([[0]]), "batch indices"),
+        ("empty mask", torch.tensor([False, False]), "batch indices"),
+    ):
+        bad(op, "args", f"batch_select_indices {nm}", lambda idx=idx: _hf_filled().batch_select_indices(idx), h)
+    for r in (0, -1, 1.5, True):
+        bad(op, "args", f"batch_repeat_interleave({r})", lambda r=r: _hf_filled().batch_repeat_interleave(r), "repeats")
+    for n in (0, -1, True):
+        bad(op, "args", f"NexusKVCache({n})", lambda n=n: hf.NexusKVCache(n), "layers")
+    bad(op, "args", "NexusKVCache(2, colour=1)", lambda: hf.NexusKVCache(2, colour=1), "colour")
+    bad(op, "args", "NexusKVCache(2, key_bits=5)", lambda: hf.NexusKVCache(2, key_bits=5), "key_bits")
+
+    op = "hf"
+    valid(op, "batch_select_indices / batch_repeat_interleave keep the rows", lambda: _hf_batch())
+    valid(op, "NexusKVLayer short update returns the exact states", lambda: _hf_exact())
+    valid(op, "NexusKVLayer compressed update within the format's bound", lambda: _hf_compressed())
+    valid(op, "cache_for forward = no-cache forward (prompt within the tail)", lambda: _hf_forward())
+
+
+def _hf_filled():
+    layer = hf.NexusKVLayer(dict(key_group_size=16, value_group_size=16, residual=16), fused=False)
+    layer.update(*kv())
+    return layer
+
+
+def _hf_batch():
+    layer = _hf_filled()
+    k, v, _ = layer.cache.dense(None)
+    layer.batch_repeat_interleave(2)
+    k2, v2, lens = layer.cache.dense(None)
+    ok = (
+        lens.tolist() == [40] * 4 and torch.equal(k2[0], k[0]) and torch.equal(k2[1], k[0]) and torch.equal(k2[3], k[1])
+    )
+    layer.batch_select_indices(torch.tensor([False, False, True, False]))
+    k3, v3, lens = layer.cache.dense(None)
+    ok &= lens.tolist() == [40] and torch.equal(k3[0], k[1]) and torch.equal(v3[0], v[1])
+    layer.batch_select_indices(torch.tensor([0, 0], dtype=torch.int32))
+    ok &= layer.cache.lengths().tolist() == [40, 40] and torch.equal(layer.cache.dense(None)[0][1], k[1])
+    return (0.0 if ok else INF), 0.0
+
+
+def _hf_exact():
+    K, V = kv(n=10)
+    k, v = hf.NexusKVLayer(dict(residual=16), fused=False).update(K, V)
+    return (0.0 if torch.equal(k, K) and torch.equal(v, V) else INF), 0.0
+
+
+def _hf_compressed():
+    K, V = kv(n=50)
+    kw = dict(key_group_size=16, value_group_size=16, residual=16)
+    layer = hf.NexusKVLayer(kw, fused=False)
+    layer.update(K, V)
+    if int(layer.cache.compressed_lengths()[0]) == 0:
+        return INF, 0.0
+    return _dense_excess(layer.cache, K, V, kw, F32), 0.0
+
+
+def _hf_forward():
+    model = tiny_llama()
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+        got = model(ids, past_key_values=hf.cache_for(model, residual=32, fused=False)).logits
+    return rel_err(got, want), 1e-5
+
+
+# ==== the runner ===========================================================================
+
+
+def execute(case: Case) -> dict:
+    torch.manual_seed(0)
+    try:
+        out = case.fn()
+    except LostData as e:
+        return {"status": "lost", "msg": str(e)}
+    except BaseException as e:  # noqa: BLE001  (every exception is a result here)
+        return {
+            "status": "raised",
+            "type": type(e).__name__,
+            "clear_type": isinstance(e, CLEAR_TYPES),
+            "msg": str(e).strip().splitlines()[0][:400] if str(e).strip() else "",
+            "where": traceback.format_exc().splitlines()[-3][:200] if case.category == "valid" else "",
+        }
+    if case.category == "valid":
+        err, tol = out
+        return {"status": "checked", "err": float(err), "tol": float(tol)}
+    if case.propagates and isinstance(out, torch.Tensor) and not bool(torch.isfinite(out).all()):
+        return {"status": "propagated", "what": _describe(out) + " with NaN/Inf"}
+    return {"status": "returned", "what": _describe(out)}
+
+
+def _describe(out) -> str:
+    if isinstance(out, torch.Tensor):
+        return f"Tensor{tuple(out.shape)} {out.dtype} {out.device}"
+    if isinstance(out, (tuple, list)):
+        return "(" + ", ".join(_describe(o) for o in out) + ")"
+    return type(out).__name__
+
+
+def run_isolated(case: Case, timeout: float) -> dict:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        try:
+            torch.set_num_threads(1)
+            data = json.dumps(execute(case)).encode()
+        except BaseException as e:  # noqa: BLE001
+            data = json.dumps({"status": "raised", "type": "SweepError", "clear_type": False, "msg": repr(e)}).encode()
+        with os.fdopen(w, "wb") as f:
+            f.write(data)
+        os._exit(0)
+    os.close(w)
+    chunks, deadline, timed_out = [], time.monotonic() + timeout, False
+    with os.fdopen(r, "rb", buffering=0) as f:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            ready, _, _ = select.select([f], [], [], left)
+            if ready:
+                chunk = f.read(65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+    if timed_out:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return {"status": "hang"}
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return {"status": "crash", "signal": signal.Signals(os.WTERMSIG(status)).name}
+    if os.WEXITSTATUS(status) != 0 or not chunks:
+        return {"status": "crash", "exit": os.WEXITSTATUS(status)}
+    return json.loads(b"".join(chunks))
+
+
+def verdict(case: Case, res: dict) -> str:
+    s = res["status"]
+    if s in ("crash", "hang"):
+        return s
+    if case.category == "valid":
+        if s == "checked":
+            return "pass" if res["err"] <= res["tol"] else "wrong"
+        return "error"
+    if s in ("returned", "lost"):
+        return "silent"
+    if s == "propagated":
+        return "propagated"
+    msg = res.get("msg", "").lower()
+    if not res.get("clear_type") or any(m in msg for m in UNCLEAR_MARKS) or not any(h in msg for h in case.hints):
+        return "unclear"
+    return "clear"
+
+
+BAD_VERDICTS = ["clear", "propagated", "unclear", "crash", "hang", "silent"]
+VALID_VERDICTS = ["pass", "wrong", "error", "crash", "hang"]
+
+
+def build_cases():
+    nq_compress_cases()
+    nq_decompress_cases()
+    dgq_cases()
+    hadamard_cases()
+    attention_cases()
+    cache_cases()
+    hf_cases()
+    names = collections.Counter(c.name for c in CASES)
+    dup = [n for n, k in names.items() if k > 1]
+    assert not dup, f"duplicate case names: {dup}"
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", help="write every case and its verdict here")
+    p.add_argument("--only", help="run the cases whose name contains this")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per case before it counts as a hang")
+    p.add_argument("--verbose", action="store_true", help="print every case, not only the problems")
+    args = p.parse_args(argv)
+    build_cases()
+    cases = [c for c in CASES if not args.only or args.only in c.name]
+    results, t0 = [], time.monotonic()
+    for i, case in enumerate(cases):
+        res = run_isolated(case, args.timeout)
+        v = verdict(case, res)
+        results.append({"name": case.name, "target": case.target, "category": case.category, "verdict": v, **res})
+        problem = v not in ("clear", "pass", "propagated")
+        if problem or args.verbose:
+            detail = res.get("msg") or res.get("what") or res.get("signal") or ""
+            if res.get("status") == "checked":
+                detail = f"err {res['err']:.3g} tol {res['tol']:.3g}"
+            print(
+                f"[{i + 1}/{len(cases)}] {v.upper():8s} {case.name}: {res.get('type', '')} {detail}"[:400], flush=True
+            )
+    elapsed = time.monotonic() - t0
+    bad_rows = [r for r in results if r["category"] != "valid"]
+    valid_rows = [r for r in results if r["category"] == "valid"]
+    cats = sorted({r["category"] for r in bad_rows})
+    table = {c: collections.Counter(r["verdict"] for r in bad_rows if r["category"] == c) for c in cats}
+    print(
+        f"\n{len(bad_rows)} bad inputs, {len(valid_rows)} valid cases, {elapsed:.0f} s "
+        f"(torch {torch.__version__}, nexuskv {nexuskv.__version__})\n"
+    )
+    print(f"{'bad inputs by category':24s}" + "".join(f"{v:>11s}" for v in BAD_VERDICTS) + f"{'total':>11s}")
+    for c in cats:
+        print(f"{c:24s}" + "".join(f"{table[c][v]:11d}" for v in BAD_VERDICTS) + f"{sum(table[c].values()):11d}")
+    tot = collections.Counter(r["verdict"] for r in bad_rows)
+    print(f"{'all':24s}" + "".join(f"{tot[v]:11d}" for v in BAD_VERDICTS) + f"{len(bad_rows):11d}")
+    targets = sorted({r["target"] for r in results})
+    by_target = {t: collections.Counter(r["verdict"] for r in results if r["target"] == t) for t in targets}
+    print(f"\n{'by target':24s}" + "".join(f"{v:>11s}" for v in BAD_VERDICTS + VALID_VERDICTS[:3]))
+    for t in targets:
+        print(f"{t:24s}" + "".join(f"{by_target[t][v]:11d}" for v in BAD_VERDICTS + VALID_VERDICTS[:3]))
+    vt = collections.Counter(r["verdict"] for r in valid_rows)
+    print(f"\n{'valid cases':24s}" + "".join(f"{v:>11s}" for v in VALID_VERDICTS) + f"{'total':>11s}")
+    print(f"{'all':24s}" + "".join(f"{vt[v]:11d}" for v in VALID_VERDICTS) + f"{len(valid_rows):11d}")
+    if args.json:
+        path = pathlib.Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        summary = {
+            "bad": {c: dict(table[c]) for c in cats},
+            "bad_total": dict(tot),
+            "valid": dict(vt),
+            "n_bad": len(bad_rows),
+            "n_valid": len(valid_rows),
+            "seconds": round(elapsed, 1),
+            "torch": torch.__version__,
+        }
+        path.write_text(json.dumps({"summary": summary, "cases": results}, indent=1))
+        print(f"\nwrote {path}")
+    failures = sum(tot[v] for v in ("crash", "hang", "silent")) + sum(
+        vt[v] for v in ("wrong", "error", "crash", "hang")
+    )
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,551 @@
+"""dgq_fused_attention on CUDA against the float64 reference of test_attention.py and
+against the CPU kernel, for both CUDA kernels: the reference SIMT kernel
+(NEXUSKV_CUDA_ATTENTION=simple) and the tensor-core kernel (=mma, which fails the call
+if it does not take the case, so a passing test proves it ran).  Every bit width,
+grouping, dtype, GQA ratio, q_len in {1, 4, 17}, ragged batches, sinks, tail, rotation,
+DGQ keys, windows and soft-caps; outputs into poisoned memory, every element checked,
+every check run twice; no host synchronization, CUDA graph capture, opcheck,
+torch.compile; bad input and mixed devices.  Skipped without a GPU."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+
+import pytest
+import torch
+from devices import env, is_cuda, poison_cuda_cache, requires_cuda
+from hypothesis import HealthCheck, given, settings
+from test_attention import GRID, Case, attention_case, rel_err
+
+from nexuskv.ops import dgq_fused_attention
+
+pytestmark = requires_cuda
+
+MMA_BITS = (2, 4, 8)  # the tensor-core kernel's widths (3 bits: reference kernel)
+
+
+def on_cuda(case: Case) -> Case:
+    """A copy of the (CPU-built) case with every tensor on the GPU."""
+    c = copy.copy(case)
+    for name, value in vars(case).items():
+        if isinstance(value, torch.Tensor):
+            setattr(c, name, value.cuda())
+        elif isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+            setattr(c, name, [t.cuda() for t in value])
+    return c
+
+
+def run_cuda(case: Case, kernel: str, **overrides) -> torch.Tensor:
+    """Runs the case on the GPU twice with the given kernel, into poisoned memory; the two
+    runs must agree (a race shows as a moving result); returns the output on the CPU."""
+    gpu = on_cuda(case)
+    outs = []
+    with env(NEXUSKV_CUDA_ATTENTION=kernel, NEXUSKV_CUDA_CHECKS="1"):
+        for _ in range(2):
+            poison_cuda_cache()
+            outs.append(gpu.run(**overrides))
+    assert is_cuda(outs[0]) and outs[0].dtype == case.q.dtype and outs[0].shape == case.q.shape
+    # The reference kernel has no atomics: bit-identical; the tensor-core kernel's outlier
+    # corrections add in any order.  NaN rows (non-finite input) must be the same rows.
+    a, b = outs[0].float(), outs[1].float()
+    assert torch.equal(a.isnan(), b.isnan())
+    fin = ~a.isnan()
+    if kernel == "simple":
+        assert torch.equal(a[fin], b[fin])
+    else:
+        assert rel_err(a[fin], b[fin].double()) <= 1e-6
+    return outs[0].cpu()
+
+
+def mma_takes(case: Case) -> bool:
+    bits, kg, ka = case.k_format
+    vb, vg, va = case.v_format
+    return (
+        case.q.dtype in (torch.float16, torch.bfloat16)
+        and bits == vb
+        and bits in MMA_BITS
+        and ka == -2
+        and va == -1
+        and (case.k_starts is not None or kg % 16 == 0)
+        and vg % 16 == 0
+        and case.q.shape[-1] in (64, 128)
+        and case.k_cache[1].dtype == case.q.dtype
+        and case.v_cache[1].dtype == case.q.dtype
+    )
+
+
+def tolerance(dtype) -> float:
+    # float32 arithmetic; for 16-bit q the output is rounded to q's dtype (as on the CPU).
+    return 1e-4 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+
+
+def check_case(case: Case, **overrides):
+    """Both kernels (the tensor-core one where it takes the case) within the tolerance of
+    the float64 reference and of the CPU kernel; every element finite."""
+    ref = case.reference() if not overrides else None
+    cpu = case.run(**overrides)
+    tol = tolerance(case.q.dtype)
+    kernels = ["simple"] + (["mma"] if mma_takes(case) else [])
+    outs = {}
+    for kernel in kernels:
+        out = outs[kernel] = run_cuda(case, kernel, **overrides)
+        assert torch.isfinite(out).all(), kernel
+        if ref is not None:
+            assert rel_err(out, ref) <= tol, kernel
+        assert rel_err(out, cpu.double()) <= 2 * tol, kernel
+    if "mma" in outs:
+        # Both kernels compute the same float32 value to ~1e-6; after the rounding to the
+        # 16-bit output they differ only where a value sits at a rounding boundary, by one
+        # unit in the last place.  (An error of 1e-3 would change a quarter of them.)
+        a, b = outs["simple"].float(), outs["mma"].float()
+        differ = a != b
+        assert differ.float().mean() <= 0.01, float(differ.float().mean())
+        ulp = a.abs() * torch.finfo(case.q.dtype).eps + torch.finfo(case.q.dtype).tiny
+        assert torch.all((a - b).abs() <= ulp)
+    return kernels
+
+
+@pytest.mark.parametrize("bits,ratio,q_len,tail,rotate,dgq", GRID)
+def test_float32_grid_matches_float64_and_cpu(bits, ratio, q_len, tail, rotate, dgq):
+    comp_lens = (100, 45, 20) if tail else (100, 45, 20 + q_len)
+    case = Case(
+        bits=bits,
+        ratio=ratio,
+        q_len=q_len,
+        tail=tail,
+        tail_lens=[tail, 5, tail] if tail else None,
+        comp_lens=comp_lens,
+        rotate=rotate,
+        dgq=dgq,
+        seed=bits * 100 + ratio * 10 + q_len,
+    )
+    check_case(case)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits,ratio,q_len,tail,rotate,dgq", GRID)
+def test_16_bit_grid_both_kernels(dtype, bits, ratio, q_len, tail, rotate, dgq):
+    comp_lens = (200, 45, 20) if tail else (200, 45, 20 + q_len)
+    case = Case(
+        bits=bits,
+        ratio=ratio,
+        q_len=q_len,
+        tail=tail,
+        tail_lens=[tail, 5, tail] if tail else None,
+        comp_lens=comp_lens,
+        rotate=rotate,
+        dgq=dgq,
+        dtype=dtype,
+        seed=bits * 100 + ratio * 10 + q_len,
+    )
+    kernels = check_case(case)
+    assert ("mma" in kernels) == (bits in MMA_BITS)  # the 2/4/8-bit cases do run on the tensor cores
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "bits,q_len,tail,rotate,dgq",
+    [
+        (4, 1, 0, False, False),
+        (4, 5, 24, False, False),
+        (2, 17, 24, True, False),
+        (3, 4, 24, False, True),
+        (8, 3, 0, True, True),
+    ],
+)
+def test_sinks(dtype, bits, q_len, tail, rotate, dgq):
+    case = Case(
+        bits=bits,
+        ratio=3,
+        q_len=q_len,
+        tail=tail,
+        tail_lens=[tail, 5, tail] if tail else None,
+        comp_lens=(100, 45, 0),
+        rotate=rotate,
+        dgq=dgq,
+        sinks=4,
+        sink_lens=[4, 2, 4],
+        dtype=dtype,
+        seed=bits * 10 + q_len,
+    )
+    check_case(case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_windows_and_softcaps(dtype):
+    for window in (1, 5, 32, 33, 70, 500):
+        check_case(
+            Case(
+                comp_lens=(130, 45),
+                tail=12,
+                tail_lens=[12, 3],
+                q_len=4,
+                sinks=3,
+                window=window,
+                dtype=dtype,
+                seed=window,
+            )
+        )
+    for softcap in (1.0, 5.0, 50.0):
+        check_case(
+            Case(comp_lens=(70, 33), q_len=3, tail=8, softcap=softcap, key_scale=4.0, dtype=dtype, seed=int(softcap))
+        )
+    # Honoured, not ignored.
+    case = Case(comp_lens=(130, 45), q_len=2, window=16, dtype=dtype)
+    for kernel in ["simple"] + (["mma"] if mma_takes(case) else []):
+        assert rel_err(run_cuda(case, kernel, window=None), case.reference()) > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_outlier_regressions_of_the_cpu_kernel(dtype):
+    # Key outliers in groups spanning tiles (values read through other paths), partial key
+    # groups shorter than their outlier slots, partial value groups.
+    for dgq, (v_axis, v_group), k_group in itertools.product((False, True), [(-2, 64), (-1, 24), (-1, 32)], (64, 128)):
+        check_case(
+            Case(
+                bits=4,
+                group=k_group,
+                k_outliers=2,
+                dgq=dgq,
+                v_axis=v_axis,
+                v_group=v_group,
+                v_outliers=1,
+                comp_lens=(2 * k_group, k_group + 37),
+                q_len=3,
+                ratio=2,
+                dtype=dtype,
+                seed=k_group + v_group,
+            )
+        )
+    for comp_lens, group, k, head_dim in [((66,), 64, 3, 64), ((0, 9), 8, 2, 16), ((130, 65), 64, 3, 32)]:
+        check_case(
+            Case(
+                bits=4,
+                group=group,
+                k_outliers=k,
+                comp_lens=comp_lens,
+                head_dim=head_dim,
+                q_len=1,
+                ratio=1,
+                kv_heads=1,
+                dtype=dtype,
+                seed=group,
+            )
+        )
+    check_case(Case(bits=4, head_dim=48, v_group=32, v_outliers=20, comp_lens=(40, 17), q_len=2, dtype=dtype, seed=5))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_head_dims_and_dtypes(head_dim, dtype):
+    rotate = head_dim & (head_dim - 1) == 0
+    check_case(Case(head_dim=head_dim, dtype=dtype, q_len=2, tail=8, rotate=rotate, seed=head_dim))
+
+
+def test_key_groups_not_aligned_to_tiles_and_long_split_contexts():
+    # Groups of 16 (several per tile), 48 (tiles straddle groups), a context long enough for
+    # many splits, and one with every token in the tail.
+    for dtype in (torch.float32, torch.bfloat16):
+        for group in (16, 48):
+            check_case(
+                Case(group=group, v_group=16, comp_lens=(300, 129), q_len=3, k_outliers=2, dtype=dtype, seed=group)
+            )
+        check_case(Case(comp_lens=(5000,), kv_heads=1, ratio=4, q_len=3, sinks=5, tail=20, dtype=dtype, seed=8))
+        check_case(Case(comp_lens=(0, 0), tail=40, q_len=3, dtype=dtype))
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+@given(attention_case())
+def test_hypothesis_against_float64_reference(kw):
+    for dtype in (torch.float32, torch.bfloat16):
+        check_case(Case(**kw, dtype=dtype))
+
+
+# ---- special values -----------------------------------------------------------------------------
+
+
+def test_zero_length_sequence_gives_zeros():
+    case = Case(comp_lens=(64, 0), q_len=1)
+    for kernel in ("simple",):
+        out = run_cuda(case, kernel)
+        assert torch.all(out[1] == 0) and rel_err(out[0], case.reference()[0]) <= 1e-4
+    case = Case(comp_lens=(64, 0), q_len=1, dtype=torch.bfloat16)
+    out = run_cuda(case, "mma")
+    assert torch.all(out[1] == 0) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_query_or_tail_gives_nan_rows(dtype, bad):
+    case = Case(dtype=dtype, q_len=2, ratio=4, tail=8)
+    case.q[0, 1, 0, 5] = bad
+    case.k_tail[1, 0, 3, 2] = bad
+    ok = torch.ones(case.q.shape[:3], dtype=torch.bool)
+    ok[0, 1, 0] = False
+    ok[1, :4] = False
+    for kernel in ["simple"] + (["mma"] if mma_takes(case) else []):
+        out = run_cuda(case, kernel)
+        assert out[0, 1, 0].isnan().all() and out[1, :4].isnan().all(), kernel
+        assert out[ok].isfinite().all(), kernel
+        assert torch.equal(out.isnan(), case.run().isnan())
+
+
+# ---- no synchronization, graphs, streams --------------------------------------------------------
+
+
+@pytest.mark.parametrize("dgq", [False, True])
+def test_a_decode_step_never_synchronizes(dgq):
+    case = on_cuda(
+        Case(
+            comp_lens=(300, 129),
+            tail=8,
+            tail_lens=[8, 3],
+            q_len=1,
+            sinks=4,
+            sink_lens=[4, 2],
+            dgq=dgq,
+            rotate=True,
+            dtype=torch.bfloat16,
+        )
+    )
+    x = torch.randn(2, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
+    case.run(), torch.ops.nexuskv.nq_compress(x, 4, 32, -2, 1, None)  # warm-up (module load, attributes)
+    torch.cuda.synchronize()
+    with env(NEXUSKV_CUDA_CHECKS=None):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            case.run()
+            torch.ops.nexuskv.nq_compress(x, 4, 32, -2, 1, None)
+            torch.ops.nexuskv.nq_compress(x, 4, 32, -1, 0, None)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_decode_step_captures_in_a_cuda_graph():
+    case = on_cuda(Case(comp_lens=(300, 129), tail=8, tail_lens=[8, 3], q_len=1, dtype=torch.bfloat16))
+    x = torch.randn(2, 2, 1, 64, device="cuda", dtype=torch.bfloat16)
+    with env(NEXUSKV_CUDA_CHECKS=None):
+        eager = case.run()
+        torch.ops.nexuskv.nq_compress(x, 4, 32, -1, 0, None)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = case.run()
+            parts = torch.ops.nexuskv.nq_compress(x, 4, 32, -1, 0, None)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    assert torch.equal(parts[0], torch.ops.nexuskv.nq_compress(x, 4, 32, -1, 0, None)[0])
+    case.comp_lens[1] = 100  # lengths are read on the device at replay time
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, case.run())
+
+
+def test_runs_on_the_current_stream():
+    case = on_cuda(Case(comp_lens=(300, 129), q_len=2, dtype=torch.bfloat16))
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        out = case.run()
+    s.synchronize()
+    assert torch.equal(out, case.run())
+
+
+# ---- operator hygiene ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(tail=8, q_len=3, rotate=True),
+        dict(dtype=torch.bfloat16, ratio=3),
+        dict(tail=8, q_len=2, sinks=4, sink_lens=[4, 1], dtype=torch.float16),
+    ],
+)
+def test_opcheck_on_cuda(kw):
+    case = on_cuda(Case(**kw))
+    args = (
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.k_format,
+        case.v_format,
+        case.comp_lens,
+        case.k_tail,
+        case.v_tail,
+        case.tail_lens,
+        case.signs,
+        case.scale,
+    )
+    if case.k_sink is not None:
+        args += (case.k_sink, case.v_sink, case.sink_lens)
+    torch.library.opcheck(torch.ops.nexuskv.dgq_fused_attention.default, args)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph_on_cuda(backend):
+    case = on_cuda(Case(tail=8, q_len=2, dtype=torch.bfloat16))
+
+    def step(q):
+        return (
+            dgq_fused_attention(
+                q,
+                case.k_cache,
+                case.v_cache,
+                case.k_format,
+                case.v_format,
+                case.comp_lens,
+                case.k_tail,
+                case.v_tail,
+                case.tail_lens,
+                None,
+                case.scale,
+            )
+            * 2
+        )
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    torch.testing.assert_close(compiled(case.q), step(case.q), rtol=0, atol=0)
+
+
+def test_requires_grad_rejected_on_cuda():
+    case = on_cuda(Case())
+    q = case.q.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="inference-only"):
+        dgq_fused_attention(q, case.k_cache, case.v_cache, case.k_format, case.v_format, case.comp_lens)
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+
+def bad(case: Case, **kw):
+    args = dict(
+        q=case.q,
+        k_cache=case.k_cache,
+        v_cache=case.v_cache,
+        k_format=case.k_format,
+        v_format=case.v_format,
+        compressed_lens=case.comp_lens,
+    )
+    args.update(kw)
+    return lambda: dgq_fused_attention(**args)
+
+
+def cuda_randn(*shape):
+    return torch.randn(*shape, device="cuda")
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda c: bad(c, q=cuda_randn(2, 6, 1, 64)), r"q_heads \(6\) must be a multiple of kv_heads \(4\)"),
+        (lambda c: bad(c, q=cuda_randn(2, 8, 1, 128)), "codes has 32 bytes per token, but bits=4 and head_dim=128"),
+        (lambda c: bad(c, q=cuda_randn(2, 8, 1, 72)), "head_dim must be a multiple of 16"),
+        (lambda c: bad(c, q=cuda_randn(2, 8, 64)), r"q must have shape \[batch, q_heads, q_len, head_dim\]"),
+        (lambda c: bad(c, q=cuda_randn(2, 8, 1, 64).long()), "q must be float32, float16 or bfloat16"),
+        (lambda c: bad(c, q=cuda_randn(3, 8, 1, 64)), "holds 2 sequences but q has 3"),
+        (
+            lambda c: bad(c, compressed_lens=torch.tensor([70, 33, 1], device="cuda")),
+            r"compressed_lens must have shape \[2\]",
+        ),
+        (lambda c: bad(c, compressed_lens=c.comp_lens.float()), "compressed_lens must be int32 or int64"),
+        (lambda c: bad(c, k_cache=c.k_cache[:4]), "k_cache must hold 5 tensors"),
+        (lambda c: bad(c, k_format=[4, 32]), r"k_format must be \[bits, group_size, axis\]"),
+        (lambda c: bad(c, k_format=[5, 32, -2]), "bits must be one of 2, 3, 4, 8, got 5"),
+        (lambda c: bad(c, v_format=[4, 32, -2]), "scale must have shape"),
+        (lambda c: bad(c, k_cache=[c.k_cache[0].float()] + c.k_cache[1:]), "codes must be uint8"),
+        (lambda c: bad(c, k_tail=cuda_randn(2, 4, 3, 64)), "give both k_tail and v_tail"),
+        (lambda c: bad(c, k_tail=cuda_randn(2, 4, 3, 64), v_tail=cuda_randn(2, 4, 3, 32)), "must have shape"),
+        (
+            lambda c: bad(c, k_sink=cuda_randn(2, 4, 3, 64), v_sink=cuda_randn(2, 2, 3, 64)),
+            r"k_sink and v_sink must have shape \[2, 4, sink_tokens, 64\]",
+        ),
+        (lambda c: bad(c, sink_lens=torch.tensor([1, 1], device="cuda")), "sink_lens given without k_sink/v_sink"),
+        (lambda c: bad(c, rotation_signs=torch.ones(32, device="cuda")), r"rotation signs must have shape \[64\]"),
+        (lambda c: bad(c, window=0), "window must be >= 1"),
+        (lambda c: bad(c, softcap=-1.0), "softcap must be finite and > 0"),
+    ],
+)
+def test_bad_input(make, match):
+    case = on_cuda(Case(ratio=2, kv_heads=4))
+    with pytest.raises(RuntimeError, match=match):
+        make(case)()
+
+
+@pytest.mark.parametrize(
+    "make,match,nan_rows",
+    [
+        (
+            lambda c: bad(c, compressed_lens=torch.tensor([71, 33], device="cuda")),
+            r"compressed_lens\[0\] = 71 is outside \[0, 70\]",
+            [0],
+        ),
+        (lambda c: bad(c, compressed_lens=torch.tensor([-1, 33], device="cuda")), "is outside", [0]),
+        (
+            lambda c: bad(c, q=cuda_randn(2, 8, 40, 64)),
+            r"q_len \(40\) exceeds the length of sequence 1 \(33 tokens\)",
+            [1],
+        ),
+        (
+            lambda c: bad(
+                c,
+                k_tail=cuda_randn(2, 4, 3, 64),
+                v_tail=cuda_randn(2, 4, 3, 64),
+                tail_lens=torch.tensor([4, 0], device="cuda"),
+            ),
+            r"tail_lens\[0\] = 4 is outside \[0, 3\]",
+            [0],
+        ),
+        (lambda c: bad(c, rotation_signs=torch.full((64,), 0.5, device="cuda")), r"must all be \+1 or -1", [0, 1]),
+        (
+            lambda c: bad(
+                c,
+                k_cache=c.k_cache[:3]
+                + [c.k_cache[3].masked_fill(torch.ones_like(c.k_cache[3], dtype=torch.bool), 200)]
+                + c.k_cache[4:],
+            ),
+            "k_cache: outlier_idx holds a position outside its group",
+            [0, 1],
+        ),
+    ],
+)
+def test_bad_values_error_with_checks_and_nan_rows_without(make, match, nan_rows):
+    # With NEXUSKV_CUDA_CHECKS=1 the CPU's messages; without, no synchronization: the
+    # kernels read nothing out of bounds and the sequences they could not compute are NaN.
+    case = on_cuda(Case(ratio=2, kv_heads=4))
+    with env(NEXUSKV_CUDA_CHECKS="1"), pytest.raises(RuntimeError, match=match):
+        make(case)()
+    with env(NEXUSKV_CUDA_CHECKS=None):
+        out = make(case)().cpu()
+    for b in range(out.shape[0]):
+        assert out[b].isnan().all() == (b in nan_rows), b
+        if b not in nan_rows:
+            assert out[b].isfinite().all()
+
+
+def test_mixed_devices_are_a_clear_error():
+    cpu = Case(ratio=2, kv_heads=4, tail=4)
+    gpu = on_cuda(cpu)
+    one_device = r"all tensors must be on one device, q is on cuda:\d but {} is on cpu"
+    with pytest.raises(RuntimeError, match=one_device.format("k_cache")):
+        bad(gpu, k_cache=cpu.k_cache)()
+    with pytest.raises(RuntimeError, match=one_device.format("v_cache")):
+        bad(gpu, v_cache=cpu.v_cache)()
+    with pytest.raises(RuntimeError, match=one_device.format("k_tail")):
+        bad(gpu, k_tail=cpu.k_tail, v_tail=cpu.v_tail)()
+    # Lengths too: on the CPU they would cost a synchronizing copy every call.
+    with pytest.raises(RuntimeError, match=one_device.format("compressed_lens")):
+        bad(gpu, compressed_lens=cpu.comp_lens)()
+    with pytest.raises(RuntimeError, match=r"rotation signs are on cpu"):
+        bad(gpu, rotation_signs=torch.ones(64))()
+    # The other way round: q on the CPU, the cache on the GPU.
+    with pytest.raises(RuntimeError, match=r"all tensors must be on one device, q is on cpu but k_cache is on cuda"):
+        bad(cpu, k_cache=gpu.k_cache)()
