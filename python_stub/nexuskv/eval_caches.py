@@ -2,7 +2,12 @@
 cache (dense, nexuskv, transformers' QuantizedCache with optimum-quanto), how to
 build it for a model, the bytes it really holds, and the effective bits of its
 compressed part from the format (every scale, zero, index and outlier counted;
-the full-precision tail is reported separately, never averaged in)."""
+the full-precision tail is reported separately, never averaged in).
+
+The dense baseline is the cache transformers itself makes for the model in
+generate(): DynamicCache(config=...), which keeps only the window in sliding-window
+layers (4.57 and 5.x alike).  nexuskv caches are made by nexuskv.hf.cache_for, so
+that they follow the model's layers (windows) as a user's would."""
 
 from __future__ import annotations
 
@@ -16,6 +21,12 @@ from . import _format, integrations
 
 DENSE, NEXUSKV, QUANTO = "dense", "nexuskv", "quanto"
 QUANTO_RESIDUAL = 128  # transformers' default residual_length for QuantizedCache
+# Setting.meta: the dtype of scales and zeros.  None: each kind's own default (nexuskv:
+# 16-bit, see meta_dtype_for; quanto: the model's dtype, as transformers runs it);
+# META_16: 16-bit (the model's dtype if it is 16-bit, else bfloat16); META_MODEL: the
+# model's dtype.  They let nexuskv and quanto be compared at equal effective bits.
+META_16, META_MODEL = "16-bit", "model dtype"
+DENSE_BASELINE = "DynamicCache(config=model.config)"  # what generate() makes; sliding layers keep their window
 
 
 @dataclass(frozen=True)
@@ -24,7 +35,8 @@ class Setting:
     tokens (DGQ data-chosen groups when `dgq`), values per token in groups of
     `value_group_size` channels; `residual` newest tokens kept in the model's dtype.
     quanto: transformers' QuantizedCache(backend="quanto") with its defaults
-    (axis 0, q_group_size 64, residual_length 128)."""
+    (axis 0, q_group_size 64, residual_length 128).  `meta`: the dtype of scales and
+    zeros (None, META_16 or META_MODEL, see above)."""
 
     kind: str
     bits: int = 16
@@ -36,20 +48,27 @@ class Setting:
     rotate: bool = False
     dgq: bool = False
     sinks: int = 0  # first tokens of each sequence kept in the model's dtype
+    meta: Optional[str] = None
 
     @property
     def name(self) -> str:
         if self.kind == DENSE:
             return "dense"
+        meta = "" if self.meta is None else (" 16-bit scales" if self.meta == META_16 else " scales in model dtype")
         if self.kind == QUANTO:
-            return f"quanto {self.bits}-bit g64 tail {self.residual}"
+            return f"quanto {self.bits}-bit g64 tail {self.residual}{meta}"
         groups = f"K g{self.group_size}" + ("" if self.value_group_size == self.group_size
                                             else f" V g{self.value_group_size}")
         extra = "".join([f" K+{self.key_outliers}out" if self.key_outliers else "",
                          f" V+{self.value_outliers}out" if self.value_outliers else "",
                          " rot" if self.rotate else "", " DGQ" if self.dgq else "",
                          f" sinks {self.sinks}" if self.sinks else ""])
-        return f"nexuskv {self.bits}-bit tail {self.residual} {groups}{extra}"
+        return f"nexuskv {self.bits}-bit tail {self.residual} {groups}{extra}{meta}"
+
+    @property
+    def knobs(self) -> tuple:
+        """The ablation knobs (KNOBS) this nexuskv setting has switched on, in KNOBS order."""
+        return tuple(k for k, on in KNOBS.items() if all(getattr(self, f) == v for f, v in on.items()))
 
     def as_dict(self) -> Dict:
         return dict(asdict(self), name=self.name)
@@ -59,34 +78,64 @@ def nexuskv(bits: int, residual: int = 128, **kw) -> Setting:
     return Setting(NEXUSKV, bits=bits, residual=residual, **kw)
 
 
-def quanto(bits: int) -> Setting:
-    return Setting(QUANTO, bits=bits, residual=QUANTO_RESIDUAL)
+def quanto(bits: int, meta: Optional[str] = None) -> Setting:
+    return Setting(QUANTO, bits=bits, residual=QUANTO_RESIDUAL, meta=meta)
 
 
 DENSE_SETTING = Setting(DENSE)
-# The best 2-bit setting at <= 2.6 effective bits found on SmolLM2 (benchmarks/RESULTS.md):
-# the Hadamard rotation, groups of 64, and the first 4 tokens kept exact (attention
-# sinks: on 2048 tokens +10.3 % -> +3.0 %; 2, 8, 16, 64 sinks gave +4.0, +3.8, +3.9,
-# +3.7 %).  Keys in groups of 128 with an exact outlier per group (2.53 bits with an fp32
-# model) measured worse; outliers in groups of 64 help but cost more than the 2.6-bit budget.
-BEST_2BIT = nexuskv(2, 128, rotate=True, sinks=4)
+# The knobs `eval` switches on alone and in combination (on a 128-token tail): one exact
+# outlier per group in K and V, the randomized Hadamard rotation, data-chosen key groups
+# (DGQ), the first 4 tokens kept exact (attention sinks).
+KNOBS = {"outliers": dict(key_outliers=1, value_outliers=1), "rotate": dict(rotate=True), "dgq": dict(dgq=True),
+         "sinks": dict(sinks=4)}
+COMBINATIONS = ("alone", "all", "leave-one-out")
+# The 2-bit setting recommended because it holds on every model measured (benchmarks/RESULTS.md,
+# SmolLM2-135M and Gemma 3 270M, 3 x 1024 tokens each): a knob is in it only if, alone at
+# <= 2.6 bits, it lowered ΔPPL beyond the noise on each model.  4 sinks did (SmolLM2 +21.6 %
+# -> +9.6 %, Gemma 3 +16.4 % -> +9.6 %); the rotation did on SmolLM2 (-> +10.3 %, +2.9 % with
+# sinks) but made Gemma 3 far worse (-> +83.7 %, +44.6 % with sinks), so it stays a per-model
+# choice.  tests/python/test_eval_protocol.py re-derives this from the committed eval JSONs.
+RECOMMENDED_2BIT = nexuskv(2, 128, sinks=4)
+
+
+def with_knobs(bits: int, knobs, residual: int = 128) -> Setting:
+    kw = {}
+    for k in knobs:
+        if k not in KNOBS:
+            raise ValueError(f"eval: ablations must be among {sorted(KNOBS)}, got {k!r}")
+        kw.update(KNOBS[k])
+    return nexuskv(bits, residual, **kw)
 
 
 def grid(bits=(8, 4, 3, 2), tails=(0, 128), ablation_bits=(4, 2),
-         ablations=("outliers", "rotate", "dgq", "sinks"), best_2bit: bool = True, quanto_bits=(4, 2)) -> List[Setting]:
-    """The default comparison: every bit width at each tail, then one knob at a time
-    (outliers on, rotation on, DGQ instead of fixed groups, 4 sink tokens) at `ablation_bits` with a
-    128-token tail, the best 2-bit setting, and quanto at `quanto_bits`."""
-    rows = [DENSE_SETTING] + [nexuskv(b, t) for b in bits for t in tails]
-    knob = {"outliers": dict(key_outliers=1, value_outliers=1), "rotate": dict(rotate=True), "dgq": dict(dgq=True),
-            "sinks": dict(sinks=4)}
+         ablations=("outliers", "rotate", "dgq", "sinks"), combinations=COMBINATIONS, best_2bit: bool = True,
+         quanto_bits=(4, 2), equal_bits: bool = True) -> List[Setting]:
+    """The default comparison: every bit width at each tail; at `ablation_bits` (128-token
+    tail) each knob alone ("alone"), all of them together ("all") and all but one
+    ("leave-one-out": what each knob adds to the others); RECOMMENDED_2BIT; quanto at
+    `quanto_bits` as transformers runs it and, with `equal_bits`,
+    quanto with 16-bit scales and nexuskv with scales in the model's dtype, so that each
+    side is also measured at the other's effective bits."""
+    for c in combinations:
+        if c not in COMBINATIONS:
+            raise ValueError(f"eval: combinations must be among {list(COMBINATIONS)}, got {c!r}")
     for a in ablations:
-        if a not in knob:
-            raise ValueError(f"eval: ablations must be among {sorted(knob)}, got {a!r}")
-    rows += [nexuskv(b, 128, **knob[a]) for b in ablation_bits for a in ablations]
+        with_knobs(4, [a])  # checks the name
+    rows = [DENSE_SETTING] + [nexuskv(b, t) for b in bits for t in tails]
+    for b in ablation_bits:
+        rows.append(nexuskv(b, 128))
+        if "alone" in combinations:
+            rows += [with_knobs(b, [a]) for a in ablations]
+        if "all" in combinations and len(ablations) > 1:
+            rows.append(with_knobs(b, ablations))
+        if "leave-one-out" in combinations and len(ablations) > 2:
+            rows += [with_knobs(b, [x for x in ablations if x != a]) for a in ablations]
     if best_2bit:
-        rows.append(BEST_2BIT)
-    rows += [quanto(b) for b in quanto_bits]
+        rows.append(RECOMMENDED_2BIT)
+    for b in quanto_bits:
+        rows.append(quanto(b))
+        if equal_bits:
+            rows += [quanto(b, META_16), nexuskv(b, QUANTO_RESIDUAL), nexuskv(b, QUANTO_RESIDUAL, meta=META_MODEL)]
     seen = set()
     return [r for r in rows if not (r in seen or seen.add(r))]
 
@@ -94,6 +143,15 @@ def grid(bits=(8, 4, 3, 2), tails=(0, 128), ablation_bits=(4, 2),
 def meta_dtype_for(model_dtype: torch.dtype) -> torch.dtype:
     """The 16-bit scale/zero dtype nexuskv.hf.cache_for picks for a model of this dtype."""
     return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def setting_meta_dtype(s: Setting, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of setting `s`'s scales and zeros for a model of `model_dtype`."""
+    if s.meta == META_16 or (s.meta is None and s.kind == NEXUSKV):
+        return meta_dtype_for(model_dtype)
+    if s.meta in (None, META_MODEL):
+        return model_dtype
+    raise ValueError(f"eval: Setting.meta must be None, {META_16!r} or {META_MODEL!r}, got {s.meta!r}")
 
 
 @contextlib.contextmanager
@@ -112,28 +170,65 @@ def attention_for(model, s: Setting):
         model.set_attn_implementation(previous)
 
 
-def make_cache(model, s: Setting, direct: bool = False):
+def dense_cache(model):
+    """The dense cache transformers makes for `model` in generate() (4.57 and 5.x):
+    DynamicCache(config=...) holds only the last window of a sliding-window layer."""
+    from transformers import DynamicCache
+
+    from .hf_compat import text_config
+
+    return DynamicCache(config=text_config(integrations.deepspeed.unwrap(model)))
+
+
+def _quanto_16bit_scales_layer():
+    """A QuantoQuantizedLayer whose scales and shifts are 16-bit for any model dtype:
+    it quantizes a 16-bit copy of what it gets (quanto keeps scale and shift in the
+    input's dtype) and hands the dequantized K/V back in the model's dtype.  Overrides
+    only the layer's _quantize / _dequantize, the hooks QuantizedLayer subclasses implement."""
+    from transformers.cache_utils import QuantoQuantizedLayer
+
+    class Quanto16BitScalesLayer(QuantoQuantizedLayer):
+        def _quantize(self, tensor, axis):
+            self.model_dtype = tensor.dtype
+            return super()._quantize(tensor.to(meta_dtype_for(tensor.dtype)), axis)
+
+        def _dequantize(self, qtensor):
+            return super()._dequantize(qtensor).to(self.model_dtype)
+
+    return Quanto16BitScalesLayer
+
+
+def quanto_cache(model, s: Setting):
+    """transformers' QuantizedCache(backend="quanto") for setting `s` (its 16-bit-scales
+    variant when s.meta == META_16).  transformers 5 refuses models with sliding-window
+    layers (a ValueError, passed on); 4.57 takes them with every layer a full one."""
+    from transformers import QuantizedCache
+
+    model = integrations.deepspeed.unwrap(model)
+    cache = QuantizedCache(backend="quanto", config=model.config, nbits=s.bits, residual_length=s.residual)
+    if s.meta == META_16:
+        layer = _quanto_16bit_scales_layer()
+        cache.layers = [layer(nbits=s.bits, residual_length=s.residual) for _ in cache.layers]
+    elif s.meta not in (None, META_MODEL):
+        setting_meta_dtype(s, model.dtype)  # raises
+    return cache
+
+
+def make_cache(model, s: Setting, direct: bool = False, seed: int = 0):
     """A fresh cache of setting `s` for `model`.  direct=True: a nexuskv cache that is
-    filled by calling its update() (the model's attention is not involved)."""
+    filled by calling its update() (the model's attention is not involved: the
+    dequantize path).  `seed`: the rotation's random signs."""
     model = integrations.deepspeed.unwrap(model)
     if s.kind == DENSE:
-        from transformers import DynamicCache
-
-        return DynamicCache()
+        return dense_cache(model)
     if s.kind == QUANTO:
-        from transformers import QuantizedCache
-
-        return QuantizedCache(backend="quanto", config=model.config, nbits=s.bits, residual_length=s.residual)
+        return quanto_cache(model, s)
     from . import hf
 
-    kw = dict(key_bits=s.bits, value_bits=s.bits, group_size=s.group_size, value_group_size=s.value_group_size,
-              residual=s.residual, key_outliers=s.key_outliers, value_outliers=s.value_outliers, dynamic_keys=s.dgq,
-              rotate=s.rotate, sinks=s.sinks, meta_dtype=meta_dtype_for(model.dtype))
-    if direct:
-        return hf.NexusKVCache(model.config.num_hidden_layers, fused=False, **kw)
     return hf.cache_for(model, bits=s.bits, group_size=s.group_size, value_group_size=s.value_group_size,
                         residual=s.residual, outliers=s.key_outliers, value_outliers=s.value_outliers,
-                        dynamic_keys=s.dgq, rotate=s.rotate, sinks=s.sinks, meta_dtype=meta_dtype_for(model.dtype))
+                        dynamic_keys=s.dgq, rotate=s.rotate, seed=seed, sinks=s.sinks,
+                        meta_dtype=setting_meta_dtype(s, model.dtype), fused=False if direct else None)
 
 
 def _element_bytes(dtype: torch.dtype) -> int:
@@ -154,12 +249,12 @@ def effective_bits(s: Setting, head_dim: int, model_dtype: torch.dtype) -> Dict[
     if s.kind == DENSE:
         b = 8 * _element_bytes(model_dtype)
         return {"keys": b, "values": b, "kv": b}
+    meta = setting_meta_dtype(s, model_dtype)
     if s.kind == QUANTO:
         # quanto packs nbits codes and keeps a scale and a shift per group of 64, both
         # in the input dtype (measured against its tensors by cache_bytes below).
-        b = s.bits + 2 * 8 * _element_bytes(model_dtype) / 64
+        b = s.bits + 2 * 8 * _element_bytes(meta) / 64
         return {"keys": b, "values": b, "kv": b}
-    meta = meta_dtype_for(model_dtype)
     k = _nq_bits(s.bits, s.group_size, head_dim, s.key_outliers, meta, model_dtype)
     if s.dgq:  # + segment_starts: one int32 per token group and row of head_dim channels
         k += 32 / (s.group_size * head_dim)
@@ -177,9 +272,11 @@ def _quanto_bytes(q) -> int:
 
 
 def cache_bytes(cache) -> Dict[str, int]:
-    """{"total", "compressed", "full_precision"}: bytes of the tensors the cache holds
-    (allocated capacity included).  "full_precision" is the dense tail (and for
-    nexuskv the sink tokens and the rotation signs); for a dense cache everything is full precision."""
+    """{"total", "compressed", "full_precision", "used"}: bytes of the tensors the cache
+    holds (allocated capacity included).  "full_precision" is the dense tail (and for
+    nexuskv the sink tokens and the rotation signs); for a dense cache everything is full
+    precision.  "used": the bytes of the cached tokens only (nexuskv: used_nbytes(), the
+    format's exact count without the growth capacity; the others allocate exactly)."""
     from transformers import DynamicCache, QuantizedCache
 
     from . import hf
@@ -187,19 +284,39 @@ def cache_bytes(cache) -> Dict[str, int]:
     if isinstance(cache, hf.NexusKVCache):
         total = cache.nbytes
         comp = sum(layer.cache.compressed_nbytes() for layer in cache.layers)
-        return {"total": total, "compressed": comp, "full_precision": total - comp}
+        used = sum(layer.nbytes if layer.external is not None else layer.cache.used_nbytes() for layer in cache.layers)
+        return {"total": total, "compressed": comp, "full_precision": total - comp, "used": used}
     if isinstance(cache, QuantizedCache):
         comp = sum(_quanto_bytes(layer._quantized_keys) + _quanto_bytes(layer._quantized_values)
                    for layer in cache.layers if layer.is_initialized)
         tail = sum(_tensor_bytes(layer.keys) + _tensor_bytes(layer.values)
                    for layer in cache.layers if layer.is_initialized)
-        return {"total": comp + tail, "compressed": comp, "full_precision": tail}
+        return {"total": comp + tail, "compressed": comp, "full_precision": tail, "used": comp + tail}
     if isinstance(cache, DynamicCache):
         total = sum(_tensor_bytes(layer.keys) + _tensor_bytes(layer.values)
                     for layer in cache.layers if layer.is_initialized)
-        return {"total": total, "compressed": 0, "full_precision": total}
+        return {"total": total, "compressed": 0, "full_precision": total, "used": total}
     raise TypeError(f"cache_bytes: expected a DynamicCache, QuantizedCache or nexuskv.hf.NexusKVCache, "
                     f"got {type(cache).__name__}")
+
+
+def model_facts(model) -> Dict:
+    """What the JSON records about the model that was actually run: its class and
+    architecture, size, layers and their windows, and the dense baseline."""
+    from .hf_compat import layer_geometries, text_config
+
+    model = integrations.deepspeed.unwrap(model)
+    cfg = text_config(model)
+    geometries = layer_geometries(model)
+    return {"class": type(model).__name__, "model_type": getattr(cfg, "model_type", None),
+            "name_or_path": getattr(model.config, "name_or_path", None) or getattr(model, "name_or_path", None),
+            "parameters": sum(p.numel() for p in model.parameters()), "layers": cfg.num_hidden_layers,
+            "kv_heads": geometries[0].kv_heads, "head_dim": geometries[0].key_dim,
+            "sliding_window_layers": [i for i, g in enumerate(geometries) if g.window],
+            "sliding_window": next((g.window for g in geometries if g.window), None),
+            "dense_baseline": DENSE_BASELINE,
+            "generation_cache_implementation": getattr(getattr(model, "generation_config", None),
+                                                       "cache_implementation", None)}
 
 
 def head_dim_of(config) -> int:

@@ -1,33 +1,45 @@
 """`python -m nexuskv eval`: the real model with its KV cache compressed, against
-the dense cache, on the same tokens.  Three measurements per cache setting
-(settings: nexuskv.eval_caches):
+the dense cache transformers itself would use, on the same tokens.  Three
+measurements per cache setting (settings: nexuskv.eval_caches):
 
-1. Perplexity.  Every window of text is fed in chunks (at most 64 tokens); the
-   queries of a chunk attend to the compressed past plus their own chunk: through
-   attn_implementation="nexuskv" (fused attention over the compressed cache) for
-   nexuskv, through the model's SDPA over transformers' DynamicCache (dense) or
-   QuantizedCache (optimum-quanto, which returns dequantized K/V) otherwise.
+1. Perplexity.  The text is cut into `repeats` disjoint segments (different text
+   offsets; the rotation's random signs change with them too), each into windows;
+   every window is one sequence that starts the way the tokenizer starts a sequence
+   (its BOS when it adds one, models.sequence_prefix) and is fed in chunks (at most
+   64 tokens); the queries of a chunk attend to the compressed past plus their own
+   chunk: through attn_implementation="nexuskv" (fused attention over the compressed
+   cache) for nexuskv, through the model's SDPA over transformers' DynamicCache(config)
+   (dense) or QuantizedCache (optimum-quanto, which returns dequantized K/V)
+   otherwise.  Each row reports the perplexity over all segments and the spread of
+   its ΔPPL over the segments, so that differences below that noise are not taken
+   for wins (knob_effects, equal_bit_pairs).
 2. Greedy agreement: new tokens generated from a prompt of real text with the
    dense cache and with the compressed one; leading equal tokens and the fraction
    of equal positions.
-3. Bytes: every cache filled with the model's own K/V of the same tokens, the
-   model in a 16-bit dtype (so the dense reference is a 16-bit cache); every
-   tensor's bytes, compressed part and full-precision tail separately."""
+3. Bytes: every cache filled with the model's own K/V of the same tokens (as its
+   attention sees them, masks included), the model in a 16-bit dtype (so the dense
+   reference is a 16-bit cache); every tensor's bytes, compressed part and
+   full-precision tail separately, against transformers' own dense cache for the
+   model (sliding-window layers hold their window) and, where the model has sliding
+   layers, against a DynamicCache() that holds every token too."""
 
 from __future__ import annotations
 
 import datetime
 import json
 import math
+import os
 import platform
 import sys
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from . import eval_caches as ec
 from .generation import agreement, greedy
 from .hf_compat import cache_argument
+
+Sequences = List[torch.Tensor]  # the windows of one text segment, each [1, n], prefix first
 
 
 def window_nll(model, ids: torch.Tensor, chunk: int, cache) -> torch.Tensor:
@@ -50,27 +62,53 @@ def window_nll(model, ids: torch.Tensor, chunk: int, cache) -> torch.Tensor:
     return torch.cat(nll)
 
 
-def perplexity(model, ids: torch.Tensor, window: int, chunk: int, make_cache) -> Dict:
-    """Perplexity over windows of `window` tokens, each with a fresh cache."""
-    nll = [window_nll(model, ids[:, w0:w0 + window], chunk, make_cache()) for w0 in range(0, ids.shape[1] - 1, window)]
-    nll = torch.cat(nll)
-    return {"ppl": math.exp(float(nll.mean())), "tokens": int(nll.numel())}
+def windows(body: torch.Tensor, prefix: Sequence[int], window: int) -> Sequences:
+    """body [1, n] (text tokens without special tokens) cut into sequences of at most
+    `window` tokens, each `prefix` (the tokenizer's start of a sequence) + the next
+    window - len(prefix) tokens of text: every window starts as a sequence does, and
+    with a prefix every text token is predicted once (without one, the first of each
+    window is not predicted)."""
+    from .models import as_sequence
+
+    step = window - len(prefix)
+    if step < 2:
+        raise ValueError(f"eval: --window must exceed the tokenizer's sequence prefix ({len(prefix)} tokens) by at "
+                         f"least 2, got {window}")
+    return [as_sequence(list(prefix), body[:, w0:w0 + step]) for w0 in range(0, body.shape[1], step)]
 
 
-def measure_perplexity(model, ids, window: int, chunk: int, settings: List[ec.Setting],
+def perplexity(model, sequences: Sequences, chunk: int, make_cache: Callable) -> Dict:
+    """Perplexity over the given sequences, each with a fresh cache (every token after the
+    first of each sequence is predicted)."""
+    nll = torch.cat([window_nll(model, ids, chunk, make_cache()) for ids in sequences if ids.shape[1] > 1])
+    return {"ppl": math.exp(float(nll.mean())), "tokens": int(nll.numel()), "nll_sum": float(nll.sum())}
+
+
+def _summarize(per_repeat: List[Dict], dense: List[Dict]) -> Dict:
+    """Pooled perplexity over all repeats, ΔPPL pooled and per repeat, and its spread."""
+    tokens = sum(r["tokens"] for r in per_repeat)
+    ppl = math.exp(sum(r["nll_sum"] for r in per_repeat) / tokens)
+    base = math.exp(sum(r["nll_sum"] for r in dense) / sum(r["tokens"] for r in dense))
+    deltas = [100 * (r["ppl"] - d["ppl"]) / d["ppl"] for r, d in zip(per_repeat, dense)]
+    return {"ppl": ppl, "tokens": tokens, "delta_ppl_pct": 100 * (ppl - base) / base,
+            "repeats": [{"ppl": r["ppl"], "tokens": r["tokens"], "delta_ppl_pct": d}
+                        for r, d in zip(per_repeat, deltas)],
+            "delta_ppl_pct_min": min(deltas), "delta_ppl_pct_max": max(deltas)}
+
+
+def measure_perplexity(model, segments: List[Sequences], chunk: int, settings: List[ec.Setting],
                        progress: bool = True) -> Dict[ec.Setting, Dict]:
+    """Per setting: perplexity on every segment (repeat r: its own text, rotation seed r)."""
     from tqdm import tqdm
 
-    out = {}
+    raw = {}
     bar = tqdm(settings, desc="perplexity", unit="row", disable=not progress)
     for s in bar:
         bar.set_postfix_str(s.name)  # the row being measured; tqdm's estimate covers the rows left
         with ec.attention_for(model, s):
-            out[s] = perplexity(model, ids, window, chunk, lambda s=s: ec.make_cache(model, s))
-    base = out[ec.DENSE_SETTING]["ppl"]
-    for r in out.values():
-        r["delta_ppl_pct"] = 100 * (r["ppl"] - base) / base
-    return out
+            raw[s] = [perplexity(model, seqs, chunk, lambda s=s, r=r: ec.make_cache(model, s, seed=r))
+                      for r, seqs in enumerate(segments)]
+    return {s: _summarize(per, raw[ec.DENSE_SETTING]) for s, per in raw.items()}
 
 
 def measure_agreement(model, prompt_ids, new_tokens: int, settings: List[ec.Setting],
@@ -91,12 +129,31 @@ def measure_agreement(model, prompt_ids, new_tokens: int, settings: List[ec.Sett
     return out
 
 
+def fill_as_generation(cache, layers) -> Dict[str, int]:
+    """Fills `cache` with the captured K/V of `layers` (LayerQKV per layer) as generation
+    does, a prefill of all tokens but the last and then the last as one decoded token, and
+    returns its bytes (ec.cache_bytes).  A sliding-window layer holds the whole prefill
+    while the prefill's queries attend and drops what no later query can see at the next
+    append (nexuskv: whole groups) or at once (DynamicCache(config)): measured after one
+    prefill alone, nexuskv's sliding layers would still hold every token."""
+    with torch.inference_mode():
+        for i, layer in enumerate(layers):
+            cache.update(layer.k[:, :, :-1], layer.v[:, :, :-1], i)
+        for i, layer in enumerate(layers):
+            cache.update(layer.k[:, :, -1:], layer.v[:, :, -1:], i)
+    return ec.cache_bytes(cache)
+
+
 def measure_bytes(model, ids: torch.Tensor, settings: List[ec.Setting],
-                  progress: bool = True) -> Dict[ec.Setting, Dict]:
+                  progress: bool = True) -> Dict:
     """Bytes each cache holds once filled with the model's own K/V of ids (the model in
-    its 16-bit dtype, every layer's K/V handed to the cache in one update, as a
-    prefill would); ratios against the dense cache of the same dtype and tokens."""
+    its 16-bit dtype; a prefill of all but the last token, then that token as one decode
+    step, fill_as_generation); ratios against transformers' dense cache for the model
+    (DynamicCache(config), ec.DENSE_BASELINE) of the same dtype and tokens.  Returns
+    {setting: bytes} and, under "every_token", a DynamicCache() holding every token of
+    every layer (differs from the baseline where the model has sliding-window layers)."""
     from tqdm import tqdm
+    from transformers import DynamicCache
 
     from .models import capture_qkv
 
@@ -107,133 +164,295 @@ def measure_bytes(model, ids: torch.Tensor, settings: List[ec.Setting],
     out = {}
     for s in tqdm([ec.DENSE_SETTING] + [s for s in settings if s != ec.DENSE_SETTING], desc="cache bytes",
                   unit="setting", disable=not progress):
-        cache = ec.make_cache(model, s, direct=True)
-        with torch.inference_mode():
-            for i, layer in enumerate(layers):
-                cache.update(layer.k, layer.v, i)
-        out[s] = ec.cache_bytes(cache)
+        out[s] = fill_as_generation(ec.make_cache(model, s, direct=True), layers)
+    every = fill_as_generation(DynamicCache(), layers)
     dense = out[ec.DENSE_SETTING]["total"]
     elements = ids.shape[1] * ec.kv_elements_per_token(model.config)
-    for r in out.values():
+    for r in list(out.values()) + [every]:
         r["ratio_to_dense"] = r["total"] / dense
+        r["used_ratio_to_dense"] = r["used"] / dense
+        r["ratio_to_every_token"] = r["total"] / every["total"]
         r["bits_per_element_all"] = 8 * r["total"] / elements
         r["tokens"] = int(ids.shape[1])
         r["dtype"] = str(model.dtype).replace("torch.", "")
+    out["every_token"] = every
     return out
 
+
+# -- reading the rows ----------------------------------------------------------------------------
+
+def _find(rows: List[Dict], s: ec.Setting) -> Optional[Dict]:
+    return next((r for r in rows if r["name"] == s.name), None)
+
+
+def paired_verdict(with_row: Dict, without_row: Dict) -> Dict:
+    """ΔPPL of `with_row` minus `without_row`, per repeat (same text, same seed) and pooled.
+    "lower"/"higher" only when every repeat agrees on the sign and the pooled difference
+    exceeds half the range of the per-repeat differences (the noise); else "within
+    noise".  One repeat gives no noise estimate: "one repeat"."""
+    d = [a["delta_ppl_pct"] - b["delta_ppl_pct"] for a, b in zip(with_row["repeats"], without_row["repeats"])]
+    pooled = with_row["delta_ppl_pct"] - without_row["delta_ppl_pct"]
+    noise = (max(d) - min(d)) / 2
+    if len(d) < 2:
+        verdict = "one repeat"
+    elif all(x < 0 for x in d) and -pooled > noise:
+        verdict = "lower"
+    elif all(x > 0 for x in d) and pooled > noise:
+        verdict = "higher"
+    else:
+        verdict = "within noise"
+    return {"diff_pct": pooled, "diff_pct_repeats": d, "noise_pct": noise, "verdict": verdict}
+
+
+def knob_effects(rows: List[Dict]) -> List[Dict]:
+    """Per ablation bit width and knob: ΔPPL with the knob against without it, alone (on
+    the plain setting with a 128-token tail) and in combination (all measured knobs
+    against all but this one), with the bits of each side."""
+    out = []
+    measured = {(r["bits"], tuple(r["knobs"])) for r in rows if r["kind"] == ec.NEXUSKV and r.get("meta") is None
+                and r["residual"] == 128 and r["group_size"] == 64 and r["value_group_size"] == 64}
+    for bits in sorted({b for b, _ in measured}, reverse=True):
+        combos = [k for b, k in measured if b == bits]
+        full = max(combos, key=len)
+        for knob in ec.KNOBS:
+            pairs = {"alone": ((knob,), ())}
+            if knob in full and len(full) > 1:
+                pairs["in combination"] = (full, tuple(k for k in full if k != knob))
+            for how, (on, off) in pairs.items():
+                a, b = _find(rows, ec.with_knobs(bits, on)), _find(rows, ec.with_knobs(bits, off))
+                if a and b:
+                    out.append(dict(paired_verdict(a, b), bits=bits, knob=knob, how=how, with_setting=a["name"],
+                                    without_setting=b["name"], with_bits=a["effective_bits"]["kv"],
+                                    without_bits=b["effective_bits"]["kv"]))
+    return out
+
+
+def equal_bit_pairs(rows: List[Dict]) -> List[Dict]:
+    """Every quanto row against the nexuskv row of the same code bits and tail at the same
+    effective bits (the plain setting, with the metadata dtype that matches quanto's)."""
+    out = []
+    for q in (r for r in rows if r["kind"] == ec.QUANTO):
+        bits = q["effective_bits"]["kv"]
+        cands = [r for r in rows if r["kind"] == ec.NEXUSKV and r["bits"] == q["bits"]
+                 and r["residual"] == q["residual"] and not r["knobs"] and r["group_size"] == 64
+                 and abs(r["effective_bits"]["kv"] - bits) < 1e-9]
+        if cands:
+            n = cands[0]
+            out.append(dict(paired_verdict(n, q), quanto=q["name"], quanto_bits=bits,
+                            quanto_delta=q["delta_ppl_pct"], quanto_spread=[q["delta_ppl_pct_min"],
+                                                                            q["delta_ppl_pct_max"]],
+                            nexuskv=n["name"], nexuskv_bits=n["effective_bits"]["kv"], nexuskv_delta=n["delta_ppl_pct"],
+                            nexuskv_spread=[n["delta_ppl_pct_min"], n["delta_ppl_pct_max"]]))
+    return out
+
+
+def noise_summary(rows: List[Dict]) -> Optional[Dict]:
+    """The spread (max - min over repeats) of ΔPPL: median and largest over the compressed rows."""
+    spreads = sorted((r["delta_ppl_pct_max"] - r["delta_ppl_pct_min"], r["name"]) for r in rows
+                     if r["kind"] != ec.DENSE and len(r["repeats"]) > 1)
+    if not spreads:
+        return None
+    return {"median_pct": spreads[len(spreads) // 2][0], "max_pct": spreads[-1][0], "max_setting": spreads[-1][1],
+            "repeats": len(rows[0]["repeats"])}
+
+
+# -- output --------------------------------------------------------------------------------------
 
 def _fmt_bits(b: Dict) -> str:
     return f"{b['kv']:.3f}" if b["keys"] == b["values"] else f"{b['kv']:.3f} (K {b['keys']:.3f}, V {b['values']:.3f})"
 
 
-def markdown(rows: List[Dict]) -> str:
-    """The main table (one row per setting) and, when measured, the bytes table."""
-    lines = ["| setting | eff. bits (compressed part) | perplexity | ΔPPL % | greedy: leading equal | greedy: "
-             "equal positions |", "|---|---|---|---|---|---|"]
+def _spread(r: Dict) -> str:
+    if len(r["repeats"]) < 2:
+        return "-"
+    return f"{r['delta_ppl_pct_min']:+.2f} .. {r['delta_ppl_pct_max']:+.2f}"
+
+
+def _dense_name(r: Dict, dtype_key: str = "model_dtype") -> str:
+    return f"dense {r[dtype_key]} ({ec.DENSE_BASELINE})"
+
+
+def markdown(rows: List[Dict], extra: Optional[Dict] = None) -> str:
+    """The main table (one row per setting), the knob and equal-bit comparisons and, when
+    measured, the bytes table."""
+    lines = ["| setting | eff. bits (compressed part) | perplexity | ΔPPL % | ΔPPL % per repeat (min .. max) | "
+             "greedy: leading equal | greedy: equal positions |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         g = r.get("greedy")
         leading = f"{g['leading']}/{g['new_tokens']}" if g else "-"
         equal = f"{100 * g['match']:.1f} %" if g else "-"
-        name = f"dense {r['model_dtype']} (DynamicCache)" if r["kind"] == ec.DENSE else r["name"]
+        name = _dense_name(r) if r["kind"] == ec.DENSE else r["name"]
         lines.append(f"| {name} | {_fmt_bits(r['effective_bits'])} | {r['ppl']:.3f} | "
-                     f"{r['delta_ppl_pct']:+.2f} | {leading} | {equal} |")
+                     f"{r['delta_ppl_pct']:+.2f} | {_spread(r)} | {leading} | {equal} |")
+    effects = knob_effects(rows)
+    if effects:
+        lines += ["", "Each knob with against without (ΔPPL difference in points; per repeat; verdict: lower/higher "
+                  "only when every repeat agrees and the difference exceeds half their range):", "",
+                  "| bits | knob | how | with (bits) | without (bits) | Δ points | per repeat | verdict |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for e in effects:
+            per = ", ".join(f"{x:+.2f}" for x in e["diff_pct_repeats"])
+            lines.append(f"| {e['bits']} | {e['knob']} | {e['how']} | {e['with_setting']} ({e['with_bits']:.3f}) | "
+                         f"{e['without_setting']} ({e['without_bits']:.3f}) | {e['diff_pct']:+.2f} | {per} | "
+                         f"{e['verdict']} |")
+    pairs = equal_bit_pairs(rows)
+    if pairs:
+        lines += ["", "nexuskv against quanto at equal effective bits (same code bits, same 128-token tail):", "",
+                  "| quanto | its bits | its ΔPPL % | nexuskv | its bits | its ΔPPL % | nexuskv − quanto (points) | "
+                  "verdict |", "|---|---|---|---|---|---|---|---|"]
+        for p in pairs:
+            lines.append(f"| {p['quanto']} | {p['quanto_bits']:.3f} | {p['quanto_delta']:+.2f} | {p['nexuskv']} | "
+                         f"{p['nexuskv_bits']:.3f} | {p['nexuskv_delta']:+.2f} | {p['diff_pct']:+.2f} | "
+                         f"{p['verdict']} |")
+    for note in (extra or {}).get("skipped", []):
+        lines += ["", f"Not measured: {note}"]
     measured = [r for r in rows if "bytes" in r]
     if measured:
         b0 = measured[0]["bytes"]
-        lines += ["", f"Cache bytes holding the model's K/V of {b0['tokens']} tokens (model in {b0['dtype']}, one "
-                  "update per layer as in a prefill; every tensor's bytes, allocated capacity included):", "",
+        every = (extra or {}).get("every_token")
+        lines += ["", f"Cache bytes holding the model's K/V of {b0['tokens']} tokens (model in {b0['dtype']}, a "
+                  "prefill of all but the last token, then that one as a decode step; every tensor's bytes, "
+                  f"allocated capacity included; the dense baseline is {ec.DENSE_BASELINE}, the cache generate() "
+                  "makes):", "",
                   "| setting | total bytes | compressed part | full-precision tail (+ signs) | total / dense | "
-                  "bits/element, all bytes |", "|---|---|---|---|---|---|"]
+                  "total / every-token dense | bits/element, all bytes | used bytes (cached tokens only) / dense |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in measured:
             b = r["bytes"]
-            name = f"dense {b['dtype']} (DynamicCache)" if r["kind"] == ec.DENSE else r["name"]
+            name = _dense_name(b, "dtype") if r["kind"] == ec.DENSE else r["name"]
             lines.append(f"| {name} | {b['total']:,} | {b['compressed']:,} | {b['full_precision']:,} | "
-                         f"{100 * b['ratio_to_dense']:.1f} % | {b['bits_per_element_all']:.2f} |")
+                         f"{100 * b['ratio_to_dense']:.1f} % | {100 * b['ratio_to_every_token']:.1f} % | "
+                         f"{b['bits_per_element_all']:.2f} | {b['used']:,} ({100 * b['used_ratio_to_dense']:.1f} %) |")
+        if every:
+            lines.append(f"| dense {every['dtype']}, every token of every layer (DynamicCache()) | "
+                         f"{every['total']:,} | 0 | {every['total']:,} | {100 * every['ratio_to_dense']:.1f} % | "
+                         f"100.0 % | {every['bits_per_element_all']:.2f} | {every['used']:,} "
+                         f"({100 * every['used_ratio_to_dense']:.1f} %) |")
     return "\n".join(lines)
 
 
-def plot(rows: List[Dict], path: str) -> None:
-    """ΔPPL against the effective bits of the compressed part, one point per setting."""
+def plot(rows: List[Dict], path: str, title: Optional[str] = None) -> None:
+    """ΔPPL against the effective bits of the compressed part, one point per setting
+    (bars: the range over repeats)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 6))
+    fig, ax = plt.subplots(figsize=(11, 6.5))
     for i, r in enumerate(r for r in rows if r["kind"] != ec.DENSE):
         marker = "s" if r["kind"] == ec.QUANTO else ("o" if r["residual"] else "^")
-        ax.scatter(r["effective_bits"]["kv"], r["delta_ppl_pct"], marker=marker, label=r["name"],
-                   color=plt.cm.tab20(i % 20))
+        y = r["delta_ppl_pct"]
+        err = [[y - r["delta_ppl_pct_min"]], [r["delta_ppl_pct_max"] - y]] if len(r["repeats"]) > 1 else None
+        ax.errorbar(r["effective_bits"]["kv"], y, yerr=err, fmt=marker, label=r["name"], color=plt.cm.tab20(i % 20),
+                    capsize=2, lw=0.8)
     ax.set_xlabel("effective bits per element of the compressed part (scales, zeros, outliers included)",
                   fontsize=11)
-    ax.set_ylabel("ΔPPL vs dense cache (%, symlog)", fontsize=11)
+    ax.set_ylabel("ΔPPL vs dense cache (%, symlog; bars: range over repeats)", fontsize=11)
     ax.set_yscale("symlog", linthresh=1)
+    if title:
+        ax.set_title(title, fontsize=11)
     ax.tick_params(labelsize=10)
     ax.grid(True, which="major", lw=0.3, alpha=0.6)
     ax.axhline(0, color="gray", lw=0.5)
-    ax.legend(fontsize=8, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    ax.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
 
 
-def run(model, ids: torch.Tensor, settings: List[ec.Setting], window: int, chunk: int,
+def usable_settings(model, settings: List[ec.Setting]) -> tuple:
+    """(settings whose cache can be made for this model, notes on the ones that cannot:
+    e.g. transformers 5's QuantizedCache refuses sliding-window models)."""
+    ok, skipped = [], []
+    for s in settings:
+        try:
+            ec.make_cache(model, s)
+        except (ValueError, NotImplementedError) as e:
+            skipped.append(f"{s.name}: {str(e).splitlines()[0]}")
+            continue
+        ok.append(s)
+    return ok, skipped
+
+
+def run(model, segments: List[Sequences], settings: List[ec.Setting], chunk: int,
         agreement_settings: List[ec.Setting], prompt_ids: Optional[torch.Tensor], new_tokens: int,
         bytes_settings: List[ec.Setting], bytes_ids: Optional[torch.Tensor], bytes_dtype: torch.dtype,
-        progress: bool = True) -> List[Dict]:
-    """All three measurements; one dict per setting (in `settings` order).  The byte
-    measurement runs last: it converts the model to `bytes_dtype`."""
+        progress: bool = True, extra: Optional[Dict] = None) -> List[Dict]:
+    """All three measurements; one dict per setting (in `settings` order).  `segments`:
+    per repeat, the sequences (windows) of its text.  The byte measurement runs last: it
+    converts the model to `bytes_dtype`.  `extra` (a dict) receives the settings that
+    could not be made for this model ("skipped") and the every-token dense bytes."""
+    extra = {} if extra is None else extra
     if ec.DENSE_SETTING not in settings:
         settings = [ec.DENSE_SETTING] + list(settings)
+    settings, extra["skipped"] = usable_settings(model, settings)
+    agreement_settings = [s for s in agreement_settings if s in settings]
+    bytes_settings = [s for s in bytes_settings if s in settings]
     head_dim = ec.head_dim_of(model.config)
-    rows = {s: dict(s.as_dict(), effective_bits=ec.effective_bits(s, head_dim, model.dtype),
+    rows = {s: dict(s.as_dict(), knobs=list(s.knobs) if s.kind == ec.NEXUSKV else [],
+                    effective_bits=ec.effective_bits(s, head_dim, model.dtype),
                     model_dtype=str(model.dtype).replace("torch.", "")) for s in settings}
-    for s, r in measure_perplexity(model, ids, window, chunk, settings, progress).items():
+    for s, r in measure_perplexity(model, segments, chunk, settings, progress).items():
         rows[s].update(r)
     if agreement_settings and prompt_ids is not None:
         for s, r in measure_agreement(model, prompt_ids, new_tokens, agreement_settings, progress).items():
             rows[s]["greedy"] = r
     if bytes_settings and bytes_ids is not None:
         model.to(bytes_dtype)
-        for s, r in measure_bytes(model, bytes_ids, bytes_settings, progress=progress).items():
+        measured = measure_bytes(model, bytes_ids, bytes_settings, progress=progress)
+        extra["every_token"] = measured.pop("every_token")
+        for s, r in measured.items():
             rows[s]["bytes"] = r
             r["effective_bits"] = ec.effective_bits(s, head_dim, bytes_dtype)
     return [rows[s] for s in settings]
 
 
 def targets(rows: List[Dict]) -> List[str]:
-    """The issue's targets, read off the measured rows (best row of each kind)."""
+    """The design's targets, read off the measured rows (best row of each kind), both
+    sides' effective bits beside every comparison."""
     def best(pred):
         cands = [r for r in rows if pred(r)]
         return min(cands, key=lambda r: r["delta_ppl_pct"]) if cands else None
 
+    def spread(r):
+        return "" if len(r["repeats"]) < 2 else f" [{r['delta_ppl_pct_min']:+.2f} .. {r['delta_ppl_pct_max']:+.2f}]"
+
     out = []
     four = best(lambda r: r["kind"] == ec.NEXUSKV and r["bits"] == 4 and r["effective_bits"]["kv"] <= 4.6)
     if four:
-        out.append(f"4-bit, <= 4.6 effective bits: best ΔPPL {four['delta_ppl_pct']:+.2f} % ({four['name']}, "
-                   f"{four['effective_bits']['kv']:.3f} bits); target <= 0.5 %: "
+        out.append(f"4-bit, <= 4.6 effective bits: best ΔPPL {four['delta_ppl_pct']:+.2f} %{spread(four)} "
+                   f"({four['name']}, {four['effective_bits']['kv']:.3f} bits); target <= 0.5 %: "
                    f"{'met' if four['delta_ppl_pct'] <= 0.5 else 'NOT met'}")
     two = best(lambda r: r["kind"] == ec.NEXUSKV and r["bits"] == 2 and r["residual"] == 128
                and r["effective_bits"]["kv"] <= 2.6)
     if two:
-        out.append(f"2-bit, 128-token tail, <= 2.6 effective bits: best ΔPPL {two['delta_ppl_pct']:+.2f} % "
-                   f"({two['name']}, {two['effective_bits']['kv']:.3f} bits); target <= 5 %: "
+        out.append(f"2-bit, 128-token tail, <= 2.6 effective bits: best ΔPPL {two['delta_ppl_pct']:+.2f} %"
+                   f"{spread(two)} ({two['name']}, {two['effective_bits']['kv']:.3f} bits); target <= 5 %: "
                    f"{'met' if two['delta_ppl_pct'] <= 5 else 'NOT met'}")
+    for p in equal_bit_pairs(rows):
+        out.append(f"equal bits: {p['nexuskv']} ({p['nexuskv_bits']:.3f} bits) ΔPPL {p['nexuskv_delta']:+.2f} % vs "
+                   f"{p['quanto']} ({p['quanto_bits']:.3f} bits) {p['quanto_delta']:+.2f} %: nexuskv {p['verdict']}")
     for r in rows:
         if r["kind"] != ec.QUANTO:
             continue
         ours = best(lambda x: x["kind"] == ec.NEXUSKV and x["bits"] == r["bits"] and x["residual"] == r["residual"]
                     and x["effective_bits"]["kv"] <= r["effective_bits"]["kv"])
         if ours:
-            out.append(f"{r['bits']}-bit vs quanto ({r['effective_bits']['kv']:.3f} bits, ΔPPL "
-                       f"{r['delta_ppl_pct']:+.2f} %): nexuskv {ours['delta_ppl_pct']:+.2f} % ({ours['name']}, "
-                       f"{ours['effective_bits']['kv']:.3f} bits): "
-                       f"{'lower' if ours['delta_ppl_pct'] < r['delta_ppl_pct'] else 'NOT lower'}")
+            v = paired_verdict(ours, r)["verdict"]
+            out.append(f"best nexuskv at <= quanto's bits: {ours['name']} ({ours['effective_bits']['kv']:.3f} bits) "
+                       f"{ours['delta_ppl_pct']:+.2f} % vs {r['name']} ({r['effective_bits']['kv']:.3f} bits) "
+                       f"{r['delta_ppl_pct']:+.2f} %: nexuskv {v}")
     for r in rows:
         b = r.get("bytes")
         if r["kind"] == ec.NEXUSKV and r["bits"] == 4 and b:
             out.append(f"bytes at {b['tokens']} tokens, {r['name']}: {100 * b['ratio_to_dense']:.1f} % of the dense "
-                       f"{b['dtype']} cache; target <= 30 %: {'met' if b['ratio_to_dense'] <= 0.30 else 'NOT met'}")
+                       f"{b['dtype']} {ec.DENSE_BASELINE} allocated, {100 * b['used_ratio_to_dense']:.1f} % used "
+                       f"(cached tokens only); target <= 30 %: {'met' if b['ratio_to_dense'] <= 0.30 else 'NOT met'}")
+    n = noise_summary(rows)
+    if n:
+        out.append(f"noise: ΔPPL spread over {n['repeats']} repeats (max - min): median {n['median_pct']:.2f} points, "
+                   f"largest {n['max_pct']:.2f} ({n['max_setting']})")
     return out
 
 
@@ -244,48 +463,74 @@ def _ints(text: str, what: str) -> List[int]:
         raise SystemExit(f"eval: {what} must be comma-separated integers, got {text!r}") from None
 
 
-def settings_from_args(args) -> List[ec.Setting]:
+def settings_from_args(args, sixteen_bit_model: bool = False) -> List[ec.Setting]:
+    """The grid the flags ask for.  On a 16-bit model quanto's scales are 16-bit already
+    and nexuskv's metadata is the model's dtype, so the equal-bit variants coincide
+    with the plain rows and are left out."""
+    equal = not args.no_equal_bits and not sixteen_bit_model
     if args.quick:
-        return [ec.DENSE_SETTING, ec.nexuskv(4, 0)]
+        return ec.grid(bits=(4,), tails=(0,), ablation_bits=(), best_2bit=False,
+                       quanto_bits=() if args.no_quanto else (4,), equal_bits=equal)
     return ec.grid(bits=_ints(args.bits, "--bits"), tails=_ints(args.tails, "--tails"),
                    ablation_bits=_ints(args.ablation_bits, "--ablation-bits"),
                    ablations=[a for a in args.ablations.split(",") if a],
+                   combinations=[c for c in args.combinations.split(",") if c],
                    best_2bit=not args.no_best_2bit, quanto_bits=() if args.no_quanto else
-                   _ints(args.quanto_bits, "--quanto-bits"))
+                   _ints(args.quanto_bits, "--quanto-bits"), equal_bits=equal)
 
 
 def main(args) -> int:
     from . import hf
-    from .models import load_model, load_text, model_name, tokenize
+    from .models import as_sequence, load_model, load_text, model_name, sequence_prefix, text_tokens
 
     torch.manual_seed(0)
-    settings = settings_from_args(args)
-    agree = [] if args.no_greedy else ec.parse_settings(args.greedy_settings, settings)
-    nbytes = [] if args.no_bytes else ec.parse_settings(args.bytes_settings, settings)
+    load_at_start = os.getloadavg()  # the machine is shared: the load goes beside the numbers
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     print(f"loading {model_name(args.model)} ({args.dtype}) ...", file=sys.stderr, flush=True)
     model, tokenizer = load_model(getattr(torch, args.dtype), attn_implementation=hf.ATTN_IMPLEMENTATION,
                                   path=args.model)
+    settings = settings_from_args(args, model.dtype in (torch.float16, torch.bfloat16))
+    agree = [] if args.no_greedy else ec.parse_settings(args.greedy_settings, settings)
+    nbytes = [] if args.no_bytes else ec.parse_settings(args.bytes_settings, settings)
+    prefix = sequence_prefix(tokenizer)
     text = load_text(args.text)
-    # Perplexity on the first tokens; the greedy prompt is the real text that follows them.
-    ids = tokenize(tokenizer, text, max(args.tokens + (args.prompt_tokens if agree else 0),
-                                        args.bytes_tokens if nbytes else 0))
-    prompt = ids[:, args.tokens:args.tokens + args.prompt_tokens] if agree else None
-    rows = run(model, ids[:, :args.tokens], settings, args.window, args.chunk, agree, prompt, args.new_tokens, nbytes,
-               ids[:, :args.bytes_tokens] if nbytes else None, getattr(torch, args.bytes_dtype),
-               progress=not args.no_progress)
-    table = markdown(rows)
+    # Perplexity on `repeats` consecutive segments of `tokens` text tokens; the greedy
+    # prompt is the real text that follows them; the bytes use the first tokens.
+    body_len = repeats * args.tokens + (args.prompt_tokens if agree else 0)
+    body = text_tokens(tokenizer, text, max(body_len, args.bytes_tokens if nbytes else 0))
+    segments = [windows(body[:, r * args.tokens:(r + 1) * args.tokens], prefix, args.window) for r in range(repeats)]
+    prompt = as_sequence(prefix, body[:, repeats * args.tokens:repeats * args.tokens + args.prompt_tokens]) \
+        if agree else None
+    bytes_ids = as_sequence(prefix, body[:, :args.bytes_tokens - len(prefix)]) if nbytes else None
+    extra: Dict = {}
+    facts = ec.model_facts(model)
+    rows = run(model, segments, settings, args.chunk, agree, prompt, args.new_tokens, nbytes, bytes_ids,
+               getattr(torch, args.bytes_dtype), progress=not args.no_progress, extra=extra)
+    table = markdown(rows, extra)
     verdicts = targets(rows)
+    header = (f"model: {model_name(args.model)} ({facts['model_type']}, {facts['layers']} layers, sliding-window "
+              f"layers {facts['sliding_window_layers'] or 'none'}); dense baseline: {ec.DENSE_BASELINE}; every "
+              f"window starts with the tokenizer's sequence prefix {prefix} "
+              f"({tokenizer.convert_ids_to_tokens(prefix) if prefix else 'none'}); {repeats} repeat(s) of "
+              f"{args.tokens} text tokens (windows of {args.window}, chunks of {args.chunk})")
+    print(header)
     print(table)
     print("\n".join("- " + v for v in verdicts))
-    doc = {"model": model_name(args.model), "dtype": args.dtype, "tokens": args.tokens,
-           "window": args.window, "chunk": args.chunk, "greedy_prompt_tokens": args.prompt_tokens,
-           "greedy_new_tokens": args.new_tokens, "bytes_tokens": args.bytes_tokens, "bytes_dtype": args.bytes_dtype,
+    doc = {"model": model_name(args.model), "model_path": args.model, "model_facts": facts, "dtype": args.dtype,
+           "tokens": args.tokens, "repeats": repeats, "segment_offsets": [r * args.tokens for r in range(repeats)],
+           "sequence_prefix": prefix, "window": args.window, "chunk": args.chunk,
+           "greedy_prompt_tokens": args.prompt_tokens, "greedy_new_tokens": args.new_tokens,
+           "bytes_tokens": args.bytes_tokens, "bytes_dtype": args.bytes_dtype, "dense_baseline": ec.DENSE_BASELINE,
            "date": datetime.date.today().isoformat(), "machine": platform.platform(), "torch": torch.__version__,
+           "transformers": __import__("transformers").__version__, "load_average_at_start": load_at_start,
+           "load_average_at_end": os.getloadavg(),
+           "skipped": extra["skipped"], "every_token_dense_bytes": extra.get("every_token"),
+           "knob_effects": knob_effects(rows), "equal_bits": equal_bit_pairs(rows), "noise": noise_summary(rows),
            "targets": verdicts, "rows": rows}
     for path, write in ((args.json, lambda p: json.dump(doc, open(p, "w"), indent=1)),
-                        (args.markdown, lambda p: open(p, "w").write(table + "\n\n" + "\n".join(
+                        (args.markdown, lambda p: open(p, "w").write(header + "\n\n" + table + "\n\n" + "\n".join(
                             "- " + v for v in verdicts) + "\n")),
-                        (args.png, lambda p: plot(rows, p))):
+                        (args.png, lambda p: plot(rows, p, title=model_name(args.model)))):
         if path:
             write(path)
             print(f"wrote {path}")
@@ -296,29 +541,41 @@ def add_arguments(p, text_default: Optional[str] = None) -> None:
     from .__main__ import positive
 
     p.add_argument("--text", default=text_default, help="text file (plain or .gz); default: Debian reference manual")
-    p.add_argument("--tokens", type=positive("--tokens", 2), default=4096, help="tokens of text for perplexity")
+    p.add_argument("--tokens", type=positive("--tokens", 2), default=1024,
+                   help="text tokens for perplexity per repeat")
+    p.add_argument("--repeats", type=positive("--repeats"), default=None,
+                   help="disjoint text segments of --tokens each (and rotation seeds) to measure the spread over "
+                        "(None: 3, or 1 with --quick)")
     p.add_argument("--window", type=positive("--window", 2), default=1024,
-                   help="perplexity window: tokens per independent sequence")
+                   help="perplexity window: tokens per independent sequence, the tokenizer's BOS included")
     p.add_argument("--chunk", type=positive("--chunk"), default=64,
                    help="tokens per forward (queries see compressed past + chunk)")
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"],
                    help="model dtype for perplexity and greedy agreement")
     p.add_argument("--bits", default="8,4,3,2", help="bit widths of the base nexuskv rows")
     p.add_argument("--tails", default="0,128", help="full-precision tails of the base nexuskv rows")
-    p.add_argument("--ablation-bits", default="4,2", help="bit widths at which each knob is switched on alone")
-    p.add_argument("--ablations", default="outliers,rotate,dgq,sinks", help="knobs: outliers, rotate, dgq, sinks")
-    p.add_argument("--no-best-2bit", action="store_true", help="leave out the best 2-bit setting")
+    p.add_argument("--ablation-bits", default="4,2", help="bit widths at which the knobs are switched on")
+    # DGQ is not a default knob: in this chunked evaluation every append compresses one group,
+    # which leaves it no boundary to choose (it measured identical to fixed groups, RESULTS.md).
+    p.add_argument("--ablations", default="outliers,rotate,sinks", help="knobs: outliers, rotate, dgq, sinks")
+    p.add_argument("--combinations", default=",".join(ec.COMBINATIONS),
+                   help="knob rows: alone (each knob), all (every knob), leave-one-out (all but each)")
+    p.add_argument("--no-best-2bit", action="store_true",
+                   help="leave out the recommended 2-bit setting (eval_caches.RECOMMENDED_2BIT)")
     p.add_argument("--quanto-bits", default="4,2", help="transformers QuantizedCache (optimum-quanto) rows")
     p.add_argument("--no-quanto", action="store_true", help="leave out the quanto rows")
-    p.add_argument("--quick", action="store_true", help="dense and 4-bit with no tail only")
+    p.add_argument("--no-equal-bits", action="store_true",
+                   help="leave out quanto with 16-bit scales and nexuskv with metadata in the model's dtype")
+    p.add_argument("--quick", action="store_true",
+                   help="dense, 4-bit with no tail, quanto 4-bit and its equal-bit partners; one repeat")
     p.add_argument("--new-tokens", type=positive("--new-tokens"), default=256,
                    help="greedy tokens generated per setting")
     p.add_argument("--prompt-tokens", type=positive("--prompt-tokens"), default=512,
-                   help="tokens of real text in the greedy prompt")
+                   help="tokens of real text in the greedy prompt (after the tokenizer's BOS)")
     p.add_argument("--greedy-settings", default="all",
                    help="comma-separated substrings of the setting names to run greedy generation for")
     p.add_argument("--no-greedy", action="store_true", help="no greedy agreement rows")
-    p.add_argument("--bytes-tokens", type=positive("--bytes-tokens"), default=4096,
+    p.add_argument("--bytes-tokens", type=positive("--bytes-tokens", 2), default=4096,
                    help="tokens the caches hold when bytes are measured")
     p.add_argument("--bytes-dtype", default="bfloat16", choices=["bfloat16", "float16"],
                    help="model dtype for the byte measurement (the dense reference is a cache of this dtype)")

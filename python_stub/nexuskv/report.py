@@ -1,10 +1,12 @@
 """`python -m nexuskv report`: how NQ settings compress a real model's KV cache.
 
-Captures every layer's K and V (and Q) of SmolLM2-135M-Instruct on real text,
-compresses them at each setting and measures effective bits (every byte
-counted), the compression ratio against the model's dtype, the relative
-reconstruction error of K and V, and the relative error of each layer's
-attention output computed from the reconstructed K/V (float64, causal, GQA)."""
+Captures every layer's K and V (and Q) of the model (SmolLM2-135M-Instruct by
+default) on real text, as its own attention sees them (nexuskv.models.capture_qkv:
+the model's masks, sliding windows included), compresses them at each setting and
+measures effective bits (every byte counted), the compression ratio against the
+model's dtype, the relative reconstruction error of K and V, and the relative error
+of each layer's attention output computed from the reconstructed K/V (float64,
+causal, within the layer's sliding window, soft-capped where the model caps, GQA)."""
 
 from __future__ import annotations
 
@@ -51,17 +53,26 @@ def default_settings(group_size: int = 64, num_outliers: int = 1,
     return out
 
 
-def attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, num_queries: int):
+def attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, num_queries: int,
+                  window: Optional[int] = None, softcap: Optional[float] = None):
     """Causal softmax attention of the last num_queries queries over all T keys,
-    in float64.  q [B, Hq, T, D]; k, v [B, Hkv, T, D] with Hq a multiple of Hkv."""
+    in float64; with a sliding `window`, query i sees keys j with i - W < j <= i (as
+    transformers' sliding-window masks), and scores are soft-capped (softcap·tanh(s/softcap))
+    when `softcap` is given.  q [B, Hq, T, D]; k, v [B, Hkv, T, D] with Hq a multiple of Hkv."""
     T = k.shape[-2]
     q = q[..., T - num_queries:, :].double()
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
     scores = (q @ k.transpose(-1, -2)) * scaling  # [B, Hq, nq, T]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     pos_q = torch.arange(T - num_queries, T).unsqueeze(1)
-    scores = scores.masked_fill(torch.arange(T).unsqueeze(0) > pos_q, float("-inf"))
+    pos_k = torch.arange(T).unsqueeze(0)
+    hidden = pos_k > pos_q
+    if window is not None:
+        hidden |= pos_k <= pos_q - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
 
 
@@ -84,8 +95,10 @@ def evaluate_setting(layers: List[LayerQKV], setting: Setting, num_queries: int)
         k_den += float(layer.k.double().norm() ** 2)
         v_num += float((v_hat.double() - layer.v.double()).norm() ** 2)
         v_den += float(layer.v.double().norm() ** 2)
-        ref = attention_f64(layer.q, layer.k, layer.v, layer.scaling, num_queries)
-        attn_errs.append(rel_err(attention_f64(layer.q, k_hat, v_hat, layer.scaling, num_queries), ref))
+        window, softcap = getattr(layer, "window", None), getattr(layer, "softcap", None)
+        ref = attention_f64(layer.q, layer.k, layer.v, layer.scaling, num_queries, window, softcap)
+        attn_errs.append(rel_err(attention_f64(layer.q, k_hat, v_hat, layer.scaling, num_queries, window, softcap),
+                                 ref))
     elem_bits = torch.finfo(layers[0].k.dtype).bits
     kv_bits = 8.0 * (k_bytes + v_bytes) / (2 * numel)
     return {
@@ -164,7 +177,7 @@ def main(args) -> int:
     dtype = getattr(torch, args.dtype)
     print(f"loading {model_name(args.model)} ({args.dtype}) and text ...", flush=True)
     model, tokenizer = load_model(dtype, path=args.model)
-    ids = tokenize(tokenizer, load_text(args.text), args.tokens)
+    ids = tokenize(tokenizer, load_text(args.text), args.tokens)  # BOS first where the tokenizer adds one
     layers = capture_qkv(model, ids)
     k0 = layers[0].k
     print(f"captured {len(layers)} layers, K/V [batch, kv_heads, tokens, head_dim] = {list(k0.shape)}, "
@@ -190,7 +203,9 @@ def main(args) -> int:
                 print(f"{v['bits']}-bit {label}: attention error {w['attn']:.4f} ({w['bits']:.3f} bits) with vs "
                       f"{wo['attn']:.4f} ({wo['bits']:.3f} bits) without")
     if args.json:
-        doc = {"model": model_name(args.model), "dtype": args.dtype,
+        from .eval_caches import model_facts
+
+        doc = {"model": model_name(args.model), "model_facts": model_facts(model), "dtype": args.dtype,
                "text": args.text or "debian-reference-en", "tokens": args.tokens, "queries": args.queries,
                "date": datetime.date.today().isoformat(), "machine": platform.platform(),
                "torch": torch.__version__, "rows": rows, "key_grouping": verdicts, "variants": variants}

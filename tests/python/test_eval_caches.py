@@ -73,7 +73,7 @@ def test_dense_and_tail_bytes():
     dense = DynamicCache()
     dense.update(*_kv(tokens, torch.bfloat16), 0)
     assert ec.cache_bytes(dense) == {"total": 2 * H * tokens * D * 2, "compressed": 0,
-                                     "full_precision": 2 * H * tokens * D * 2}
+                                     "full_precision": 2 * H * tokens * D * 2, "used": 2 * H * tokens * D * 2}
     s = ec.nexuskv(4, 128)
     cache = _nexuskv_cache(s, torch.bfloat16)
     cache.update(*_kv(tokens, torch.bfloat16), 0)
@@ -93,7 +93,7 @@ def test_cache_bytes_rejects_other_objects():
 def test_sinks_stay_outside_the_compressed_bits(dtype):
     # 4 sinks + 512 tokens, no tail: the compressed part is exactly 512 tokens at the
     # formula's bits; the sinks are full-precision bytes, reported with the tail.
-    s = dataclasses.replace(ec.BEST_2BIT, residual=0)
+    s = dataclasses.replace(ec.RECOMMENDED_2BIT, residual=0)
     assert s.sinks == 4
     cache = _nexuskv_cache(s, dtype)
     cache.update(*_kv(4 + 512, dtype), 0)
@@ -108,8 +108,10 @@ def test_grid():
     assert rows[0] == ec.DENSE_SETTING and len(rows) == len(set(rows))
     assert {(r.bits, r.residual) for r in rows if r.kind == ec.NEXUSKV} >= {(b, t) for b in (8, 4, 3, 2)
                                                                           for t in (0, 128)}
-    assert [r.bits for r in rows if r.kind == ec.QUANTO] == [4, 2]
-    assert ec.BEST_2BIT in rows
+    # quanto as transformers runs it and with 16-bit scales (equal bits, issue 14)
+    assert [(r.bits, r.meta) for r in rows if r.kind == ec.QUANTO] == [(4, None), (4, ec.META_16), (2, None),
+                                                                      (2, ec.META_16)]
+    assert ec.RECOMMENDED_2BIT in rows
     names = [r.name for r in rows]
     assert len(names) == len(set(names))
     with pytest.raises(ValueError, match="ablations must be among"):
@@ -119,7 +121,7 @@ def test_grid():
 def test_parse_settings():
     rows = ec.grid()
     assert ec.parse_settings("all", rows) == rows
-    assert [s.kind for s in ec.parse_settings("quanto", rows)] == [ec.QUANTO, ec.QUANTO]
+    assert [s.kind for s in ec.parse_settings("quanto", rows)] == [ec.QUANTO] * 4
     with pytest.raises(ValueError, match="no setting matches 'nothing'"):
         ec.parse_settings("nothing", rows)
 

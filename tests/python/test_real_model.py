@@ -69,14 +69,19 @@ def test_eval_cli_small(tmp_path):
     # Tail 0 for the base row so that the 128-token windows compress (a 128-token tail would hold them).
     assert main(["eval", "--tokens", "256", "--window", "128", "--chunk", "32", "--bits", "4", "--tails", "0",
                  "--ablation-bits", "2", "--ablations", "rotate", "--no-best-2bit", "--quanto-bits", "4",
+                 "--repeats", "1", "--no-equal-bits",
                  "--new-tokens", "4", "--prompt-tokens", "32", "--bytes-tokens", "256", "--no-progress",
                  "--json", str(out), "--markdown", str(tmp_path / "eval.md"), "--png", str(tmp_path / "eval.png")]) == 0
     doc = json.loads(out.read_text())
     rows = {r["name"]: r for r in doc["rows"]}
-    assert list(rows) == ["dense", "nexuskv 4-bit tail 0 K g64", "nexuskv 2-bit tail 128 K g64 rot",
-                          "quanto 4-bit g64 tail 128"]
-    dense, four, two, quanto = rows.values()
-    assert all(r["tokens"] == 254 for r in rows.values())  # 2 windows of 128, first token of each unpredicted
+    # The knob row comes with its plain counterpart (the "without" side of its verdict).
+    assert list(rows) == ["dense", "nexuskv 4-bit tail 0 K g64", "nexuskv 2-bit tail 128 K g64",
+                          "nexuskv 2-bit tail 128 K g64 rot", "quanto 4-bit g64 tail 128"]
+    dense, four, _, two, quanto = rows.values()
+    # The GGUF tokenizer starts a sequence with <|im_start|> (id 1): windows of BOS + 127
+    # text tokens (128, 128, 3), every text token predicted once.
+    assert doc["sequence_prefix"] == [1] and doc["model"] == models.DEFAULT_MODEL_NAME
+    assert all(r["tokens"] == 256 for r in rows.values())
     assert 1 < dense["ppl"] < 100 and dense["delta_ppl_pct"] == 0
     assert abs(four["delta_ppl_pct"]) < 5 and abs(quanto["delta_ppl_pct"]) < 5
     assert four["effective_bits"]["kv"] == 4.5 and two["effective_bits"]["kv"] == 2.5
