@@ -85,8 +85,10 @@ class NexusKVStaticLayer(CacheLayerMixin):
         q = hf_compat.query_length(cache_position_or_length)
         return q, 0
 
-    def get_seq_length(self) -> int:
-        return int(self.static.seq_lengths().max()) if self.is_initialized else 0
+    def get_seq_length(self):
+        # A 0-d tensor, as transformers' own static layers return: a compiled or exported
+        # step (transformers 5 asks for it in every mask) reads it without a host sync.
+        return self.static.seq_lengths().max() if self.is_initialized else 0
 
     def get_max_length(self) -> int:  # transformers 5
         return self.max_cache_len
