@@ -98,8 +98,9 @@ XDIST=()
 $PY -c "import xdist" 2>/dev/null && XDIST=(-n 8)
 TIMEOUT=()
 $PY -c "import pytest_timeout" 2>/dev/null && TIMEOUT=(--timeout 150)
+# The CUDA suites, plus the CUDA cases of the device-parametrized CPU suites.
 step tests 200 "$OUT/tests.log" $PY -m pytest tests/python/test_cuda_*.py tests/python/test_cache_device.py \
-  -q -rs -p no:cacheprovider \
+  tests/python/test_attention.py -k cuda -q -rs -p no:cacheprovider \
   "${XDIST[@]}" "${TIMEOUT[@]}" --junitxml="$OUT/tests.xml"
 
 # Small cases of every kernel under the sanitizer (no caching allocator, so that an

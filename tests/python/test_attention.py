@@ -5,11 +5,13 @@ float64.  Also rotation, operator hygiene, memory and bad input."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 
 import pytest
 import torch
+from devices import DEVICES
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -651,6 +653,18 @@ def attention_args(case: Case):
     )
 
 
+def on_device(case: Case, device: str) -> Case:
+    """A copy of the (CPU-built) case with every tensor on `device`."""
+    c = copy.copy(case)
+    for name, value in vars(case).items():
+        if isinstance(value, torch.Tensor):
+            setattr(c, name, value.to(device))
+        elif isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+            setattr(c, name, [t.to(device) for t in value])
+    return c
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "kw",
     [
@@ -658,17 +672,20 @@ def attention_args(case: Case):
         dict(tail=8, q_len=3, rotate=True),
         dict(dtype=torch.bfloat16, ratio=3),
         dict(tail=8, q_len=2, sinks=4, sink_lens=[4, 1]),
+        dict(tail=8, q_len=2, sinks=4, sink_lens=[4, 1], dtype=torch.float16),
     ],
 )
-def test_opcheck(kw):
-    case = Case(**kw)
+def test_opcheck(kw, device):
+    case = on_device(Case(**kw), device)
     args = attention_args(case) + ((case.k_sink, case.v_sink, case.sink_lens) if case.k_sink is not None else ())
     torch.library.opcheck(torch.ops.nexuskv.dgq_fused_attention.default, args)
-    torch.library.opcheck(torch.ops.nexuskv.hadamard_rotate.default, (case.q, random_signs(64, 0), True))
+    torch.library.opcheck(torch.ops.nexuskv.hadamard_rotate.default, (case.q, random_signs(64, 0).to(device), True))
 
 
-def test_torch_compile_fullgraph():
-    case = Case(tail=8, q_len=2)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph(backend, device):
+    case = on_device(Case(tail=8, q_len=2, dtype=torch.float32 if device == "cpu" else torch.bfloat16), device)
 
     def step(q):
         return (
@@ -688,7 +705,7 @@ def test_torch_compile_fullgraph():
             * 2
         )
 
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
     torch.testing.assert_close(compiled(case.q), step(case.q), rtol=0, atol=0)
 
 
@@ -725,8 +742,9 @@ def test_extra_memory_does_not_grow_with_context():
     assert b <= a and b < dense_long / 1000, (a, b, dense_long)
 
 
-def test_requires_grad_rejected():
-    case = Case()
+@pytest.mark.parametrize("device", DEVICES)
+def test_requires_grad_rejected(device):
+    case = on_device(Case(), device)
     q = case.q.clone().requires_grad_()
     with pytest.raises(RuntimeError, match="inference-only"):
         dgq_fused_attention(q, case.k_cache, case.v_cache, case.k_format, case.v_format, case.comp_lens)

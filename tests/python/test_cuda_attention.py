@@ -9,7 +9,6 @@ torch.compile; bad input and mixed devices.  Skipped without a GPU."""
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 
@@ -17,9 +16,7 @@ import pytest
 import torch
 from devices import env, is_cuda, poison_cuda_cache, requires_cuda
 from hypothesis import HealthCheck, given, settings
-from test_attention import BAD_SHAPES, BAD_VALUES, GRID, Case, attention_case, bad, rel_err
-
-from nexuskv.ops import dgq_fused_attention
+from test_attention import BAD_SHAPES, BAD_VALUES, GRID, Case, attention_case, bad, on_device, rel_err
 
 pytestmark = requires_cuda
 
@@ -28,13 +25,7 @@ MMA_BITS = (2, 4, 8)  # the tensor-core kernel's widths (3 bits: reference kerne
 
 def on_cuda(case: Case) -> Case:
     """A copy of the (CPU-built) case with every tensor on the GPU."""
-    c = copy.copy(case)
-    for name, value in vars(case).items():
-        if isinstance(value, torch.Tensor):
-            setattr(c, name, value.cuda())
-        elif isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
-            setattr(c, name, [t.cuda() for t in value])
-    return c
+    return on_device(case, "cuda")
 
 
 def run_cuda(case: Case, kernel: str, **overrides) -> torch.Tensor:
@@ -352,66 +343,8 @@ def test_runs_on_the_current_stream():
 # ---- operator hygiene ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "kw",
-    [
-        dict(),
-        dict(tail=8, q_len=3, rotate=True),
-        dict(dtype=torch.bfloat16, ratio=3),
-        dict(tail=8, q_len=2, sinks=4, sink_lens=[4, 1], dtype=torch.float16),
-    ],
-)
-def test_opcheck_on_cuda(kw):
-    case = on_cuda(Case(**kw))
-    args = (
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        case.k_format,
-        case.v_format,
-        case.comp_lens,
-        case.k_tail,
-        case.v_tail,
-        case.tail_lens,
-        case.signs,
-        case.scale,
-    )
-    if case.k_sink is not None:
-        args += (case.k_sink, case.v_sink, case.sink_lens)
-    torch.library.opcheck(torch.ops.nexuskv.dgq_fused_attention.default, args)
-
-
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_torch_compile_fullgraph_on_cuda(backend):
-    case = on_cuda(Case(tail=8, q_len=2, dtype=torch.bfloat16))
-
-    def step(q):
-        return (
-            dgq_fused_attention(
-                q,
-                case.k_cache,
-                case.v_cache,
-                case.k_format,
-                case.v_format,
-                case.comp_lens,
-                case.k_tail,
-                case.v_tail,
-                case.tail_lens,
-                None,
-                case.scale,
-            )
-            * 2
-        )
-
-    compiled = torch.compile(step, fullgraph=True, backend=backend)
-    torch.testing.assert_close(compiled(case.q), step(case.q), rtol=0, atol=0)
-
-
-def test_requires_grad_rejected_on_cuda():
-    case = on_cuda(Case())
-    q = case.q.clone().requires_grad_()
-    with pytest.raises(RuntimeError, match="inference-only"):
-        dgq_fused_attention(q, case.k_cache, case.v_cache, case.k_format, case.v_format, case.comp_lens)
+# opcheck, torch.compile(fullgraph=True) and the inference-only guard on CUDA: the
+# device-parametrized tests of test_attention.py.
 
 
 # ---- bad input ----------------------------------------------------------------------------------
