@@ -2450,6 +2450,178 @@ BAD_VERDICTS = ["clear", "propagated", "unclear", "crash", "hang", "silent"]
 VALID_VERDICTS = ["pass", "wrong", "error", "crash", "hang"]
 
 
+def _static(**kw):
+    from nexuskv.static_cache import StaticKVCache
+
+    return StaticKVCache(**(dict(batch=2, kv_heads=2, head_dim=64, max_tokens=64, group_size=16, residual=8) | kw))
+
+
+def _static_filled(n=40, **kw):
+    c = _static(**kw)
+    c.append(rnd(2, 2, n, 64, seed=1), rnd(2, 2, n, 64, seed=2))
+    return c
+
+
+def _static_kept(c, fn):
+    """Runs fn(c), which must raise; if a buffer of the static cache changed, LostData."""
+    before = {n: t.clone() for n, t in c.named_buffers()}
+    try:
+        fn(c)
+    except Exception:
+        if any(not torch.equal(t, before[n]) for n, t in c.named_buffers()):
+            raise LostData("the call raised but the static cache changed") from None
+        raise
+
+
+def _static_args(c, **kw):
+    a = dict(
+        k_store=c._k_store(),
+        v_store=c._v_store(),
+        k_tail=c.k_tail,
+        v_tail=c.v_tail,
+        lengths=c.lengths,
+        k=rnd(2, 2, 1, 64, seed=3),
+        v=rnd(2, 2, 1, 64, seed=4),
+        k_format=c.k_format,
+        v_format=c.v_format,
+        residual=c.residual,
+    )
+    return a | kw
+
+
+def _static_op(c, **kw):
+    return torch.ops.nexuskv.static_kv_append_(**_static_args(c, **kw))
+
+
+def _static_decode(dtype, kw, steps=30):
+    """Error of the static cache's attention against the dynamic cache's (same policy and
+    format: equal to float32 rounding)."""
+    s = _static(dtype=dtype, max_tokens=128, **kw)
+    k = kw.get("outliers", 0)
+    d = nkcache.make_cache(
+        key_group_size=16,
+        value_group_size=16,
+        residual=8,
+        key_outliers=k,
+        value_outliers=k,
+        key_dynamic=kw.get("dynamic_keys", False),
+    )
+    err = 0.0
+    for i, n in enumerate([37] + [1] * steps):
+        k, v, q = (
+            rnd(2, 2, n, 64, dtype=dtype, seed=10 + i),
+            rnd(2, 2, n, 64, dtype=dtype, seed=50 + i),
+            rnd(2, 4, n, 64, dtype=dtype, seed=90 + i),
+        )
+        d.append(k, v, None)
+        err = max(err, rel_err(s(q, k, v), d.attend(q, None, None)))
+    assert s.lengths[0].min() > 0
+    return err, 1e-5
+
+
+def static_cache_cases():
+    t = "static_cache"
+    for name, kw, hint in [
+        ("batch 0", dict(batch=0), "batch"),
+        ("max_tokens -1", dict(max_tokens=-1), "max_tokens"),
+        ("max_tokens float", dict(max_tokens=64.0), "max_tokens"),
+        ("residual -1", dict(residual=-1), "residual"),
+        ("window 0", dict(window=0), "window"),
+        ("bits 5", dict(bits=5), "bits"),
+        ("group_size 0", dict(group_size=0), "group_size"),
+        ("group_size 300", dict(group_size=300), "group_size"),
+        ("outliers = group", dict(outliers=16), "num_outliers"),
+        ("meta dtype int", dict(meta_dtype=torch.int32), "meta_dtype"),
+        ("device meta", dict(device="meta"), "cpu only"),
+        ("dtype int", dict(dtype=torch.int32), "float"),
+    ]:
+        bad(t, "args", f"constructor {name}", lambda kw=kw: _static(**kw), hint)
+    bad(
+        t,
+        "values",
+        "append NaN k",
+        lambda: _static_kept(_static_filled(), lambda c: c.append(poke(rnd(2, 2, 1, 64), NAN), rnd(2, 2, 1, 64))),
+        "finite",
+    )
+    bad(
+        t,
+        "values",
+        "append Inf v",
+        lambda: _static_kept(_static_filled(), lambda c: c.append(rnd(2, 2, 1, 64), poke(rnd(2, 2, 1, 64), INF))),
+        "finite",
+    )
+    bad(
+        t,
+        "lengths",
+        "append past the capacity",
+        lambda: _static_kept(_static_filled(), lambda c: c.append(rnd(2, 2, 60, 64), rnd(2, 2, 60, 64))),
+        "full",
+    )
+    bad(
+        t,
+        "dtype",
+        "append fp16 to fp32",
+        lambda: _static_kept(
+            _static_filled(), lambda c: c.append(rnd(2, 2, 1, 64, dtype=F16), rnd(2, 2, 1, 64, dtype=F16))
+        ),
+        "dtype",
+    )
+    bad(
+        t,
+        "shape",
+        "append 3-D",
+        lambda: _static_kept(_static_filled(), lambda c: c.append(rnd(2, 1, 64), rnd(2, 1, 64))),
+        "shape",
+    )
+    bad(
+        t,
+        "gqa",
+        "append other heads",
+        lambda: _static_kept(_static_filled(), lambda c: c.append(rnd(2, 3, 1, 64), rnd(2, 3, 1, 64))),
+        "kv_heads",
+    )
+    bad(
+        t,
+        "grad",
+        "append requires grad",
+        lambda: _static_kept(_static_filled(), lambda c: c.append(grad_leaf(rnd(2, 2, 1, 64)), rnd(2, 2, 1, 64))),
+        "inference-only",
+    )
+    bad(
+        t,
+        "meta",
+        "append meta k/v",
+        lambda: _static_kept(
+            _static_filled(), lambda c: c.append(rnd(2, 2, 1, 64).to("meta"), rnd(2, 2, 1, 64).to("meta"))
+        ),
+        "device",
+    )
+    t = "static_kv_append_"
+    for name, kw, hint in [
+        ("lengths int32", lambda c: dict(lengths=c.lengths.int()), "lengths"),
+        ("lengths [1, B]", lambda c: dict(lengths=c.lengths[:1]), "lengths"),
+        ("corrupt lengths", lambda c: dict(lengths=torch.tensor([[5, 5], [3, 3]])), "corrupt"),
+        ("tail too short", lambda c: dict(k_tail=c.k_tail[:, :, :3], v_tail=c.v_tail[:, :, :3]), "tail"),
+        ("tails differ", lambda c: dict(k_tail=c.k_tail[:, :, :3]), "capacity"),
+        ("store of 4", lambda c: dict(k_store=c._k_store()[:4]), "5 tensors"),
+        ("k_format short", lambda c: dict(k_format=[4, 16]), "k_format"),
+        ("format mismatch", lambda c: dict(k_format=[4, 32, -2]), "scale"),
+        ("residual -1", lambda c: dict(residual=-1), "residual"),
+        ("v other shape", lambda c: dict(v=rnd(2, 2, 2, 64)), "shape"),
+        ("k 5-D", lambda c: dict(k=rnd(1, 2, 2, 1, 64), v=rnd(1, 2, 2, 1, 64)), "shape"),
+        ("empty k", lambda c: dict(k=rnd(0, 2, 1, 64), v=rnd(0, 2, 1, 64)), "empty"),
+        ("meta lengths", lambda c: dict(lengths=c.lengths.to("meta")), "device"),
+    ]:
+        bad(t, "args", name, lambda kw=kw: _static_kept(_static_filled(), lambda c: _static_op(c, **kw(c))), hint)
+    for dtype in (F32, F16, BF16):
+        for name, kw in [("nq", {}), ("dgq keys", dict(dynamic_keys=True)), ("outliers", dict(outliers=1))]:
+            valid(
+                "static_cache",
+                f"decode vs the dynamic cache {name} {dtype}".replace("torch.", ""),
+                lambda dtype=dtype, kw=kw: _static_decode(dtype, kw),
+            )
+
+
 def build_cases():
     nq_compress_cases()
     nq_decompress_cases()
@@ -2458,6 +2630,7 @@ def build_cases():
     attention_cases()
     cache_cases()
     hf_cases()
+    static_cache_cases()
     names = collections.Counter(c.name for c in CASES)
     dup = [n for n, k in names.items() if k > 1]
     assert not dup, f"duplicate case names: {dup}"

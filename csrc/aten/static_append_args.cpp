@@ -37,6 +37,8 @@ StaticAppendShapes check_static_append_args(at::TensorList k_store, at::TensorLi
   TORCH_CHECK(is_float_type(k.scalar_type()) && v.scalar_type() == k.scalar_type(), kOp,
               ": k and v must be float32, float16 or bfloat16 of one dtype, got ", k.scalar_type(), " and ",
               v.scalar_type());
+  TORCH_CHECK(k_tail.scalar_type() == k.scalar_type(), kOp, ": k and v must have the cache's dtype ",
+              k_tail.scalar_type(), " (k_tail's), got ", k.scalar_type());
   s.batch = k.size(0), s.kv_heads = k.size(1), s.new_tokens = k.size(2), s.head_dim = k.size(3);
   TORCH_CHECK(s.batch > 0 && s.kv_heads > 0 && s.head_dim > 0, kOp, ": k must not be empty, got ", k.sizes());
   check_same_device(kOp, "k", k, {{"v", &v}, {"k_tail", &k_tail}, {"v_tail", &v_tail}, {"lengths", &lengths}});

@@ -58,7 +58,13 @@ class StaticKVCache(torch.nn.Module):
         window: Optional[int] = None,
     ):
         super().__init__()
-        for name, val in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim), ("max_tokens", max_tokens)):
+        for name, val in (
+            ("batch", batch),
+            ("kv_heads", kv_heads),
+            ("head_dim", head_dim),
+            ("max_tokens", max_tokens),
+            ("group_size", group_size),
+        ):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"StaticKVCache: {name} must be a positive int, got {val!r}")
         if not isinstance(residual, int) or residual < 0:
