@@ -1,7 +1,10 @@
-// Definitions of the public C++ API (nexuskv/ops.h): typed dispatcher calls.
+// Definitions of the public C++ API (nexuskv/ops.h): typed dispatcher calls, and the CUDA checks switch.
 #include "nexuskv/ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cstdlib>
+#include <string_view>
 
 namespace nexuskv {
 namespace {
@@ -65,6 +68,11 @@ at::Tensor dgq_fused_attention(const at::Tensor& q, at::TensorList k_cache, at::
   static const auto op = find_op<Sig>("nexuskv::dgq_fused_attention");
   return op.call(q, k_cache, v_cache, k_format, v_format, compressed_lens, k_tail, v_tail, tail_lens, rotation_signs,
                  scale, k_sink, v_sink, sink_lens, window, softcap);
+}
+
+bool cuda_value_checks_requested() {
+  const char* v = std::getenv("NEXUSKV_CUDA_CHECKS");
+  return v != nullptr && std::string_view(v) == "1";
 }
 
 at::Tensor hadamard_rotate(const at::Tensor& x, const at::Tensor& signs, bool inverse) {

@@ -9,9 +9,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
-#include <cstdlib>
 #include <limits>
-#include <string_view>
 
 #include "cache_impl.h"
 #include "nexuskv/ops.h"
@@ -44,11 +42,7 @@ const char* dtype_name(at::ScalarType t) {
 // synchronization that a decode step must not have.  Unchecked, a NaN/Inf in
 // K/V is kept (the CUDA compress kernel gives its group a NaN scale), so the
 // attention rows that see it are NaN, as dense attention's would be.
-bool checks_values_on_host(const at::Tensor& x) {
-  if (x.device().is_cpu()) return true;
-  const char* v = std::getenv("NEXUSKV_CUDA_CHECKS");
-  return v != nullptr && std::string_view(v) == "1";
-}
+bool checks_values_on_host(const at::Tensor& x) { return x.device().is_cpu() || cuda_value_checks_requested(); }
 
 // Rejects NaN/Inf and values the compressed part could not hold, before
 // anything is stored: every token the cache accepts can be compressed later.

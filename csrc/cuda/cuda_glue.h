@@ -16,19 +16,14 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <cstdlib>
-#include <cstring>
-
 #include "launch.h"
+#include "nexuskv/ops.h"
 #include "status.h"
 
 namespace nexuskv::cuda {
 
 // NEXUSKV_CUDA_CHECKS=1: read back the kernels' status and raise (synchronizes).
-inline bool value_checks_on() {
-  const char* v = std::getenv("NEXUSKV_CUDA_CHECKS");
-  return v != nullptr && std::strcmp(v, "1") == 0;
-}
+inline bool value_checks_on() { return cuda_value_checks_requested(); }
 
 // (c10's stream and guard only: ATen/cuda/CUDAContext.h pulls in cuBLAS and
 // cuSPARSE headers, which a toolkit of just nvcc and the runtime lacks.)

@@ -238,20 +238,19 @@ def test_matches_float64_reference(bits, ratio, q_len, tail, rotate, dgq):
     assert rel_err(case.run(), case.reference()) <= 1e-4
 
 
-@pytest.mark.parametrize(
-    "bits,q_len,tail,rotate,dgq",
-    [
-        (4, 1, 0, False, False),
-        (4, 5, 24, False, False),
-        (2, 17, 24, True, False),
-        (3, 4, 24, False, True),
-        (8, 3, 0, True, True),
-    ],
-)
-def test_sinks_match_float64_reference(bits, q_len, tail, rotate, dgq):
-    # Ragged sinks before ragged compressed parts and tails (positions: sinks, compressed, tail);
-    # the last sequence has no compressed part, and without a tail its queries sit in the sinks.
-    case = Case(
+SINK_GRID = [  # bits, q_len, tail, rotate, dgq
+    (4, 1, 0, False, False),
+    (4, 5, 24, False, False),
+    (2, 17, 24, True, False),
+    (3, 4, 24, False, True),
+    (8, 3, 0, True, True),
+]
+
+
+def sink_case(bits, q_len, tail, rotate, dgq, dtype=torch.float32) -> Case:
+    """Ragged sinks before ragged compressed parts and tails (positions: sinks, compressed, tail);
+    the last sequence has no compressed part, and without a tail its queries sit in the sinks."""
+    return Case(
         bits=bits,
         ratio=3,
         q_len=q_len,
@@ -262,8 +261,14 @@ def test_sinks_match_float64_reference(bits, q_len, tail, rotate, dgq):
         dgq=dgq,
         sinks=4,
         sink_lens=[4, 2, 4],
+        dtype=dtype,
         seed=bits * 10 + q_len,
     )
+
+
+@pytest.mark.parametrize("bits,q_len,tail,rotate,dgq", SINK_GRID)
+def test_sinks_match_float64_reference(bits, q_len, tail, rotate, dgq):
+    case = sink_case(bits, q_len, tail, rotate, dgq)
     assert rel_err(case.run(), case.reference()) <= 1e-4
 
 
@@ -753,7 +758,7 @@ def test_requires_grad_rejected(device):
 # ---- bad input ---------------------------------------------------------------------------------
 
 
-def bad(case: Case, **kw):
+def attention_kwargs(case: Case, **kw):
     args = dict(
         q=case.q,
         k_cache=case.k_cache,
@@ -761,9 +766,15 @@ def bad(case: Case, **kw):
         k_format=case.k_format,
         v_format=case.v_format,
         compressed_lens=case.comp_lens,
+        rotation_signs=case.signs,
     )
     args.update(kw)
-    return lambda: dgq_fused_attention(**args)
+    return args
+
+
+def bad(case: Case, **kw):
+    """A call of dgq_fused_attention on the case (without its rotation) with kw replaced."""
+    return lambda: dgq_fused_attention(**attention_kwargs(case, **{"rotation_signs": None, **kw}))
 
 
 def randn(c: Case, *shape):
@@ -849,20 +860,6 @@ def test_bad_input(make, match):
 
 
 # ---- the same checks everywhere (issue 8, items 9, 10, 12, 14, 15) --------------------------
-
-
-def attention_kwargs(case: Case, **kw):
-    args = dict(
-        q=case.q,
-        k_cache=case.k_cache,
-        v_cache=case.v_cache,
-        k_format=case.k_format,
-        v_format=case.v_format,
-        compressed_lens=case.comp_lens,
-        rotation_signs=case.signs,
-    )
-    args.update(kw)
-    return args
 
 
 def first_line(e):

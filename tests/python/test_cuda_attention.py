@@ -16,7 +16,18 @@ import pytest
 import torch
 from devices import env, is_cuda, poison_cuda_cache, requires_cuda
 from hypothesis import HealthCheck, given, settings
-from test_attention import BAD_SHAPES, BAD_VALUES, GRID, Case, attention_case, bad, on_device, rel_err
+from test_attention import (
+    BAD_SHAPES,
+    BAD_VALUES,
+    GRID,
+    SINK_GRID,
+    Case,
+    attention_case,
+    bad,
+    on_device,
+    rel_err,
+    sink_case,
+)
 
 pytestmark = requires_cuda
 
@@ -127,32 +138,9 @@ def test_16_bit_grid_both_kernels(dtype, bits, ratio, q_len, tail, rotate, dgq):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "bits,q_len,tail,rotate,dgq",
-    [
-        (4, 1, 0, False, False),
-        (4, 5, 24, False, False),
-        (2, 17, 24, True, False),
-        (3, 4, 24, False, True),
-        (8, 3, 0, True, True),
-    ],
-)
+@pytest.mark.parametrize("bits,q_len,tail,rotate,dgq", SINK_GRID)
 def test_sinks(dtype, bits, q_len, tail, rotate, dgq):
-    case = Case(
-        bits=bits,
-        ratio=3,
-        q_len=q_len,
-        tail=tail,
-        tail_lens=[tail, 5, tail] if tail else None,
-        comp_lens=(100, 45, 0),
-        rotate=rotate,
-        dgq=dgq,
-        sinks=4,
-        sink_lens=[4, 2, 4],
-        dtype=dtype,
-        seed=bits * 10 + q_len,
-    )
-    check_case(case)
+    check_case(sink_case(bits, q_len, tail, rotate, dgq, dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

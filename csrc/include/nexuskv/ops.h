@@ -50,4 +50,9 @@ at::Tensor dgq_fused_attention(
 // Randomized Hadamard rotation of the last dim (a power of two).
 at::Tensor hadamard_rotate(const at::Tensor& x, const at::Tensor& signs, bool inverse = false);
 
+// Whether NEXUSKV_CUDA_CHECKS=1 is set: the CUDA operators and the cache then
+// read their value checks back from the device and raise the CPU's errors
+// (this synchronizes; without it a decode step never does).
+bool cuda_value_checks_requested();
+
 }  // namespace nexuskv
