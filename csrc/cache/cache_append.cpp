@@ -128,6 +128,9 @@ void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::
   }
   TORCH_CHECK(n <= CacheOptions::kMaxTokens, kCls, ": an append takes at most ", CacheOptions::kMaxTokens,
               " tokens, got ", n);
+  for (int64_t b = 0; b < (first ? 0 : batch); ++b)
+    TORCH_CHECK(positions(b) + n <= CacheOptions::kMaxPositions, kCls, ": sequence ", b, " would span more than ",
+                CacheOptions::kMaxPositions, " positions");
   // valid [B, n] bool: read on the host (the per-sequence counts decide where tokens go).
   at::Tensor keep;
   if (valid) {
@@ -184,6 +187,16 @@ void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::
       if (dead > base) evict = std::min((dead - base) / chunk * chunk, c + g.n_comp);
     }
     g.evict_old = std::min(evict, c);
+    if (mode == StorageMode::kFused && g.evict_old > 0 && g.evict_old < c) {
+      // DGQ segments do not end on chunks: evict only up to where every head
+      // of every sequence of the group starts a segment (the rest stays,
+      // unseen by the window, until a later eviction reaches a boundary).
+      for (int64_t before = -1; before != g.evict_old;) {  // a cut for one sequence may not be one for another
+        before = g.evict_old;
+        for (int64_t b = b0; b < b1; ++b) g.evict_old = segment_cut(b, g.evict_old, c);
+      }
+      evict = g.evict_old;
+    }
     g.skip = evict - g.evict_old;
     if (g.n_comp == 0) {  // the new tokens go after the tail's
       g.tail_at = t, g.tail_k = rk, g.tail_v = rv;

@@ -17,6 +17,29 @@ at::Tensor cloned(const at::Tensor& t) { return t.defined() ? t.clone() : t; }
 
 }  // namespace
 
+int64_t KVCache::Impl::segment_cut(int64_t b, int64_t keep, int64_t compressed) const {
+  // A compression call of n tokens at buffer token `at` writes its DGQ
+  // segments into the slots [at / G, (at + n) / G), in order, and fills the
+  // slots it does not need with at + n; segments follow the data, so they do
+  // not end at chunk boundaries inside a call.  Token t (a whole chunk) is a
+  // place to cut every head of the sequence where slot t / G begins at t:
+  // then every segment before t lies in the slots before t / G, which stay,
+  // and t / G is where the next compression writes.  Token 0 always is one.
+  if (keep >= compressed) return keep;
+  // Per dynamic part: its token group G and its starts [H, A], read on the
+  // host (crop is not a decode step).
+  std::vector<std::pair<int64_t, at::Tensor>> dynamic;
+  for (const auto& [spec, parts] : {std::pair(&keys, &k_fused), std::pair(&values, &v_fused)})
+    if (spec->dynamic) dynamic.emplace_back(spec->group_size, to_host((*parts)[5].select(0, b)));
+  for (; keep > 0 && !dynamic.empty(); keep -= chunk) {
+    bool cut_here = true;
+    for (const auto& [G, starts] : dynamic)
+      cut_here = cut_here && host_flag(starts.select(1, keep / G).eq(int32_t(keep)).all());
+    if (cut_here) break;
+  }
+  return keep;
+}
+
 void KVCache::Impl::crop(int64_t length, const std::vector<at::Tensor>* k_compressed,
                          const std::vector<at::Tensor>* v_compressed) {
   const char* method = k_compressed ? "crop_with()" : "crop()";
@@ -48,6 +71,7 @@ void KVCache::Impl::crop(int64_t length, const std::vector<at::Tensor>* k_compre
     } else if (length <= s + e + c) {
       const int64_t rel = length - s - e;  // live compressed tokens that stay
       int64_t keep = rel / chunk * chunk;
+      if (mode == StorageMode::kFused) keep = segment_cut(b, keep, c);
       if (mode == StorageMode::kChunks) {  // objects cover whole appends: cut at an object start
         keep = 0;
         for (const CompressedTensor& o : k_chunks[i]) {
@@ -72,8 +96,10 @@ void KVCache::Impl::crop(int64_t length, const std::vector<at::Tensor>* k_compre
                       kCls, ": crop_with(): the compressed part given for sequence ", b,
                       " holds NaN or Inf in the tokens that go back into the tail; a cache only holds finite K/V");
         } else {
-          // Per-channel groups dequantize whole: decode the chunk, keep its first m tokens.
-          const int64_t hi = mode == StorageMode::kFused ? keep + chunk : rel;
+          // Per-channel groups dequantize whole: decode from the cut to the end of
+          // the compressed part (DGQ segments may run past the next chunk), keep
+          // its first m tokens.
+          const int64_t hi = mode == StorageMode::kFused ? c : rel;
           cut.restore_k = compressed_tokens(true, b, b + 1, keep, hi, x).slice(2, 0, m);
           cut.restore_v = compressed_tokens(false, b, b + 1, keep, hi, x).slice(2, 0, m);
         }

@@ -114,6 +114,10 @@ struct KVCache::Impl {
       const std::vector<at::Tensor>* v_compressed) const;  // cache_read.cpp
   void crop(int64_t length, const std::vector<at::Tensor>* k_compressed,
             const std::vector<at::Tensor>* v_compressed);  // cache_edit.cpp
+  // The largest whole-chunk token <= keep at which sequence b's DGQ segments
+  // can be cut (keep itself without DGQ parts, or when nothing is cut): where
+  // crop() and a window's eviction cut the compressed part.
+  int64_t segment_cut(int64_t b, int64_t keep, int64_t compressed) const;
   void reorder(const at::Tensor& beam_idx);
   void to(const at::Device& device);
   std::unique_ptr<Impl> deep_copy() const;
@@ -135,8 +139,9 @@ at::Tensor host_lengths(const std::vector<int64_t>& v);  // [n] int64 CPU
 at::Tensor lengths_on(const std::vector<int64_t>& v, const at::Device& device);
 
 // The only reads of tensor data on the host (nexuskv/cache.h says why): the
-// value check of an append (one flag), a valid mask, beam indices, and a
-// state dict being loaded.  Nothing on the attend path.
+// value check of an append (one flag), a valid mask, beam indices, the DGQ
+// segment starts a crop cuts, and a state dict being loaded.  Nothing on the
+// attend path.
 at::Tensor to_host(const at::Tensor& t);  // a contiguous CPU copy (or t itself on the CPU)
 bool host_flag(const at::Tensor& flag);   // one bool, read back
 int64_t tensor_bytes(const at::Tensor& t);

@@ -115,6 +115,43 @@ at::Tensor tensor_of(const State& st, const std::string& key, at::IntArrayRef si
   return t.detach().clone();
 }
 
+// The DGQ invariant of a stored buffer (what append and crop maintain,
+// cache_impl.h), per row [b, h] with c = lengths.compressed[b]: starts from 0,
+// non-decreasing, at most c; each a whole granule from its chunk's start (every
+// compression starts on a chunk); every segment that holds compressed tokens
+// spans at most the spec's longest segment of them; the slots from ceil(c / G)
+// on hold c.  Checked here so that a forged state fails now, with the entry
+// named, not at a later attend() or inside a decoder's outlier check.
+void check_stored_segments(const std::string& name, const QuantSpec& spec, const at::Tensor& stored,
+                           const std::vector<int64_t>& compressed, int64_t chunk) {
+  const at::Tensor s = stored.to(at::kLong).contiguous();  // [B, H, A]
+  const int64_t B = s.size(0), H = s.size(1), A = s.size(2), G = spec.group_size, longest = spec.dgq_max_len();
+  const int64_t* p = s.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t c = compressed[size_t(b)], used = (c + G - 1) / G;
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t* row = p + (b * H + h) * A;
+      const auto where = [&](int64_t i) { return "[" + std::to_string(b) + ", " + std::to_string(h) + ", " +
+                                                 std::to_string(i) + "] = " + std::to_string(row[i]); };
+      TORCH_CHECK(A == 0 || row[0] == 0, kCls, ": ", name, where(0), ": the first segment must start at token 0");
+      for (int64_t i = 0; i < A; ++i) {
+        const int64_t end = i + 1 < used ? row[i + 1] : c;
+        TORCH_CHECK(row[i] <= c && (i + 1 >= A || row[i] <= row[i + 1]), kCls, ": ", name, where(i),
+                    ": segment starts must be non-decreasing within [0, ", c, "] (lengths.compressed[", b, "])");
+        TORCH_CHECK(i < used || row[i] == c, kCls, ": ", name, where(i), ": the slots past the compressed tokens "
+                    "must hold lengths.compressed[", b, "] = ", c);
+        // (Compressions start on chunks; when a chunk is not whole granules a
+        // segment's granule count from its compression's start is not known.)
+        TORCH_CHECK(chunk % spec.granule != 0 || row[i] % spec.granule == 0, kCls, ": ", name, where(i),
+                    ": a segment starts on a whole granule of ", spec.granule, " tokens");
+        TORCH_CHECK(i >= used || row[i] >= c || end - row[i] <= longest, kCls, ": ", name, where(i),
+                    ": the segment runs to ", end, ", longer than the ", longest, " tokens a segment of group_size ",
+                    G, " may hold");
+      }
+    }
+  }
+}
+
 }  // namespace
 
 c10::Dict<std::string, at::Tensor> KVCache::Impl::state_dict() const {
@@ -243,40 +280,67 @@ void KVCache::Impl::load_state(const c10::Dict<std::string, at::Tensor>& st) {
         out->push_back(tensor_of(st, name + std::string(kPartNames[i]), want[i].sizes(), want[i].scalar_type(), device));
     }
   }
+  const int64_t W = options.window.value_or(0);
   for (int64_t b = 0; b < B; ++b) {
     const size_t i = size_t(b);
-    TORCH_CHECK(sl[i] >= 0 && el[i] >= 0 && cl[i] >= 0 && tl[i] >= 0, kCls, ": lengths of sequence ", b,
-                " must be >= 0");
-    TORCH_CHECK(sl[i] <= (ks.defined() ? ks.size(2) : 0) && tl[i] <= kt.size(2), kCls, ": sequence ", b,
-                " holds more sink or tail tokens than their buffers");
-    TORCH_CHECK(sl[i] == options.sinks || el[i] + cl[i] + tl[i] == 0, kCls, ": sequence ", b,
-                " has tokens after unfilled sinks");
-    TORCH_CHECK(el[i] == 0 || options.window, kCls, ": sequence ", b, " has evicted tokens but no window");
-    TORCH_CHECK(el[i] % chunk == 0 && (mode == StorageMode::kChunks || cl[i] % chunk == 0), kCls, ": sequence ", b,
-                " has compressed lengths that are not whole chunks of ", chunk);
-    TORCH_CHECK(mode != StorageMode::kFused || cl[i] <= capacity, kCls, ": sequence ", b, " holds ", cl[i],
-                " compressed tokens but the buffers hold ", capacity);
+    for (const auto& [name, v] : {std::pair("sinks", sl[i]), std::pair("evicted", el[i]),
+                                  std::pair("compressed", cl[i]), std::pair("tail", tl[i])})
+      TORCH_CHECK(v >= 0 && v <= CacheOptions::kMaxPositions, kCls, ": lengths.", name, "[", b, "] = ", v,
+                  " is outside [0, ", CacheOptions::kMaxPositions, "]");
+    TORCH_CHECK(sl[i] <= (ks.defined() ? ks.size(2) : 0), kCls, ": lengths.sinks[", b, "] = ", sl[i],
+                " exceeds the sink buffers (sinks.k holds ", ks.defined() ? ks.size(2) : 0, " tokens)");
+    TORCH_CHECK(tl[i] <= kt.size(2), kCls, ": lengths.tail[", b, "] = ", tl[i], " exceeds the tail buffers (tail.k "
+                "holds ", kt.size(2), " tokens)");
+    TORCH_CHECK(sl[i] == options.sinks || el[i] + cl[i] + tl[i] == 0, kCls, ": lengths.sinks[", b, "] = ", sl[i],
+                " is below sinks=", options.sinks, " but the sequence has tokens after its sinks");
+    TORCH_CHECK(el[i] == 0 || options.window, kCls, ": lengths.evicted[", b, "] = ", el[i],
+                " but the state has no config.window (only a sliding window evicts)");
+    TORCH_CHECK(el[i] % chunk == 0 && (mode == StorageMode::kChunks || cl[i] % chunk == 0), kCls,
+                ": lengths.evicted[", b, "] = ", el[i], " and lengths.compressed[", b, "] = ", cl[i],
+                " must be whole chunks of ", chunk, " tokens");
+    TORCH_CHECK(mode != StorageMode::kFused || cl[i] <= capacity, kCls, ": lengths.compressed[", b, "] = ", cl[i],
+                " exceeds the compressed buffers (keys.codes holds ", capacity, " tokens)");
+    // What the window evicted is what no query from the next position on sees
+    // (crop's rule): a window widened after the fact would need evicted tokens.
+    const int64_t positions = sl[i] + el[i] + cl[i] + tl[i];
+    TORCH_CHECK(positions <= CacheOptions::kMaxPositions, kCls, ": sequence ", b, " spans ", positions,
+                " positions (lengths.*), more than ", CacheOptions::kMaxPositions);
+    TORCH_CHECK(el[i] == 0 || el[i] <= positions - W + 1, kCls, ": lengths.evicted[", b, "] = ", el[i],
+                " but with config.window = ", W, " the next query (position ", positions, ") sees positions from ",
+                positions - W + 1, " on: the window is wider than the one that evicted them");
   }
   if (mode == StorageMode::kFused)
-    for (const auto& [spec, parts] : {std::pair(&keys, &kf), std::pair(&values, &vf)}) {
-      if (!spec->dynamic) continue;
-      // The readers need ordered segments from 0 within [0, capacity] in every row.
-      const at::Tensor s = host((*parts)[5]).to(at::kLong);
-      TORCH_CHECK(host_flag(s.select(2, 0).eq(0).all()) && host_flag(s.le(capacity).all()) &&
-                      (s.size(2) < 2 || host_flag(s.diff(1, 2).ge(0).all())),
-                  kCls, ": segment_starts must list ordered segments from 0 within [0, ", capacity, "]");
+    for (const auto& [name, spec, parts] : {std::tuple("keys", &keys, &kf), std::tuple("values", &values, &vf)}) {
+      const std::string entry_name = std::string(name) + ".segment_starts";
+      TORCH_CHECK(has(st, entry_name) == spec->dynamic, kCls, ": the state ", spec->dynamic ? "lacks" : "has",
+                  " entry '", entry_name, "' but config.", name == std::string("keys") ? "key" : "value",
+                  "_dynamic = ", int(spec->dynamic), " (segment starts belong to dynamic (DGQ) groups only)");
+      if (spec->dynamic) check_stored_segments(entry_name, *spec, host((*parts)[5]), cl, chunk);
     }
   std::vector<DueChunk> d;
   if (mode == StorageMode::kExternal) {
     const int64_t m = entry(st, "due.seq").numel();
+    TORCH_CHECK(entry(st, "due.offset").numel() == m, kCls, ": due.seq and due.offset must list one entry per due "
+                "chunk, got ", m, " and ", entry(st, "due.offset").numel());
+    TORCH_CHECK(!has(st, "due.k." + std::to_string(m)), kCls, ": the state has entry 'due.k.", m, "' but due.seq "
+                "lists ", m, " due chunks");
     const auto seq = ints_of(st, "due.seq", m), offset = ints_of(st, "due.offset", m);
     for (int64_t j = 0; j < m; ++j) {
-      TORCH_CHECK(seq[size_t(j)] >= 0 && seq[size_t(j)] < B, kCls, ": due.seq[", j, "] is outside [0, ", B, ")");
+      const int64_t b = seq[size_t(j)], at_token = offset[size_t(j)];
+      TORCH_CHECK(b >= 0 && b < B, kCls, ": due.seq[", j, "] = ", b, " is outside [0, ", B, ")");
       const std::string key = "due.k." + std::to_string(j);
       const at::Tensor& t = entry(st, key);
-      TORCH_CHECK(t.dim() == 3, kCls, ": entry '", key, "' must have 3 dims");
-      d.push_back({seq[size_t(j)], offset[size_t(j)], tensor_of(st, key, {H, t.size(1), D}, x, device),
-                   tensor_of(st, "due.v." + std::to_string(j), {H, t.size(1), D}, x, device)});
+      TORCH_CHECK(t.dim() == 3, kCls, ": entry '", key, "' must have 3 dims [", H, ", tokens, ", D, "], got ",
+                  t.sizes());
+      // A due chunk is whole chunks of compressed positions that the sequence holds.
+      const int64_t n = t.size(1), held = el[size_t(b)] + cl[size_t(b)];
+      TORCH_CHECK(n > 0 && n % chunk == 0, kCls, ": entry '", key, "' must hold a positive whole number of chunks of ",
+                  chunk, " tokens, got ", n);
+      TORCH_CHECK(at_token >= 0 && at_token % chunk == 0 && at_token <= held - n, kCls, ": due.offset[", j, "] = ",
+                  at_token, " must be a whole chunk in [0, ", held - n, "] (sequence ", b, " holds ", held,
+                  " evicted and compressed positions, the chunk ", n, ")");
+      d.push_back({b, at_token, tensor_of(st, key, {H, n, D}, x, device),
+                   tensor_of(st, "due.v." + std::to_string(j), {H, n, D}, x, device)});
     }
   }
   std::vector<std::vector<CompressedTensor>> kc, vc;

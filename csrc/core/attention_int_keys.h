@@ -17,13 +17,16 @@
 // instruction) straight on the packed codes.  Each limb is the rounded
 // remainder of the one before, so the limb error per channel is at most
 // a / (2 * 254^(L-1)), i.e. max|x| * 2^-16 for L = 2 and max|x| * 2^-23 for
-// L = 3.  L = 2 for bf16 queries: 8 bits more than their own 8-bit
-// significand, so the limbs add less than the queries' own rounding unless a
-// channel is 256x below the row's largest.  L = 3 for fp16 (11 bits: two
-// limbs would leave only 5 bits of margin, and the error then showed at
-// large logit spreads) and fp32 queries (the size of float32 rounding).
-// The score moves by at most eps = sum_c |x_c - x'_c| * code_c, each output
-// element by at most (exp(2 eps) - 1) * max|v| (tested against float64).
+// L = 3.  The score moves by at most eps = sum_c |x_c - x'_c| * code_c <=
+// qmax * sum_c |x_c - x'_c|, each output element by at most
+// (exp(2 eps) - 1) * max|v| (tested against float64).  fp16 and fp32 queries
+// always take L = 3 (fp16's 11-bit significand leaves two limbs only 5 bits
+// of margin; fp32: the size of float32 rounding).  bf16 queries take L = 2
+// when that keeps every score of the key group within kLimbScoreError of
+// exact, and L = 3 where the scores demand it: the bound grows with max|x|,
+// and a very peaked softmax (scores ~5e3) once lost 1-1.7 % per row to two
+// limbs.  Two limbs suffice for the usual logits (they then add less than the
+// bf16 queries' own rounding) and save a third of the dot products.
 // Every integer sum is exact: |l| * code * D <= 127 * 255 * 256 < 2^31.
 //
 // Layout of the limbs (QueryLimbs::data): [rows, limbs, padded D] in channel
@@ -37,6 +40,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -47,15 +51,25 @@
 
 namespace nexuskv::core::NEXUSKV_ISA {
 
+// The most a bf16 query's two limbs may move a score (logits: the softmax
+// scale is in x) before a third limb is taken: 2^-9, i.e. each output element
+// within 0.4 % of max|v|.
+constexpr float kLimbScoreError = 1.f / 512.f;
+
 // Limbs of the folded queries of one task (all its rows), for the current key group.
 struct QueryLimbs {
-  int64_t rows = 0, padded = 0, limbs = 0;
-  int8_t* data = nullptr;  // [rows, limbs, padded]
+  static constexpr int64_t kMaxLimbs = 3;
+  int64_t rows = 0, padded = 0;
+  int64_t limbs = 0;       // in use for the current key group (set())
+  int64_t min_limbs = 0;   // 2: bf16 queries (a third where needed), 3: fp16 / fp32
+  float qmax = 0;          // the largest code
+  int8_t* data = nullptr;  // [rows, kMaxLimbs, padded]
   float* a = nullptr;      // [rows] limb unit (NaN when the row's x is not finite)
 
-  QueryLimbs(int64_t rows_, int64_t D, int bits, int limbs_)
-      : rows(rows_), padded(layout::padded_channels(bits, D)), limbs(limbs_),
-        data(new int8_t[size_t(rows_ * limbs_ * padded)]()), a(new float[size_t(rows_)]) {}
+  QueryLimbs(int64_t rows_, int64_t D, int bits, int min_limbs_)
+      : rows(rows_), padded(layout::padded_channels(bits, D)), limbs(min_limbs_), min_limbs(min_limbs_),
+        qmax(float((1 << bits) - 1)), data(new int8_t[size_t(rows_ * kMaxLimbs * padded)]()),
+        a(new float[size_t(rows_)]) {}
   ~QueryLimbs() {
     delete[] data;
     delete[] a;
@@ -66,12 +80,15 @@ struct QueryLimbs {
   // The 16 limbs l of row r for packed block `block` (chunk * planes + plane).
   __m512i block(int64_t r, int64_t l, int64_t block) const {
     return _mm512_broadcast_i32x4(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + (r * limbs + l) * padded + 16 * block)));
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + (r * kMaxLimbs + l) * padded + 16 * block)));
   }
 
-  // Writes the limbs of x [rows, D], D % 16 == 0 (channels past D stay zero).
+  // Writes the limbs of x [rows, D], D % 16 == 0 (channels past D stay zero),
+  // and chooses how many are used (min_limbs, or 3 where two would move a
+  // score by more than kLimbScoreError).
   void set(const float* x, int64_t D) {
     const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    float worst_two_limb_error = 0.f;  // max over rows of qmax * sum_c |x_c - x'_c| with two limbs
     for (int64_t r = 0; r < rows; ++r) {
       const float* xr = x + r * D;
       __m512 vmax = _mm512_setzero_ps();
@@ -86,16 +103,21 @@ struct QueryLimbs {
       }
       a[r] = amax / 127.f;
       const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f), radix = _mm512_set1_ps(254.f);
+      __m512 rest_after_two = _mm512_setzero_ps();  // sum of |x / a - (l0 + l1 / 254)| * 254^2
       for (int64_t c = 0; c < D; c += 16) {
         __m512 rest = _mm512_mul_ps(_mm512_loadu_ps(xr + c), inv);  // in [-127, 127]
-        for (int64_t l = 0; l < limbs; ++l) {
+        for (int64_t l = 0; l < kMaxLimbs; ++l) {
+          if (l == 2) rest_after_two = _mm512_add_ps(rest_after_two, _mm512_and_ps(rest, abs_mask));
           const __m512 limb = _mm512_roundscale_ps(rest, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(data + (r * limbs + l) * padded + c),
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(data + (r * kMaxLimbs + l) * padded + c),
                            _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(limb)));
           rest = _mm512_mul_ps(_mm512_sub_ps(rest, limb), radix);  // the remainder, in [-127, 127]
         }
       }
+      worst_two_limb_error =
+          std::max(worst_two_limb_error, qmax * a[r] / (254.f * 254.f) * _mm512_reduce_add_ps(rest_after_two));
     }
+    limbs = min_limbs >= 3 || worst_two_limb_error > kLimbScoreError ? 3 : 2;
   }
 };
 

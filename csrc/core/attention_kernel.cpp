@@ -611,7 +611,7 @@ void attention_tasks(const CpuAttentionParams<Meta, Val>& p, int64_t splits, flo
 #if defined(__AVX512VNNI__)
   // Per-channel keys of 2, 4 or 8 bits: integer scores on the packed codes.
   const bool int_k = fold_k && p.k.dims.bits != 3;
-  QueryLimbs limbs(int_k ? rows : 0, D, p.k.dims.bits, p.query_mantissa_bits <= 8 ? 2 : 3);
+  QueryLimbs limbs(int_k ? rows : 0, D, p.k.dims.bits, p.query_mantissa_bits <= 8 ? 2 : 3);  // (a minimum)
 #else
   const bool int_k = false;
 #endif

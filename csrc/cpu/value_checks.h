@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <functional>
 
 #include "../aten/nq_args.h"
 #include "nexuskv/core/attention.h"
@@ -18,8 +19,11 @@ namespace nexuskv {
 // signs (CPU, float32, contiguous) are all +1 or -1.
 void check_rotation_sign_values(const char* op, const at::Tensor& signs);
 
-// starts [rows, S] (d.meta_a() = S per row): ordered segments of [0, d.tokens] starting at 0.
-void check_segment_starts(const char* op, const char* what, const core::NQDims& d, const int32_t* starts);
+// starts [rows, S] (d.meta_a() = S per row): ordered segments of [0, d.tokens]
+// starting at 0, each spanning at most kMaxGroupSize of the row's valid tokens
+// (valid_tokens(row); all d.tokens when not given).
+void check_segment_starts(const char* op, const char* what, const core::NQDims& d, const int32_t* starts,
+                          const std::function<int64_t(int64_t)>& valid_tokens = nullptr);
 
 // lens[b] in [0, limit] for every b < batch.
 void check_lengths_within(const char* op, const char* name, const core::SeqLengths& lens, int64_t batch, int64_t limit,
@@ -32,7 +36,9 @@ void check_lengths_within(const char* op, const char* name, const core::SeqLengt
 template <typename Meta, typename Val>
 void check_cache_values(const char* op, const char* what, const core::CompressedKV<Meta, Val>& c,
                         const core::SeqLengths& compressed_lens, int64_t batch, int64_t heads) {
-  if (c.dims.segment_starts) check_segment_starts(op, what, c.dims, c.dims.segment_starts);
+  if (c.dims.segment_starts)
+    check_segment_starts(op, what, c.dims, c.dims.segment_starts,
+                         [&](int64_t row) { return compressed_lens.at(row / heads); });
   if (c.num_outliers() == 0) return;
   const int64_t A = c.dims.meta_a(), Bm = c.dims.meta_b();
   bool ok = true;

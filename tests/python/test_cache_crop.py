@@ -46,7 +46,11 @@ def test_crop_keeps_exactly_the_first_positions(length, compressed, tail, kw):
     K0, V0, _ = cache.dense(None)
     cache.crop(length)
     assert cache.lengths().tolist() == [length] * 2
-    assert cache.compressed_lengths().tolist() == [compressed] * 2
+    if kw.get("key_dynamic"):  # DGQ cuts where every head's segments allow it: at or before the chunk
+        kept = cache.compressed_lengths().tolist()
+        assert all(k <= compressed and k % 16 == 0 for k in kept)
+    else:
+        assert cache.compressed_lengths().tolist() == [compressed] * 2
     K, V, _ = cache.dense(None)
     # float32: the survivors of a cut chunk are its dequantized values, bit for bit
     torch.testing.assert_close(K, K0[:, :, :length], rtol=0, atol=0)

@@ -46,8 +46,10 @@
 // flag back from the device per append; on CUDA that synchronization runs only
 // with NEXUSKV_CUDA_CHECKS=1 (otherwise a non-finite K/V is kept and makes the
 // attention rows that see it NaN, as in dense attention); a `valid` mask
-// and, for reorder(), the beam indices are read on the host too.  Nothing
-// else reads device data on the host: lengths live in host vectors, their
+// and, for reorder(), the beam indices are read on the host too, and so are
+// DGQ segment starts when crop() or a window's eviction cuts into the
+// compressed part (they cut where every head has a segment boundary).  Nothing else reads device data on the
+// host: lengths live in host vectors, their
 // device copies are refreshed (from pinned memory, without blocking) when
 // they change.
 //
@@ -95,6 +97,10 @@ struct CacheOptions {
   // The largest residual, sinks, window or chunk accepted: positions and
   // segment starts must fit the int32 the kernels use for them.
   static constexpr int64_t kMaxTokens = (int64_t(1) << 31) - 1;
+  // The most positions a sequence may span, evicted ones included (a sliding
+  // window keeps going after kMaxTokens): every sum of lengths stays far from
+  // int64 overflow.
+  static constexpr int64_t kMaxPositions = int64_t(1) << 53;
 };
 
 class KVCache : public torch::CustomClassHolder {
@@ -134,7 +140,9 @@ class KVCache : public torch::CustomClassHolder {
   // Keeps the first `length` positions of every sequence (positions count
   // sinks, evicted and cached tokens; longer sequences are cut, shorter ones
   // kept).  A cut inside the compressed part keeps the surviving tokens of the
-  // cut chunk: they are dequantized into the full-precision tail (so they
+  // cut chunk (with DGQ keys: of every chunk back to the last place where all
+  // heads' segments begin, as segments do not end on chunks): they are
+  // dequantized into the full-precision tail (so they
   // carry their quantization error, as they did in the cache, and are
   // quantized again when their chunk is due).  With a window, a cut that would
   // need evicted positions is an error.  Fused and chunk storage; external
