@@ -2425,8 +2425,9 @@ def _hf_forward():
 #     appended value (steps of the token's channel range for keys, of its own range for
 #     values: a crop gives a cut chunk's survivors back to the tail dequantized, and they
 #     are compressed again);
+#   * a crop keeps every surviving token bit-identical (dense() before and after);
 #   * attend() equals float64 softmax attention over the cache's own dense() within
-#     ROW_TOL per output row (the float32 accumulation; + half an ulp of q's dtype);
+#     row_tol per output row (the float32 accumulation; + half an ulp of q's dtype);
 #   * a restored or cloned cache attends and dense()s bit-identically to the original,
 #     and appending to a clone leaves the original as it was.
 # A failing step reports its seed and the operations so far (a reproducer).
@@ -2607,8 +2608,11 @@ def cache_sequence(kw: dict, dtype, seeds: Sequence[int], steps: int = 14, B: in
                     ref.append(op[1], op[2])
                 elif op[0] == "c":
                     ref.mark_compressed(c)  # what was compressed comes back approximate
+                    before = c.dense(None)
                     c.crop(op[1])
                     ref.crop(op[1])
+                    if not _crop_kept(before, c):
+                        return INF, 1.0, f"seed {seed} {' '.join(log)}: crop() changed a token it kept"
                 elif op[0] in ("sd", "save"):
                     d = _restored(c, op[0] == "save")
                     if not _same_cache(c, d, q1):
@@ -2680,6 +2684,17 @@ def review_item2(seeds: Sequence[int]):
     return 0.0, 1.0
 
 
+def _crop_kept(before, c) -> bool:
+    """Whether every token that crop() kept reads back (dense()) as it did before the crop:
+    the survivors of a cut chunk go back to the tail as their decoded values, bit for bit."""
+    k0, v0, _ = before
+    k1, v1, lens = c.dense(None)
+    return all(
+        torch.equal(k1[b, :, :n], k0[b, :, :n]) and torch.equal(v1[b, :, :n], v0[b, :, :n])
+        for b, n in enumerate(lens.tolist())
+    )
+
+
 def _same_cache(a, b, q) -> bool:
     same = a.lengths().tolist() == b.lengths().tolist()
     if same and int(a.lengths().min()) > 0:
@@ -2693,7 +2708,7 @@ def static_sequence(kw: dict, dtype, seeds: Sequence[int], steps: int = 12):
     the lengths buffer holds the appended tokens (whole chunks compressed), its tail holds
     the newest ones bit-exactly, its compressed part decodes (nq_decompress /
     dgq_decompress of its buffers) within 3 quantization steps, and the output equals
-    float64 attention over what it holds within ROW_TOL.  (worst ratio, 1, where)."""
+    float64 attention over what it holds within row_tol.  (worst ratio, 1, where)."""
     from nexuskv.static_cache import StaticKVCache
 
     B, H, Hq, D, G, cap = 2, 2, 4, 64, kw.get("group_size", 32), 256
