@@ -2528,7 +2528,7 @@ def _check_holds(c, ref: _Appended, kw: dict, dtype) -> tuple[float, str]:
                 bound = _quant_bound(want, axis, bits, kw.get("meta_dtype") or dtype, lo, hi)[:, ~exact]
                 e = (want[:, ~exact] - have[:, ~exact]).abs()
                 worst = max(worst, float((e / bound.clamp_min(1e-30)).max()))
-    return worst, "" if worst <= 1 else f"a compressed token is {worst:.3g} x 3 quantization steps off"
+    return worst, f"a compressed token is {worst:.3g} x 3 quantization steps off"
 
 
 def _check_attend(c, q, window) -> tuple[float, str]:
