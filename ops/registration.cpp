@@ -134,9 +134,10 @@ TORCH_LIBRARY(nexuskv, m) {
       .def("take_due_chunks", &nexuskv::KVCache::take_due_chunks)
       .def("dense_with", &nexuskv::KVCache::dense_with, "",
            {torch::arg("k_compressed"), torch::arg("v_compressed"), torch::arg("dtype") = torch::arg::none()})
-      .def("crop", &nexuskv::KVCache::crop)
-      .def("crop_with", &nexuskv::KVCache::crop_with)
-      .def("reorder", &nexuskv::KVCache::reorder)
+      .def("crop", &nexuskv::KVCache::crop, "", {torch::arg("length")})
+      .def("crop_with", &nexuskv::KVCache::crop_with, "",
+           {torch::arg("length"), torch::arg("k_compressed"), torch::arg("v_compressed")})
+      .def("reorder", &nexuskv::KVCache::reorder, "", {torch::arg("beam_idx")})
       .def("to", [](const c10::intrusive_ptr<nexuskv::KVCache>& self,
                     const std::string& device) { self->to(c10::Device(device)); })
       .def("clone", &nexuskv::KVCache::clone)

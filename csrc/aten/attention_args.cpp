@@ -73,21 +73,23 @@ int64_t check_full_precision_rows(const std::string& what, const std::optional<a
 
 }  // namespace
 
-void check_rotation_signs(const char* op, const at::Tensor& signs, int64_t n, const at::Device& device) {
-  TORCH_CHECK(n > 0 && (n & (n - 1)) == 0, op, ": the Hadamard rotation needs head_dim a power of two, got ", n);
-  TORCH_CHECK(signs.dim() == 1 && signs.size(0) == n, op, ": rotation signs must have shape [", n, "], got ",
+void check_rotation_signs(const char* op, const at::Tensor& signs, int64_t n, const at::Device& device,
+                          const char* signs_name, const char* rotated) {
+  TORCH_CHECK(n > 0 && (n & (n - 1)) == 0, op, ": the Hadamard rotation (", signs_name, ") needs ", rotated,
+              "'s last dimension (head_dim) a power of two, got ", n);
+  TORCH_CHECK(signs.dim() == 1 && signs.size(0) == n, op, ": ", signs_name, " must have shape [", n, "], got ",
               signs.sizes());
-  TORCH_CHECK(is_float_type(signs.scalar_type()), op, ": rotation signs must be a float tensor, got ",
+  TORCH_CHECK(is_float_type(signs.scalar_type()), op, ": ", signs_name, " must be a float tensor, got ",
               signs.scalar_type());
-  TORCH_CHECK(signs.device() == device, op, ": all tensors must be on one device, the rotated tensor is on ", device,
-              " but the rotation signs are on ", signs.device());
+  TORCH_CHECK(signs.device() == device, op, ": all tensors must be on one device, ", rotated, " is on ", device,
+              " but ", signs_name, " is on ", signs.device());
 }
 
 void check_hadamard_args(const at::Tensor& x, const at::Tensor& signs) {
   constexpr const char* op = "hadamard_rotate";
   TORCH_CHECK(x.dim() >= 1 && x.numel() > 0, op, ": x must be a non-empty tensor [..., n], got ", x.sizes());
   TORCH_CHECK(is_float_type(x.scalar_type()), op, ": x must be float32, float16 or bfloat16, got ", x.scalar_type());
-  check_rotation_signs(op, signs, x.size(-1), x.device());
+  check_rotation_signs(op, signs, x.size(-1), x.device(), "signs", "x");
 }
 
 AttentionShapes check_attention_args(const at::Tensor& q, at::TensorList k_cache, at::TensorList v_cache,
@@ -106,7 +108,9 @@ AttentionShapes check_attention_args(const at::Tensor& q, at::TensorList k_cache
   AttentionShapes s;
   s.batch = q.size(0), s.q_heads = q.size(1), s.q_len = q.size(2), s.head_dim = q.size(3);
   const int64_t B = s.batch, D = s.head_dim;
-  TORCH_CHECK(D % 16 == 0 && D <= core::kMaxHeadDim, kOp, ": head_dim must be a multiple of 16 and at most ",
+  TORCH_CHECK(D % 16 == 0 && D <= core::kMaxHeadDim, kOp,
+              ": q's head_dim (its last dimension) must be a multiple "
+              "of 16 and at most ",
               core::kMaxHeadDim, ", got ", D);
   s.query_mantissa_bits = q.scalar_type() == at::kFloat ? 24 : q.scalar_type() == at::kHalf ? 11 : 8;
   s.k = cache_dims("k_cache", "k_format", k_cache, k_format, B, D, q);
@@ -121,7 +125,7 @@ AttentionShapes check_attention_args(const at::Tensor& q, at::TensorList k_cache
   s.tail_capacity = check_full_precision_rows("tail", k_tail, v_tail, tail_lens, B, s.kv_heads, q);
   s.sink_capacity = check_full_precision_rows("sink", k_sink, v_sink, sink_lens, B, s.kv_heads, q);
   s.has_tail = k_tail.has_value(), s.has_sink = k_sink.has_value();
-  if (rotation_signs) check_rotation_signs(kOp, *rotation_signs, D, q.device());
+  if (rotation_signs) check_rotation_signs(kOp, *rotation_signs, D, q.device(), "rotation_signs", "q");
   // Scalars: checked on their double / int64 values, before narrowing to float.
   const double sc = scale.value_or(1.0 / std::sqrt(double(D)));
   TORCH_CHECK(std::isfinite(sc) && std::fabs(sc) <= FLT_MAX, kOp, ": scale must be finite in float32, got ", sc);

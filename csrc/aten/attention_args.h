@@ -42,7 +42,9 @@ AttentionShapes check_attention_args(const at::Tensor& q, at::TensorList k_cache
 // Checks signs [n] for a randomized Hadamard rotation of rows of length n
 // (a power of two) on `device`: shape, dtype and device.  That they are +-1 is
 // the kernels' check (check_rotation_sign_values on the CPU).
-void check_rotation_signs(const char* op, const at::Tensor& signs, int64_t n, const at::Device& device);
+// signs_name, rotated: the argument names in the messages.
+void check_rotation_signs(const char* op, const at::Tensor& signs, int64_t n, const at::Device& device,
+                          const char* signs_name, const char* rotated);
 
 // Checks x for hadamard_rotate (and its signs, as above).
 void check_hadamard_args(const at::Tensor& x, const at::Tensor& signs);

@@ -231,8 +231,9 @@ void nq_check_compress_status(const char* op, bool non_finite_input, bool range_
               meta_dtype == at::kHalf ? "meta_dtype=float32 or bfloat16" : "meta_dtype=float32");
 }
 
-void nq_check_outlier_positions(const char* op, const char* what, bool ok, int64_t group_size) {
+void nq_check_outlier_positions(const char* op, const char* what, bool ok, int64_t group_size, bool dgq) {
   TORCH_CHECK(ok, op, ": ", prefix(what), "outlier_idx holds a position outside its group (group_size ", group_size,
+              dgq ? ", segments from segment_starts" : "",
               "); the compressed tensors are corrupt or were made with other parameters");
 }
 

@@ -84,7 +84,8 @@ void nq_check_compress_status(const char* op, bool non_finite_input, bool range_
                               at::ScalarType meta_dtype);
 
 // Corrupt outlier positions found by a kernel (the same message for
-// decompression and fused attention).
-void nq_check_outlier_positions(const char* op, const char* what, bool ok, int64_t group_size);
+// decompression and fused attention).  dgq: the groups are the segments of
+// segment_starts (whose made-up values show up here first).
+void nq_check_outlier_positions(const char* op, const char* what, bool ok, int64_t group_size, bool dgq = false);
 
 }  // namespace nexuskv

@@ -93,8 +93,8 @@ void KVCache::Impl::crop(int64_t length, const std::vector<at::Tensor>* k_compre
           // append could have taken (read back on the CPU only: no sync in a CUDA decode step).
           TORCH_CHECK(!cut.restore_k.device().is_cpu() ||
                           host_flag(at::isfinite(cut.restore_k).all().logical_and(at::isfinite(cut.restore_v).all())),
-                      kCls, ": crop_with(): the compressed part given for sequence ", b,
-                      " holds NaN or Inf in the tokens that go back into the tail; a cache only holds finite K/V");
+                      kCls, ": crop_with(): k_compressed[", b, "] or v_compressed[", b,
+                      "] holds NaN or Inf in the tokens that go back into the tail; a cache only holds finite K/V");
         } else {
           // Per-channel groups dequantize whole: decode from the cut to the end of
           // the compressed part (DGQ segments may run past the next chunk), keep

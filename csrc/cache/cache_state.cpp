@@ -211,14 +211,17 @@ c10::Dict<std::string, at::Tensor> KVCache::Impl::state_dict() const {
 
 CacheOptions options_from_state(const c10::Dict<std::string, at::Tensor>& st) {
   const int64_t version = int_of(st, "nexuskv.version");
-  TORCH_CHECK(version == kVersion, kCls, ": state format version ", version, " is not supported (this nexuskv "
-              "reads version ", kVersion, ")");
+  TORCH_CHECK(version == kVersion, kCls, ": entry 'nexuskv.version' is ", version, ": state format version ", version,
+              " is not supported (this nexuskv reads version ", kVersion, ")");
   CacheOptions o;
   o.keys = spec_of(st, "key"), o.values = spec_of(st, "value");
   o.residual = int_of(st, "config.residual"), o.sinks = int_of(st, "config.sinks");
   o.rotate = int_of(st, "config.rotate") != 0, o.seed = int_of(st, "config.seed");
   o.external_chunk = int_of(st, "config.external_chunk");
   if (has(st, "config.window")) o.window = int_of(st, "config.window");
+  // The constructor checks these again, but here the message names the entry.
+  check_quant_spec(o.keys, kCls, "config.key_");
+  check_quant_spec(o.values, kCls, "config.value_");
   return o;
 }
 
@@ -272,7 +275,8 @@ void KVCache::Impl::load_state(const c10::Dict<std::string, at::Tensor>& st) {
     TORCH_CHECK(codes.dim() == 4, kCls, ": keys.codes must have 4 dims, got ", codes.sizes());
     capacity = codes.size(2);
     TORCH_CHECK(capacity >= 1 && capacity <= CacheOptions::kMaxTokens && capacity % chunk == 0, kCls,
-                ": the compressed capacity must be a positive multiple of the chunk (", chunk, "), got ", capacity);
+                ": entry 'keys.codes' holds a compressed capacity of ", capacity,
+                " tokens; it must be a positive multiple of the chunk (", chunk, ")");
     for (const auto& [name, spec, out] :
          {std::tuple("keys.", &keys, &kf), std::tuple("values.", &values, &vf)}) {
       const StoreParts want = allocate_store(*spec, B, H, capacity, D, at::TensorOptions().dtype(x).device(at::kMeta));
@@ -393,6 +397,32 @@ void KVCache::Impl::check_loaded_values() const {
   for (const DueChunk& d : due)
     TORCH_CHECK(finite(d.k) && finite(d.v), kCls, ": a due chunk (due.k/due.v) holds NaN or Inf");
   if (mode == StorageMode::kExternal) return;
+  if (mode == StorageMode::kFused) {
+    // Per entry, so that the message names the one at fault: the metadata
+    // that the compressed tokens use must be finite, and each part must
+    // decode (which checks its outlier positions; its segment starts were
+    // checked by load_state).
+    for (const auto& [name, parts, spec, is_keys] : {std::tuple("keys", &k_fused, &keys, true),
+                                                     std::tuple("values", &v_fused, &values, false)})
+      for (int64_t b = 0; b < batch; ++b) {
+        const int64_t c = compressed_len[size_t(b)], rows = meta_rows(*spec, c);
+        if (c == 0) continue;
+        for (const auto& [i, part] : {std::pair(1, "scale"), std::pair(2, "zero"), std::pair(4, "outlier_val")})
+          TORCH_CHECK(finite((*parts)[size_t(i)].select(0, b).slice(1, 0, rows)), kCls, ": entry '", name, ".", part,
+                      "' holds NaN or Inf in the groups of sequence ", b, "; a cache only holds finite K/V");
+        at::Tensor decoded;
+        try {
+          decoded = compressed_tokens(is_keys, b, b + 1, 0, c, at::kFloat);
+        } catch (const c10::Error& e) {
+          TORCH_CHECK(false, kCls, ": entry '", name, ".outlier_idx' does not decode", spec->dynamic ? " under '" : "",
+                      spec->dynamic ? name : "", spec->dynamic ? ".segment_starts'" : "", " (sequence ", b, "): ",
+                      e.what_without_backtrace());
+        }
+        TORCH_CHECK(finite(decoded), kCls, ": entries '", name, ".scale' and '", name, ".zero' of sequence ", b,
+                    " decode to values beyond float32; a cache only holds finite K/V");
+      }
+    return;
+  }
   std::tuple<at::Tensor, at::Tensor, at::Tensor> kv;
   try {
     kv = assemble(at::kFloat, nullptr, nullptr);

@@ -17,19 +17,21 @@ constexpr const char* kCls = "KVCache";
 void check_compressed_parts(const KVCache::Impl& c, const char* method, const std::vector<at::Tensor>& k_compressed,
                             const std::vector<at::Tensor>& v_compressed) {
   TORCH_CHECK(int64_t(k_compressed.size()) == c.batch && int64_t(v_compressed.size()) == c.batch, kCls, ": ",
-              method, " needs one compressed part per sequence (", c.batch, "), got ", k_compressed.size(), " and ",
-              v_compressed.size());
+              method, ": k_compressed and v_compressed must hold one part per sequence (", c.batch, "), got ",
+              k_compressed.size(), " and ", v_compressed.size());
   for (int64_t b = 0; b < c.batch; ++b) {
     const int64_t n = c.compressed_len[size_t(b)];
     if (n == 0) continue;
-    for (const at::Tensor* t : {&k_compressed[size_t(b)], &v_compressed[size_t(b)]}) {
+    for (const auto& [name, t] : {std::pair("k_compressed", &k_compressed[size_t(b)]),
+                                  std::pair("v_compressed", &v_compressed[size_t(b)])}) {
       TORCH_CHECK(t->defined() && t->dim() == 3 && t->size(0) == c.heads && t->size(1) == n &&
                       t->size(2) == c.head_dim,
-                  kCls, ": ", method, ": the compressed part of sequence ", b, " must have shape [", c.heads, ", ", n,
-                  ", ", c.head_dim, "], got ", t->defined() ? t->sizes() : at::IntArrayRef{});
-      TORCH_CHECK(at::isFloatingType(t->scalar_type()), kCls, ": ", method, ": the compressed part of sequence ", b,
-                  " must be dequantized K/V (a floating dtype), got ", t->scalar_type());
-      c.check_device("a compressed part", *t);
+                  kCls, ": ", method, ": ", name, "[", b, "] (the compressed part of sequence ", b,
+                  ") must have shape [", c.heads, ", ", n, ", ", c.head_dim, "], got ",
+                  t->defined() ? t->sizes() : at::IntArrayRef{});
+      TORCH_CHECK(at::isFloatingType(t->scalar_type()), kCls, ": ", method, ": ", name, "[", b,
+                  "] must be dequantized K/V (a floating dtype), got ", t->scalar_type());
+      c.check_device((std::string(name) + "[" + std::to_string(b) + "]").c_str(), *t);
     }
   }
 }

@@ -94,7 +94,7 @@ at::Tensor nq_decompress_cpu_dims(const char* op, const core::NQDims& d, const a
       });
     });
   });
-  nq_check_outlier_positions(op, "", !bad_index, d.group_size);
+  nq_check_outlier_positions(op, "", !bad_index, d.group_size, d.segment_starts != nullptr);
   return out;
 }
 

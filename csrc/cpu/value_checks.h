@@ -47,7 +47,7 @@ void check_cache_values(const char* op, const char* what, const core::Compressed
     const int64_t groups = len == 0 ? 0 : c.token_group(bh, len - 1) + 1;  // token groups (or tokens) read
     ok &= core::nq_outlier_positions_valid(c.dims, c.outlier_idx, bh * A * Bm, (bh * A + groups) * Bm);
   }
-  nq_check_outlier_positions(op, what, ok, c.dims.group_size);
+  nq_check_outlier_positions(op, what, ok, c.dims.group_size, c.dims.segment_starts != nullptr);
 }
 
 // Every value check of a CPU fused-attention problem.

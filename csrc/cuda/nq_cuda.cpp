@@ -95,7 +95,7 @@ at::Tensor nq_decompress_cuda_dims(const char* op, const core::NQDims& d, const 
             .cpu();
     check_segment_starts(op, "", d, starts.data_ptr<int32_t>());
   }
-  nq_check_outlier_positions(op, "", !(bad & cuda::kBadOutlierIndex), d.group_size);
+  nq_check_outlier_positions(op, "", !(bad & cuda::kBadOutlierIndex), d.group_size, d.segment_starts != nullptr);
   return out;
 }
 

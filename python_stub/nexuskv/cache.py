@@ -64,6 +64,9 @@ def make_cache(key_bits: int = 4, key_group_size: int = 64, key_axis: int = -2, 
             raise ValueError(f"make_cache: {name} must fit in int64, got {value}")
     if meta_dtype is not None and not isinstance(meta_dtype, torch.dtype):
         raise TypeError(f"make_cache: meta_dtype must be a torch.dtype or None, got {meta_dtype!r}")
+    if meta_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"make_cache: meta_dtype must be torch.float32, torch.float16, torch.bfloat16 or None, got "
+                         f"{meta_dtype}")
     return KVCache(key_bits, key_group_size, key_axis, key_outliers, key_dynamic, value_bits, value_group_size,
                    value_axis, value_outliers, residual, rotate, seed, sinks, external_chunk, meta_dtype, window)
 

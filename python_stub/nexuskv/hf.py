@@ -181,7 +181,7 @@ class NexusKVLayer(CacheLayerMixin):
                               (not self.learn_heads and key_states.shape[1] != g.kv_heads)):
             heads = "some" if self.learn_heads else g.kv_heads
             raise ValueError(f"nexuskv: this cache was made for a model with {heads} KV heads of head_dim "
-                             f"{g.key_dim}, but gets K/V of shape {tuple(key_states.shape)}; make it with "
+                             f"{g.key_dim}, but gets key_states of shape {tuple(key_states.shape)}; make it with "
                              f"nexuskv.hf.cache_for(model) for the model that uses it (kv_heads=N for a "
                              f"tensor-parallel shard)")
         if key_states.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -209,7 +209,7 @@ class NexusKVLayer(CacheLayerMixin):
             _claims.pending[id(key_states)] = self
             return key_states, value_states
         evicted_before = self._evicted()
-        self.cache.append(key_states, value_states, None)
+        self._append(key_states, value_states, None)
         if self.external is not None:
             self.external.take(self.cache)
             k, v, _ = self.external.dense(self.cache, key_states.dtype)
@@ -344,7 +344,15 @@ class NexusKVLayer(CacheLayerMixin):
     def append_pending(self, valid: Optional[torch.Tensor]) -> None:
         k, v = self.pending
         self.pending = None
-        self.cache.append(k, v, valid)
+        self._append(k, v, valid)
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
+        """The C++ cache's append, its errors said in the layer's terms (what transformers
+        passed: key_states / value_states); nothing is stored when it raises."""
+        try:
+            self.cache.append(key_states, value_states, valid)
+        except RuntimeError as e:
+            raise RuntimeError(f"nexuskv: layer {self.layer_idx}: key_states / value_states not stored: {e}") from e
 
     @property
     def nbytes(self) -> int:
@@ -371,7 +379,7 @@ class NexusKVCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx >= len(self.layers):
             raise ValueError(f"nexuskv: this cache was made for a model with {len(self.layers)} layers, but "
-                             f"layer {layer_idx} uses it; make it with nexuskv.hf.cache_for(model) for the "
+                             f"layer_idx {layer_idx} uses it; make it with nexuskv.hf.cache_for(model) for the "
                              f"model that uses it")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
@@ -379,6 +387,31 @@ class NexusKVCache(Cache):
     def nbytes(self) -> int:
         """Every byte the cache holds (compressed parts, sinks, tails, capacity included)."""
         return sum(layer.nbytes for layer in self.layers)
+
+
+def _check_quant_args(**args) -> None:
+    """cache_for's quantization arguments, checked under their own names (the C++ cache
+    would name its key_/value_ settings, which the caller did not write)."""
+    for name in ("bits", "value_bits", "group_size", "value_group_size", "outliers", "value_outliers"):
+        value = args[name]
+        if value is None and name.startswith("value_"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"nexuskv: cache_for: {name} must be an int, got {type(value).__name__}")
+    for name in ("bits", "value_bits"):
+        if args[name] is not None and args[name] not in (2, 3, 4, 8):
+            raise ValueError(f"nexuskv: cache_for: {name} must be one of 2, 3, 4, 8, got {args[name]}")
+    for name in ("group_size", "value_group_size"):
+        if args[name] is not None and not 1 <= args[name] <= 256:
+            raise ValueError(f"nexuskv: cache_for: {name} must be in [1, 256], got {args[name]}")
+    for name, group in (("outliers", "group_size"), ("value_outliers", "value_group_size")):
+        limit = args[group] if args[group] is not None else args["group_size"]
+        if args[name] is not None and not 0 <= args[name] < limit:
+            raise ValueError(f"nexuskv: cache_for: {name} must be in [0, {group}) = [0, {limit}), got {args[name]}")
+    meta = args["meta_dtype"]
+    if meta is not None and meta not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"nexuskv: cache_for: meta_dtype must be torch.float32, torch.float16, torch.bfloat16 or "
+                         f"None, got {meta}")
 
 
 def _layer_settings(key_bits=4, value_bits=None, group_size=64, value_group_size=None, residual=128,
@@ -511,6 +544,8 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
             quant = dict(external_chunk=group_size)
             compressors = (compressor, values)
     else:
+        _check_quant_args(bits=bits, value_bits=value_bits, group_size=group_size, value_group_size=value_group_size,
+                          outliers=outliers, value_outliers=value_outliers, meta_dtype=meta_dtype)
         if meta_dtype is None:
             meta_dtype = model.dtype if model.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
         quant = _layer_settings(bits, value_bits, group_size, value_group_size, residual, outliers,

@@ -822,7 +822,7 @@ def ints(c: Case, values):
 BAD_SHAPES = [
     (lambda c: bad(c, q=randn(c, 2, 6, 1, 64)), r"q_heads \(6\) must be a multiple of kv_heads \(4\)"),
     (lambda c: bad(c, q=randn(c, 2, 8, 1, 128)), "codes has 32 bytes per token, but bits=4 and head_dim=128"),
-    (lambda c: bad(c, q=randn(c, 2, 8, 1, 72)), "head_dim must be a multiple of 16"),
+    (lambda c: bad(c, q=randn(c, 2, 8, 1, 72)), r"head_dim \(its last dimension\) must be a multiple of 16"),
     (lambda c: bad(c, q=randn(c, 2, 8, 64)), r"q must have shape \[batch, q_heads, q_len, head_dim\]"),
     (lambda c: bad(c, q=randn(c, 2, 8, 1, 64).long()), "q must be float32, float16 or bfloat16"),
     (lambda c: bad(c, q=randn(c, 3, 8, 1, 64)), "holds 2 sequences but q has 3"),
@@ -849,7 +849,7 @@ BAD_SHAPES = [
         lambda c: bad(c, k_sink=randn(c, 2, 4, 3, 64).long(), v_sink=randn(c, 2, 4, 3, 64).long()),
         "k_sink and v_sink must be float tensors",
     ),
-    (lambda c: bad(c, rotation_signs=torch.ones(32, device=c.q.device)), r"rotation signs must have shape \[64\]"),
+    (lambda c: bad(c, rotation_signs=torch.ones(32, device=c.q.device)), r"rotation_signs must have shape \[64\]"),
     (lambda c: bad(c, window=0), "window must be >= 1"),
     (lambda c: bad(c, softcap=-1.0), "softcap must be finite and > 0"),
 ]

@@ -188,10 +188,11 @@ def test_state_values_a_cache_could_not_hold_are_a_clear_error():
     assert int(cache.compressed_lengths().max()) > 0
     cases = [({"tail.k": poked(good["tail.k"], float("nan"))}, "entry 'tail.k' holds NaN or Inf"),
              ({"sinks.v": poked(good["sinks.v"], -float("inf"))}, "entry 'sinks.v' holds NaN or Inf"),
-             ({"keys.scale": good["keys.scale"].clone().fill_(float("inf"))}, "decode to NaN or Inf"),
-             ({"values.zero": good["values.zero"].clone().fill_(float("nan"))}, "decode to NaN or Inf"),
+             ({"keys.scale": good["keys.scale"].clone().fill_(float("inf"))}, "entry 'keys.scale' holds NaN or Inf"),
+             ({"values.zero": good["values.zero"].clone().fill_(float("nan"))}, "entry 'values.zero' holds NaN or Inf"),
              ({"keys.outlier_idx": good["keys.outlier_idx"].clone().fill_(250)},
-              "do not decode: .*outlier_idx holds a position outside its group")]
+              "entry 'keys.outlier_idx' does not decode under 'keys.segment_starts' .*outlier_idx holds a position "
+              "outside its group")]
     for changes, message in cases:
         with pytest.raises(RuntimeError, match="KVCache.from_state_dict: .*" + message):
             from_state_dict({**good, **changes})

@@ -138,7 +138,7 @@ def test_external_storage_hands_over_chunks_and_keeps_the_policy():
         cache.attend(torch.randn(2, 2, 1, 64), None)
     with pytest.raises(RuntimeError, match="not available with external storage"):
         cache.dense(None)
-    with pytest.raises(RuntimeError, match=r"compressed part of sequence 1 must have shape \[2, 16, 64\]"):
+    with pytest.raises(RuntimeError, match=r"compressed part of sequence 1\) must have shape \[2, 16, 64\]"):
         cache.dense_with(kc, [vc[0], vc[1][:, :3]], None)
     cache.append(torch.randn(2, 2, 20, 64), torch.randn(2, 2, 20, 64), None)
     with pytest.raises(RuntimeError, match="chunks wait in take_due_chunks"):

@@ -128,3 +128,13 @@ def test_a_restored_window_cache_keeps_evicting_without_overflow():
     assert torch.equal(cache.attend(q, None, None), restored.attend(q, None, None))
     positions = int((restored.lengths() + restored.evicted_lengths()).max())
     restored.crop(positions - 3)
+
+
+@pytest.mark.parametrize("kw", [dict(), DGQ, dict(key_outliers=1, value_outliers=1, residual=0, sinks=2)])
+def test_a_cache_with_nothing_compressed_yet_restores(kw):
+    # The per-entry checks at load skip sequences with no compressed tokens (nothing to decode).
+    cache = make_cache(**kw)
+    cache.append(torch.randn(2, 2, 1, 64), torch.randn(2, 2, 1, 64), None)
+    restored = from_state_dict(cache.state_dict())
+    q = torch.randn(2, 4, 1, 64)
+    assert torch.equal(restored.attend(q, None, None), cache.attend(q, None, None))

@@ -181,7 +181,7 @@ def test_cache_for_another_model_or_bad_states_is_a_clear_error(loaded):
     cfg = model.config
     ids = tok(PROMPT, return_tensors="pt").input_ids
     short = nhf.NexusKVCache(4, fused=True)  # a cache of a 4-layer model
-    with torch.no_grad(), pytest.raises(ValueError, match="made for a model with 4 layers, but layer 4 uses it"):
+    with torch.no_grad(), pytest.raises(ValueError, match="made for a model with 4 layers, but layer_idx 4 uses it"):
         forward(model, ids, short)
     cache = nhf.cache_for(model)
     H, D = cfg.num_key_value_heads, cfg.head_dim
