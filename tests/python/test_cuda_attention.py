@@ -15,6 +15,9 @@ import math
 import pytest
 import torch
 from devices import env, is_cuda, poison_cuda_cache, requires_cuda
+
+# test_attention.py (the cases and the reference) and the property test below need it.
+pytest.importorskip("hypothesis", reason="hypothesis is not installed")
 from hypothesis import HealthCheck, given, settings
 from test_attention import (
     BAD_SHAPES,

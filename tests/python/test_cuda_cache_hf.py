@@ -14,6 +14,8 @@ import torch
 from devices import requires_cuda
 from test_cache import attention_f64
 
+# hf_helpers (through nexuskv.hf_compat) and the tiny models need it.
+pytest.importorskip("transformers", reason="transformers is not installed")
 from hf_helpers import compressed, forward, greedy, tiny_model
 from nexuskv.cache import make_cache
 
