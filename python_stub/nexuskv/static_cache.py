@@ -1,7 +1,8 @@
 """A compressed KV cache of fixed capacity whose whole state is tensors, so that a decode
 step compiles: torch.compile(fullgraph=True) and torch.export trace it without a graph
-break, because a step is two operators with fake kernels and nothing else —
-``static_kv_append_`` (mutates the cache's buffers in place) and ``dgq_fused_attention``.
+break, because a step is two operators with fake kernels —
+``static_kv_append_`` (mutates the cache's buffers in place) and ``dgq_fused_attention`` —
+and a few tensor operations that check the lengths (an asynchronous assert).
 
     cache = StaticKVCache(batch=1, kv_heads=8, head_dim=128, max_tokens=8192, dtype=torch.bfloat16)
     out = cache(q, k, v)          # append k/v [B, H, n, D], then attend with q [B, Hq, n, D]
@@ -13,7 +14,10 @@ full precision, older ones are compressed a chunk at a time), preallocated for
 chunks, the tail for up to residual + chunk - 1 more), but no sinks, no rotation and no
 eviction (a sliding ``window`` masks; the memory is allocated for max_tokens anyway).  An
 append that needs more compressed room raises and stores nothing.
-The buffers are registered as module buffers (``state_dict`` saves the cache).  CPU
+The buffers are registered as module buffers (``state_dict`` saves the cache); a buffer
+replaced by one of another dtype or shape, aliased with another, or holding what no append
+stores (NaN/Inf scales or tail tokens, lengths past the capacity or short of a whole chunk)
+is a clear error at the next append or attend.  CPU
 only for now (the append kernel reads the lengths on the host); the dynamic cache serves
 CUDA."""
 
@@ -144,7 +148,7 @@ class StaticKVCache(torch.nn.Module):
             size = group_size if group == "group_size" else value_group_size
             if not _is_int(val) or not 0 <= val < size:
                 raise ValueError(
-                    f"StaticKVCache: {name} (outliers kept exactly per group) must be an int in [0, {group}) = "
+                    f"StaticKVCache: {name} (the num_outliers kept exactly per group) must be an int in [0, {group}) = "
                     f"[0, {size}), got {val!r}"
                 )
         if dtype not in _FLOATS:
@@ -208,9 +212,9 @@ class StaticKVCache(torch.nn.Module):
                 f"head_dim={head_dim} need failed: {str(e).strip().splitlines()[0]}"
             ) from None
         self._dynamic = dynamic_keys
-        # What append and attend check the buffers against (a buffer replaced by one of
-        # another dtype or shape, e.g. through load_state_dict(strict=False) or assignment,
-        # is an error naming it rather than a result of other precision).
+        # What append and attend check the buffers against: a buffer replaced by one of
+        # another dtype or shape (cache.k_tail = ...) is an error naming it, not a result
+        # of another precision.
         self._made = {n: (b.dtype, tuple(b.shape)) for n, b in self.named_buffers()}
 
     def _k_store(self) -> list[torch.Tensor]:
