@@ -78,18 +78,18 @@ void check_no_aliasing(at::TensorList k_store, at::TensorList v_store, const at:
                   " (the cache writes both in place)");
 }
 
+// store: 5 tensors (NQ) or, for keys, 6 (DGQ), counted by the caller; what: "k" or "v".
 core::NQDims store_dims(at::TensorList store, at::IntArrayRef format, int64_t head_dim, const char* what,
                         bool allow_dgq) {
   TORCH_CHECK(format.size() == 3 || (allow_dgq && store.size() == 6 && format.size() == 4), kOp, ": ", what,
               "_format must be [bits, group_size, axis]", allow_dgq ? " (+ granule for DGQ keys)" : "", ", got ",
               format);
-  if (store.size() == 6 && allow_dgq)
+  const std::string name = std::string(what) + "_store";  // the messages name the argument
+  if (store.size() == 6)
     return dgq_decompress_dims(kOp, store[0], store[1], store[2], store[3], store[4], store[5], format[0], format[1],
-                               head_dim, what);
-  TORCH_CHECK(store.size() == 5, kOp, ": ", what, "_store must hold the 5 tensors of an NQ tensor",
-              allow_dgq ? " (or 6 of a DGQ one)" : "", ", got ", store.size());
+                               head_dim, name.c_str());
   return nq_decompress_dims(kOp, store[0], store[1], store[2], store[3], store[4], format[0], format[1], format[2],
-                            head_dim, what);
+                            head_dim, name.c_str());
 }
 
 }  // namespace
@@ -122,6 +122,10 @@ StaticAppendShapes check_static_append_args(at::TensorList k_store, at::TensorLi
   TORCH_CHECK(residual >= 0, kOp, ": residual must be >= 0, got ", residual);
   s.residual = residual;
 
+  for (const auto& [store, name] : {std::pair{k_store, "k_store"}, std::pair{v_store, "v_store"}})
+    TORCH_CHECK(store[0].dim() == 4 && store[0].size(0) == s.batch && store[0].size(1) == s.kv_heads, kOp,
+                ": k and v have batch ", s.batch, " and kv_heads ", s.kv_heads, " (k has shape ", k.sizes(), "), but ",
+                name, " holds codes of shape ", store[0].sizes(), " ([batch, kv_heads, capacity, row_bytes])");
   s.k = store_dims(k_store, k_format, s.head_dim, "k", true);
   s.v = store_dims(v_store, v_format, s.head_dim, "v", false);
   s.k_dgq = k_store.size() == 6;
@@ -133,9 +137,6 @@ StaticAppendShapes check_static_append_args(at::TensorList k_store, at::TensorLi
   }
   for (const auto& [store, name] : {std::pair{k_store, "k_store"}, std::pair{v_store, "v_store"}}) {
     check_same_device(kOp, "k", k, {{name, &store[0]}});
-    TORCH_CHECK(store[0].dim() == 4 && store[0].size(0) == s.batch && store[0].size(1) == s.kv_heads, kOp, ": ", name,
-                " must be [batch=", s.batch, ", kv_heads=", s.kv_heads, ", capacity, row_bytes], got codes ",
-                store[0].sizes());
     TORCH_CHECK(store[4].scalar_type() == dtype, kOp, ": ", name, "[4] (outlier_val) must have the cache's dtype ",
                 dtype, " (k_store[4]'s), got ", store[4].scalar_type());
   }
@@ -157,7 +158,8 @@ StaticAppendShapes check_static_append_args(at::TensorList k_store, at::TensorLi
               " and ", v_tail.size(2));
   s.tail_capacity = k_tail.size(2);
   TORCH_CHECK(s.tail_capacity >= residual + s.chunk - 1, kOp,
-              ": the tail must hold residual + chunk - 1 = ", residual + s.chunk - 1, " tokens, got ", s.tail_capacity);
+              ": k_tail and v_tail must hold residual + chunk - 1 = ", residual + s.chunk - 1,
+              " tokens (their dim 2), got ", s.tail_capacity);
   TORCH_CHECK(
       lengths.scalar_type() == at::kLong && lengths.dim() == 2 && lengths.size(0) == 2 && lengths.size(1) == s.batch,
       kOp, ": lengths must be int64 [2, batch=", s.batch, "] (compressed, tail), got ", lengths.scalar_type(), " ",
