@@ -1,6 +1,8 @@
 // Argument checks of static_kv_append_ (the append of a fixed-capacity
 // compressed cache whose state is tensors: nexuskv.static_cache), shared by
-// its CPU kernel and its meta kernel: sizes, dtypes and devices only.
+// its CPU kernel and its meta kernel: sizes, dtypes, devices and aliasing (no
+// values; the Python fake kernel gives the meta kernel copies that share
+// storage where the arguments do).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -20,10 +22,13 @@ struct StaticAppendShapes {
 };
 
 // k_store / v_store: the NQ (5) or, for keys, DGQ (6) tensors of the compressed
-// part, [B, H, capacity, ...]; k_tail / v_tail [B, H, tail_capacity, D] in K/V's
-// dtype, tail_capacity >= residual + chunk - 1; lengths int64 [2, B]
-// (compressed, tail); k / v [B, H, n, D]; k_format / v_format [bits,
-// group_size, axis] (+ granule for DGQ keys).
+// part, [B, H, capacity, ...], outlier values in the cache's dtype;
+// k_tail / v_tail [B, H, tail_capacity, D] in the cache's dtype,
+// tail_capacity >= residual + chunk - 1; lengths int64 [2, B] (compressed,
+// tail); k / v [B, H, n, D] in the cache's dtype; k_format / v_format [bits,
+// group_size, axis] (+ granule for DGQ keys).  Every tensor the op writes (the
+// stores, tails and lengths) must own its memory: none may overlap itself or
+// another.
 StaticAppendShapes check_static_append_args(at::TensorList k_store, at::TensorList v_store, const at::Tensor& k_tail,
                                             const at::Tensor& v_tail, const at::Tensor& lengths, const at::Tensor& k,
                                             const at::Tensor& v, at::IntArrayRef k_format, at::IntArrayRef v_format,

@@ -25,10 +25,18 @@ sliding window and the model's soft-cap.  A record nobody claims (the model ran
 another attention) is a clear error at the layer's next update; K/V that no
 NexusKVLayer recorded (a dense cache) are attended densely, with a one-time
 warning.  With any other attention implementation update() appends at once and
-returns the dequantized K/V."""
+returns the dequantized K/V.
+
+Saving a prefilled cache (a prompt cache): ``pickle.dumps(cache)`` or ``torch.save(cache,
+f)``, then ``pickle.loads`` / ``torch.load(f, weights_only=False)`` (the cache's classes are
+not tensors); the loaded cache continues bit-exactly.  No model is saved: each loaded layer
+keeps the attention path it was on when saved, and ``cache.bind(model)`` makes it follow the
+model's attention implementation again."""
 
 from __future__ import annotations
 
+import copy
+import pickle
 import threading
 import warnings
 import weakref
@@ -163,6 +171,9 @@ class NexusKVLayer(CacheLayerMixin):
         self.learn_heads = learn_heads  # tensor-parallel shards: the KV heads come from the first append
         self.layer_idx = layer_idx
         self._config = weakref.ref(config) if config is not None else None  # deepcopy shares weakrefs
+        # A layer loaded without its config (pickle keeps no model): the path it was on when
+        # saved (True fused, False dequantize), followed until bind() re-attaches a config.
+        self._fused_when_saved: Optional[bool] = None
         self.pending = None  # (k, v) of the current forward, fused path
         self.seen = 0  # positions seen by the model (its masks and rotary positions count them all)
 
@@ -192,7 +203,48 @@ class NexusKVLayer(CacheLayerMixin):
         if self.fused is not None:
             return self.fused
         config = self._config() if self._config is not None else None
-        return config is not None and hf_compat.attention_implementation(config) == ATTN_IMPLEMENTATION
+        if config is None:
+            return bool(self._fused_when_saved)
+        return hf_compat.attention_implementation(config) == ATTN_IMPLEMENTATION
+
+    # -- saving: pickle, torch.save / torch.load(weights_only=False) -------------------------
+    # The C++ cache is saved as its state dict (plain tensors; from_state_dict checks every
+    # entry and continues bit-exactly).  The model's config is not saved: the cache holds
+    # it by a weak reference (it does not own the model), so a loaded layer keeps the path
+    # it was on when saved until NexusKVCache.bind(model) re-attaches a config.
+
+    def __getstate__(self) -> dict:
+        if self.pending is not None:
+            raise RuntimeError(f"nexuskv: layer {self.layer_idx} is between its update() and its attention (a "
+                               f"forward is running); save the cache before or after a forward")
+        if self.external is not None:
+            comps = (self.external.keys, self.external.values)
+            try:
+                pickle.dumps(comps)
+            except Exception as e:
+                names = " and ".join(dict.fromkeys(type(c).__name__ for c in comps))
+                raise TypeError(f"nexuskv: layer {self.layer_idx} compresses with Python compressors ({names}) that "
+                                f"cannot be pickled ({type(e).__name__}: {e}), so neither can the cache that holds "
+                                f"their chunks") from None
+        state = dict(self.__dict__)
+        state["cache"] = self.cache.state_dict()
+        state["_config"] = None
+        state["_fused_when_saved"] = self._fused_now()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        state["cache"] = from_state_dict(state["cache"])
+        self.__dict__.update(state)
+
+    def __deepcopy__(self, memo) -> "NexusKVLayer":
+        # Not through __getstate__: a copy shares the config (a weak reference) and needs
+        # no state dict round trip (the C++ cache copies itself).
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            new.__dict__[name] = copy.deepcopy(value, memo)
+        return new
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self._check_states(key_states, value_states)
@@ -341,6 +393,11 @@ class NexusKVLayer(CacheLayerMixin):
             _claims.pending.pop(id(self.pending[0]), None)
             self.pending = None
 
+    def bind_config(self, config) -> None:
+        """Follows `config`'s attention implementation from now on (NexusKVCache.bind)."""
+        self._config = weakref.ref(config)
+        self._fused_when_saved = None
+
     def append_pending(self, valid: Optional[torch.Tensor]) -> None:
         k, v = self.pending
         self.pending = None
@@ -382,6 +439,28 @@ class NexusKVCache(Cache):
                              f"layer_idx {layer_idx} uses it; make it with nexuskv.hf.cache_for(model) for the "
                              f"model that uses it")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def bind(self, model) -> "NexusKVCache":
+        """Re-attaches `model` to a cache loaded with pickle or torch.load (which save no
+        model, so each loaded layer keeps the path, fused or dequantize, it was on when
+        saved): its layers then follow the model's attention implementation again, as
+        those of cache_for(model) do.  The model must have the layers the cache was made
+        for.  Returns the cache."""
+        model, _ = integrations.deepspeed.unwrap_for_cache(model, None)
+        geometries = hf_compat.layer_geometries(model)
+        if len(geometries) != len(self.layers):
+            raise ValueError(f"nexuskv: bind: this cache has {len(self.layers)} layers, the model {len(geometries)}; "
+                             f"bind it to the model it was made for")
+        for i, (layer, g) in enumerate(zip(self.layers, geometries)):
+            made = layer.geometry
+            if made is not None and (made.key_dim, made.window) != (g.key_dim, g.window):
+                raise ValueError(f"nexuskv: bind: layer {i} of this cache was made for head_dim {made.key_dim} and "
+                                 f"window {made.window}, the model's has {g.key_dim} and {g.window}; bind it to the "
+                                 f"model it was made for")
+        config = hf_compat.text_config(model)
+        for layer in self.layers:
+            layer.bind_config(config)
+        return self
 
     @property
     def nbytes(self) -> int:

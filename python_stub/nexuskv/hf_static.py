@@ -18,6 +18,7 @@ reordering, padded batches, CUDA (the append kernel is CPU-only for now)."""
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Optional
 
@@ -47,6 +48,30 @@ class NexusKVStaticLayer(CacheLayerMixin):
         self.geometry = geometry
         self._config = weakref.ref(config) if config is not None else None
         self.static: Optional[StaticKVCache] = None
+
+    # Saving (pickle, torch.save): the StaticKVCache module saves its buffers; the config,
+    # held by a weak reference, is not saved (NexusKVCache.bind(model) re-attaches one;
+    # until then update() does not check the model's attention implementation).
+
+    def __getstate__(self) -> dict:
+        if _updated.get(self.layer_idx) is self:
+            raise RuntimeError(
+                f"nexuskv: static layer {self.layer_idx} is between its update() and its attention (a forward is "
+                f"running); save the cache before or after a forward"
+            )
+        return dict(self.__dict__, _config=None)
+
+    def __deepcopy__(self, memo) -> "NexusKVStaticLayer":
+        # Not through __getstate__: a copy shares the config (a weak reference).
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            new.__dict__[name] = copy.deepcopy(value, memo)
+        return new
+
+    def bind_config(self, config) -> None:
+        """Checks `config`'s attention implementation from now on (NexusKVCache.bind)."""
+        self._config = weakref.ref(config)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: Optional[torch.Tensor] = None):
         B, H, _, D = key_states.shape

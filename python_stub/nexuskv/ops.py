@@ -9,6 +9,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _format, _loader
 
@@ -311,12 +312,27 @@ def _one_device(op: str, named) -> None:
             )
 
 
-def _meta_outputs(op: str, args):
-    """Runs nexuskv_meta::<op> on meta copies of args; its outputs (meta tensors)."""
+def _meta_outputs(op: str, args, keep_aliasing: bool = False):
+    """Runs nexuskv_meta::<op> on meta copies of args; its outputs (meta tensors).
+    keep_aliasing: tensors that share a storage are copied as views of one meta storage
+    (the same element offsets and strides), so that the meta kernel sees the overlaps the
+    real kernel would."""
+    storages: dict = {}
+    if keep_aliasing:
+        for t in _tensors(args):
+            key = StorageWeakRef(t.untyped_storage())
+            end = (t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+            storages[key] = max(storages.get(key, 0), end if t.numel() else 0)
 
     def copy(a):
         if isinstance(a, torch.Tensor):
-            return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+            if not keep_aliasing:
+                return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+            key = StorageWeakRef(a.untyped_storage())
+            base = storages[key]
+            if not isinstance(base, torch.UntypedStorage):
+                base = storages[key] = torch.empty(base, dtype=torch.uint8, device="meta").untyped_storage()
+            return torch.empty(0, dtype=a.dtype, device="meta").set_(base, a.storage_offset(), a.shape, a.stride())
         if isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in a):
             return [copy(t) for t in a]
         return a
@@ -482,5 +498,7 @@ def _static_kv_append_fake(k_store, v_store, k_tail, v_tail, lengths, k, v, k_fo
     _one_device("static_kv_append_", named)
     args = (list(k_store), list(v_store), k_tail, v_tail, lengths, k, v, list(k_format), list(v_format), residual)
     if _concrete(args):
-        _meta_outputs("static_kv_append_", args)  # the kernel's checks; it returns nothing
+        # The kernel's checks (it returns nothing), aliasing included: the meta copies of
+        # tensors that share a storage share one meta storage, at the same offsets.
+        _meta_outputs("static_kv_append_", args, keep_aliasing=True)
     return None
