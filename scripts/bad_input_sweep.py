@@ -2742,7 +2742,11 @@ def static_sequence(kw: dict, dtype, seeds: Sequence[int], steps: int = 12):
             if n_c:
                 ks = s._k_store()
                 if kw.get("dynamic_keys"):
-                    Kh = ops.dgq_decompress(*ks, bits, G, D, F32)[:, :, :n_c]
+                    # Only the slots of the compressed tokens: the unused ones past them are
+                    # no segments (their outlier slots index nothing), as attention reads it.
+                    used = -(-n_c // G)
+                    ks = [ks[0][:, :, :n_c]] + [p[:, :, :used] for p in ks[1:]]
+                    Kh = ops.dgq_decompress(*ks, bits, G, D, F32)
                 else:
                     Kh = ops.nq_decompress(*ks, bits, G, -2, D, F32)[:, :, :n_c]
                 Vh = ops.nq_decompress(*s._v_store(), bits, G, -1, D, F32)[:, :, :n_c]
