@@ -292,7 +292,7 @@ def test_crop_with_non_finite_survivors_is_rejected_and_changes_nothing():
     # (take_due_chunks) to a front end whose compressor then rejects them: tokens lost.
     cache = external_with_a_compressed_chunk()
     good = [torch.zeros(2, 16, 64)] * 2
-    with pytest.raises(RuntimeError, match=r"crop_with\(\): the compressed part given for sequence 0 holds NaN"):
+    with pytest.raises(RuntimeError, match=r"crop_with\(\): k_compressed\[0\] or v_compressed\[0\] holds NaN"):
         cache.crop_with(8, [torch.full((2, 16, 64), float("nan"))] * 2, good)
     assert cache.lengths().tolist() == [40, 40] and cache.compressed_lengths().tolist() == [16, 16]
     cache.crop_with(8, good, good)

@@ -182,7 +182,7 @@ def test_enable_is_the_one_line_way_in(tiny):
     cache = hf_compat.output_cache(out)
     assert isinstance(cache, nhf.NexusKVCache) and cache.layers[0]._fused_now()
     assert out.sequences[:, ids.shape[1] :].tolist() == _dense(model, ids, 6).tolist()
-    with pytest.raises(ValueError, match="do not fit: KVCache: key_group_size"):  # checked at enable()
+    with pytest.raises(ValueError, match="cache_for: group_size must be in"):  # checked at enable()
         nhf.enable(model, bits=4, group_size=512)
 
 
