@@ -97,8 +97,8 @@ struct QueryLimbs {
       __m512 vsum = _mm512_setzero_ps();
       for (int64_t c = 0; c < D; c += 16) vsum = _mm512_add_ps(vsum, _mm512_loadu_ps(xr + c));
       const float amax = _mm512_reduce_max_ps(vmax);
-      if (!std::isfinite(_mm512_reduce_add_ps(vsum)) || !(amax <= std::numeric_limits<float>::max())) {
-        a[r] = std::numeric_limits<float>::quiet_NaN();  // NaN or Inf in q: its scores become NaN
+      if (!isfinite_f(_mm512_reduce_add_ps(vsum)) || !(amax <= kFloatMax)) {
+        a[r] = kQuietNaN;  // NaN or Inf in q: its scores become NaN
         continue;
       }
       a[r] = amax / 127.f;

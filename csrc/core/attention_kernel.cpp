@@ -18,7 +18,6 @@
 //       rows per value load.
 // Layout and math of the compressed rows: nq_format.h; the code that reads
 // them: nq_layout.h.
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -151,7 +150,7 @@ class GroupCursor {
   void seek(int64_t t) {
     const NQDims& d = c_.dims;
     if (d.axis == GroupAxis::kChannels) {
-      group_ = -1, start_ = t, end_ = std::numeric_limits<int64_t>::max();
+      group_ = -1, start_ = t, end_ = kInt64Max;
     } else if (!d.segment_starts) {
       group_ = t / d.group_size, start_ = group_ * d.group_size, end_ = start_ + d.group_size;
     } else {
@@ -198,7 +197,7 @@ void dequant_tile(const Cache& c, int64_t bh, const GroupCursor<Cache>& cur, int
       const int64_t g = c.meta_index(bh, t, 0);  // meta entries of token t
       for (int64_t b = 0; b < Bm; ++b) {
         const float s = c.scale_at(g + b), z = c.zero_at(g + b);
-        const int64_t c1 = std::min(D, (b + 1) * G);
+        const int64_t c1 = min_of(D, (b + 1) * G);
         for (int64_t ch = b * G; ch < c1; ++ch) s_buf[ch] = s, z_buf[ch] = z;
       }
       float* row = dst + (t - t0) * D;
@@ -441,7 +440,7 @@ struct TaskState {
   void compute_scores(const Tile& t, int64_t n) {
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
       const float* qr[4];
-      for (int i = 0; i < 4; ++i) qr[i] = t.k_query + std::min(r0 + i, rows - 1) * D;
+      for (int i = 0; i < 4; ++i) qr[i] = t.k_query + min_of(r0 + i, rows - 1) * D;
       for (int64_t j0 = 0; j0 < n; j0 += 4) {
         float s[16];
         if (j0 + 4 <= n) {
@@ -449,7 +448,7 @@ struct TaskState {
         } else {  // last partial block: repeat the last key
           const float* kr[4];
           float* kb = spare.p;
-          for (int j = 0; j < 4; ++j) kr[j] = t.k + std::min(j0 + j, n - 1) * D;
+          for (int j = 0; j < 4; ++j) kr[j] = t.k + min_of(j0 + j, n - 1) * D;
           for (int j = 0; j < 4; ++j) std::memcpy(kb + j * D, kr[j], size_t(D) * sizeof(float));
           dot4x4(qr, kb, D, s);
         }
@@ -465,19 +464,19 @@ struct TaskState {
     const int64_t nb = t.v_scale ? t.nb : 1, G = t.v_scale ? t.group : D;
     int64_t visible[4];
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-      const int R = int(std::min<int64_t>(4, rows - r0));
+      const int R = int(min_of<int64_t>(4, rows - r0));
       float* acc_rows[4];
       const float* w_rows[4];
       int64_t vis_max = 0;
       for (int i = 0; i < R; ++i) {
         const int64_t r = r0 + i;
         float* sr = scores.p + r * kTileTokens;
-        visible[i] = std::clamp<int64_t>(pos[r] - first_pos + 1, 0, n);  // causal mask: keys [0, visible)
+        visible[i] = clamp_of<int64_t>(pos[r] - first_pos + 1, 0, n);  // causal mask: keys [0, visible)
         // Sliding window: keys [0, hidden) of the tile are older than the row's window.
-        const int64_t hidden = window > 0 ? std::clamp<int64_t>(pos[r] - window + 1 - first_pos, 0, visible[i]) : 0;
-        vis_max = std::max(vis_max, visible[i]);
+        const int64_t hidden = window > 0 ? clamp_of<int64_t>(pos[r] - window + 1 - first_pos, 0, visible[i]) : 0;
+        vis_max = max_of(vis_max, visible[i]);
         if (softcap > 0.f)
-          for (int64_t j = 0; j < visible[i]; ++j) sr[j] = softcap * std::tanh(sr[j] / softcap);
+          for (int64_t j = 0; j < visible[i]; ++j) sr[j] = softcap * tanh_f(sr[j] / softcap);
         float tile_max = kNegInf;
         for (int64_t j = hidden; j < visible[i]; ++j) tile_max = max_f(tile_max, sr[j]);
         const bool finite = all_finite(sr + hidden, visible[i] - hidden);
@@ -492,7 +491,7 @@ struct TaskState {
         }
         // A NaN/Inf score (NaN/Inf in q or in the tail) makes the row NaN, as
         // plain attention would, instead of a silently ignored key.
-        l.p[r] = finite ? l.p[r] * alpha + sum : std::numeric_limits<float>::quiet_NaN();
+        l.p[r] = finite ? l.p[r] * alpha + sum : kQuietNaN;
         m.p[r] = m_new;
         acc_rows[i] = ar;
         if (t.v_scale) {  // fold the values' per-token scales into the weights, their zeros into zacc
@@ -625,7 +624,7 @@ void attention_tasks(const CpuAttentionParams<Meta, Val>& p, int64_t splits, flo
     // any query sees (keys before a sliding window are never read).
     const int64_t first = p.first_visible(b);
     const int64_t span = ceil_div(ceil_div(L - first, splits), kTileTokens) * kTileTokens;
-    const int64_t lo = std::min(L, first + s * span), hi = std::min(L, lo + span);
+    const int64_t lo = min_of(L, first + s * span), hi = min_of(L, lo + span);
     st.reset();
     const uint8_t* k_codes = p.k.code_row(bh, 0);
     const uint8_t* v_codes = p.v.code_row(bh, 0);
@@ -641,7 +640,7 @@ void attention_tasks(const CpuAttentionParams<Meta, Val>& p, int64_t splits, flo
     // the CPU glue makes them contiguous), rotated on the fly when the cache is.
     auto attend_full_precision = [&](const DenseKV<float>& rows_kv, int64_t first, int64_t from, int64_t to) {
       for (int64_t t = from; t < to; t += kTileTokens) {
-        const int64_t n = std::min(kTileTokens, to - t);
+        const int64_t n = min_of(kTileTokens, to - t);
         const float* k = rows_kv.k.row(b, h, t - first);
         const float* v = rows_kv.v.row(b, h, t - first);
         if (p.rotation_signs) {
@@ -655,14 +654,14 @@ void attention_tasks(const CpuAttentionParams<Meta, Val>& p, int64_t splits, flo
         st.update(tile, n, t);
       }
     };
-    attend_full_precision(p.sink, 0, lo, std::min(hi, sink));
+    attend_full_precision(p.sink, 0, lo, min_of(hi, sink));
     // Compressed tokens [c_lo, c_hi) at positions sink + t, in tiles that never straddle a group.
-    const int64_t c_lo = std::max<int64_t>(lo - sink, 0), c_hi = std::min(hi - sink, comp);
+    const int64_t c_lo = max_of<int64_t>(lo - sink, 0), c_hi = min_of(hi - sink, comp);
     GroupCursor<Cache> kc(p.k, bh), vc(p.v, bh);
     int64_t k_group_loaded = -1;
     for (int64_t t = c_lo; t < c_hi;) {
       kc.seek(t), vc.seek(t);
-      const int64_t te = std::min({t + kTileTokens, c_hi, kc.end(), vc.end()});
+      const int64_t te = min_of_list(t + kTileTokens, c_hi, kc.end(), vc.end());
       const int64_t n = te - t;
       Tile tile;
       if (fold_k) {
@@ -703,7 +702,7 @@ void attention_tasks(const CpuAttentionParams<Meta, Val>& p, int64_t splits, flo
       }
       t = te;
     }
-    attend_full_precision(p.tail, sink + comp, std::max(lo, sink + comp), hi);
+    attend_full_precision(p.tail, sink + comp, max_of(lo, sink + comp), hi);
     float* out = partials + task * partial_floats(p);
     for (int64_t r = 0; r < rows; ++r) {
       if (fold_v)  // the values' zeros, summed per channel group

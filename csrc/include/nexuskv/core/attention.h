@@ -28,7 +28,7 @@ using CpuAttentionParams = AttentionParams<float, Meta, Val>;
 
 // Floats of one task's partial result: per query row, acc[D] then max, sum.
 template <typename Meta, typename Val>
-int64_t partial_floats(const CpuAttentionParams<Meta, Val>& p) {
+static inline int64_t partial_floats(const CpuAttentionParams<Meta, Val>& p) {
   return p.rows_per_kv_head() * (p.head_dim + 2);
 }
 

@@ -3,10 +3,8 @@
 // conversions to and from float, and the directed rounding that the quantizer
 // needs for its metadata: the one definition for every kernel, CPU and CUDA.
 //
-// The conversions are `static inline` (internal linkage) on purpose: the CPU
-// kernels are compiled once per instruction set (csrc/core/isa.h), and an
-// ordinary inline function emitted there could be the copy the linker keeps
-// for every caller, putting AVX instructions into the portable path.
+// The conversions are `static inline` (internal linkage, NEXUSKV_HD_STATIC)
+// on purpose, as every function of the core headers: hd.h says why.
 // They are NEXUSKV_HD: the CUDA kernels use these same conversions (the
 // directed rounding of scales and zeros must be bit-identical on both).
 #pragma once
@@ -15,9 +13,6 @@
 #include <cstring>
 
 #include "nexuskv/core/hd.h"
-
-// Scalar helpers of the core shared by host and device, internal linkage.
-#define NEXUSKV_HD_STATIC static inline NEXUSKV_HD
 
 namespace nexuskv::core {
 

@@ -97,21 +97,21 @@ enum class GroupAxis : int {
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
-NEXUSKV_HD inline constexpr int dtype_bytes(DType t) { return t == DType::kFloat32 ? 4 : 2; }
+NEXUSKV_HD_STATIC constexpr int dtype_bytes(DType t) { return t == DType::kFloat32 ? 4 : 2; }
 
 constexpr int kMaxGroupSize = 256;  // outlier_idx is one byte
 
-NEXUSKV_HD inline constexpr bool bits_supported(int bits) { return bits == 2 || bits == 3 || bits == 4 || bits == 8; }
+NEXUSKV_HD_STATIC constexpr bool bits_supported(int bits) { return bits == 2 || bits == 3 || bits == 4 || bits == 8; }
 
 // Channels held by one packed chunk.
-NEXUSKV_HD inline constexpr int chunk_channels(int bits) { return bits == 8 ? 16 : bits == 4 ? 32 : 64; }
+NEXUSKV_HD_STATIC constexpr int chunk_channels(int bits) { return bits == 8 ? 16 : bits == 4 ? 32 : 64; }
 
 // Bytes of one packed chunk.
-NEXUSKV_HD inline constexpr int chunk_bytes(int bits) { return bits == 3 ? 24 : 16; }
+NEXUSKV_HD_STATIC constexpr int chunk_bytes(int bits) { return bits == 3 ? 24 : 16; }
 
-NEXUSKV_HD inline constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+NEXUSKV_HD_STATIC constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-NEXUSKV_HD inline constexpr int64_t row_bytes(int bits, int64_t head_dim) {
+NEXUSKV_HD_STATIC constexpr int64_t row_bytes(int bits, int64_t head_dim) {
   return ceil_div(head_dim, chunk_channels(bits)) * chunk_bytes(bits);
 }
 
@@ -152,7 +152,7 @@ struct NQDims {
 };
 
 // Total bytes of the five buffers; effective bits = 8 * bytes / (N*T*D).
-NEXUSKV_HD inline int64_t nq_nbytes(const NQDims& d, DType x_dtype, DType meta_dtype) {
+NEXUSKV_HD_STATIC int64_t nq_nbytes(const NQDims& d, DType x_dtype, DType meta_dtype) {
   const int64_t groups = d.rows * d.groups_per_row();
   return d.rows * d.tokens * d.packed_row_bytes() +
          groups * (2 * dtype_bytes(meta_dtype) + d.num_outliers * (1 + dtype_bytes(x_dtype)));

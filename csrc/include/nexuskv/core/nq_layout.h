@@ -34,7 +34,7 @@ static_assert(kChunkChannels<2> == 64 && kChunkChannels<3> == 64 && kChunkChanne
               "chunk widths of nq_format.h");
 
 // Channels of a row of D codes rounded up to whole chunks (the padding codes are 0).
-NEXUSKV_HD inline constexpr int64_t padded_channels(int bits, int64_t D) {
+NEXUSKV_HD_STATIC constexpr int64_t padded_channels(int bits, int64_t D) {
   return ceil_div(D, chunk_channels(bits)) * chunk_channels(bits);
 }
 
@@ -43,7 +43,7 @@ NEXUSKV_HD inline constexpr int64_t padded_channels(int bits, int64_t D) {
 // kLowBits.  A SIMD reader takes a plane from one 16-byte load with one shift
 // and one mask (kPlaneMask in every byte lane).
 template <int kBits>
-NEXUSKV_HD_INLINE constexpr int plane_shift(int j) {
+static NEXUSKV_HD_INLINE constexpr int plane_shift(int j) {
   return kLowBits<kBits> * j;
 }
 template <int kBits>
@@ -51,20 +51,20 @@ inline constexpr uint32_t kPlaneMask = uint32_t(1 << kLowBits<kBits>) - 1u;
 
 // Code of plane j, lane l from the chunk's byte l (2/4/8 bits; the low 2 bits for 3).
 template <int kBits>
-NEXUSKV_HD_INLINE uint32_t plane_code(uint32_t byte, int j) {
+static NEXUSKV_HD_INLINE uint32_t plane_code(uint32_t byte, int j) {
   return (byte >> plane_shift<kBits>(j)) & kPlaneMask<kBits>;
 }
 
 // 3 bits: where bit 2 of chunk channel i (0..63) lives.
-NEXUSKV_HD_INLINE constexpr int high_bit_byte(int i) { return 16 + i % 8; }
-NEXUSKV_HD_INLINE constexpr int high_bit_shift(int i) { return i / 8; }
+static NEXUSKV_HD_INLINE constexpr int high_bit_byte(int i) { return 16 + i % 8; }
+static NEXUSKV_HD_INLINE constexpr int high_bit_shift(int i) { return i / 8; }
 
 // Code of lane l of plane j of one chunk, i.e. of chunk channel 16 j + l.
 // For 3 bits, bit 2 is at high_bit_byte(16 j + l) = 16 + l % 8, bit
 // high_bit_shift(16 j + l) = 2 j + l / 8, written so that with j constant
 // (an unrolled plane loop) a CPU compiler vectorizes over l.
 template <int kBits>
-NEXUSKV_HD_INLINE uint32_t plane_lane_code(const uint8_t* chunk, int j, int l) {
+static NEXUSKV_HD_INLINE uint32_t plane_lane_code(const uint8_t* chunk, int j, int l) {
   uint32_t code = plane_code<kBits>(chunk[l], j);
   if constexpr (kBits == 3) code |= ((uint32_t(chunk[16 + (l & 7)]) >> (2 * j + (l >> 3))) & 1u) << 2;
   return code;
@@ -72,7 +72,7 @@ NEXUSKV_HD_INLINE uint32_t plane_lane_code(const uint8_t* chunk, int j, int l) {
 
 // Code of channel i (0 <= i < kChunkChannels) of one chunk.
 template <int kBits>
-NEXUSKV_HD_INLINE uint32_t chunk_code(const uint8_t* chunk, int i) {
+static NEXUSKV_HD_INLINE uint32_t chunk_code(const uint8_t* chunk, int i) {
   return plane_lane_code<kBits>(chunk, i / 16, i % 16);
 }
 
@@ -80,7 +80,7 @@ NEXUSKV_HD_INLINE uint32_t chunk_code(const uint8_t* chunk, int i) {
 // Written as 16-lane loops over constant planes, so that a CPU compiler
 // vectorizes them (one 16-byte vector per plane).
 template <int kBits>
-NEXUSKV_HD_INLINE void pack_chunk(const uint8_t* codes, uint8_t* out) {
+static NEXUSKV_HD_INLINE void pack_chunk(const uint8_t* codes, uint8_t* out) {
   constexpr int kLow = kLowBits<kBits>;
   uint8_t acc[16] = {};
   // 3 bits: bit 2 of channel 16 j + l goes to byte 16 + l % 8, bit 2 j + l / 8
@@ -100,7 +100,7 @@ NEXUSKV_HD_INLINE void pack_chunk(const uint8_t* codes, uint8_t* out) {
 
 // Inverse of pack_chunk: writes kChunkChannels codes.
 template <int kBits>
-NEXUSKV_HD_INLINE void unpack_chunk(const uint8_t* in, uint8_t* codes) {
+static NEXUSKV_HD_INLINE void unpack_chunk(const uint8_t* in, uint8_t* codes) {
   NEXUSKV_UNROLL
   for (int j = 0; j < kPlanes<kBits>; ++j)
     for (int l = 0; l < 16; ++l) codes[16 * j + l] = uint8_t(plane_code<kBits>(in[l], j));
@@ -114,22 +114,22 @@ NEXUSKV_HD_INLINE void unpack_chunk(const uint8_t* in, uint8_t* codes) {
 // Row level, bits known at compile time: codes[0 .. padded_channels(kBits, D))
 // <-> one packed row of row_bytes(kBits, D) bytes.
 template <int kBits>
-NEXUSKV_HD_INLINE void pack_row(const uint8_t* codes, int64_t D, uint8_t* row) {
+static NEXUSKV_HD_INLINE void pack_row(const uint8_t* codes, int64_t D, uint8_t* row) {
   for (int64_t c0 = 0; c0 < D; c0 += kChunkChannels<kBits>, row += kChunkBytes<kBits>)
     pack_chunk<kBits>(codes + c0, row);
 }
 template <int kBits>
-NEXUSKV_HD_INLINE void unpack_row(const uint8_t* row, int64_t D, uint8_t* codes) {
+static NEXUSKV_HD_INLINE void unpack_row(const uint8_t* row, int64_t D, uint8_t* codes) {
   for (int64_t c0 = 0; c0 < D; c0 += kChunkChannels<kBits>, row += kChunkBytes<kBits>)
     unpack_chunk<kBits>(row, codes + c0);
 }
 
 // Code of channel ch of a packed row, bits known at compile time / at run time.
 template <int kBits>
-NEXUSKV_HD_INLINE uint32_t code_at(const uint8_t* row, int64_t ch) {
+static NEXUSKV_HD_INLINE uint32_t code_at(const uint8_t* row, int64_t ch) {
   return chunk_code<kBits>(row + kChunkBytes<kBits> * (ch / kChunkChannels<kBits>), int(ch % kChunkChannels<kBits>));
 }
-NEXUSKV_HD_INLINE uint32_t code_at(const uint8_t* row, int bits, int64_t ch) {
+static NEXUSKV_HD_INLINE uint32_t code_at(const uint8_t* row, int bits, int64_t ch) {
   switch (bits) {
     case 2: return code_at<2>(row, ch);
     case 3: return code_at<3>(row, ch);
@@ -143,7 +143,7 @@ NEXUSKV_HD_INLINE uint32_t code_at(const uint8_t* row, int bits, int64_t ch) {
 // pass a `[&] __host__ __device__ <int kBits>() {...}` lambda (nvcc
 // --extended-lambda) or build with --expt-relaxed-constexpr.
 template <typename F>
-NEXUSKV_HD_INLINE decltype(auto) with_bits(int bits, F&& f) {
+static NEXUSKV_HD_INLINE decltype(auto) with_bits(int bits, F&& f) {
   switch (bits) {
     case 2: return f.template operator()<2>();
     case 3: return f.template operator()<3>();
@@ -155,17 +155,17 @@ NEXUSKV_HD_INLINE decltype(auto) with_bits(int bits, F&& f) {
 // Index of the scale/zero (and the first outlier slot / k) of group (a, b) of
 // row n in the [N, A, B] metadata (nq_format.h: A token groups x B channels
 // for per-channel groups, A tokens x B channel groups for per-token groups).
-NEXUSKV_HD_INLINE int64_t meta_index(const NQDims& d, int64_t n, int64_t a, int64_t b) {
+static NEXUSKV_HD_INLINE int64_t meta_index(const NQDims& d, int64_t n, int64_t a, int64_t b) {
   return (n * d.meta_a() + a) * d.meta_b() + b;
 }
 
 // Group of element (token t, channel c) of a row with fixed groups:
 // (a, b) = (t / G, c) per channel, (t, c / G) per token.  DGQ segments are
 // looked up with NQDims::group_start / group_end instead.
-NEXUSKV_HD_INLINE int64_t group_a(const NQDims& d, int64_t t) {
+static NEXUSKV_HD_INLINE int64_t group_a(const NQDims& d, int64_t t) {
   return d.axis == GroupAxis::kTokens ? t / d.group_size : t;
 }
-NEXUSKV_HD_INLINE int64_t group_b(const NQDims& d, int64_t c) {
+static NEXUSKV_HD_INLINE int64_t group_b(const NQDims& d, int64_t c) {
   return d.axis == GroupAxis::kTokens ? c : c / d.group_size;
 }
 
