@@ -40,7 +40,6 @@
 
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -115,7 +114,7 @@ struct QueryLimbs {
         }
       }
       worst_two_limb_error =
-          std::max(worst_two_limb_error, qmax * a[r] / (254.f * 254.f) * _mm512_reduce_add_ps(rest_after_two));
+          max_f(worst_two_limb_error, qmax * a[r] / (254.f * 254.f) * _mm512_reduce_add_ps(rest_after_two));
     }
     limbs = min_limbs >= 3 || worst_two_limb_error > kLimbScoreError ? 3 : 2;
   }
