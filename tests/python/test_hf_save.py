@@ -10,27 +10,12 @@ import pickle
 
 import pytest
 import torch
+from test_hf_cache import Int8PerToken  # the user-compressor stand-in, shared
 
 import nexuskv.hf as nhf
 from hf_helpers import forward, greedy, tiny_model
 
 PROMPT, DECODE = 56, 6
-
-
-class Int8PerToken:
-    """A Python compressor (the KVCompressor protocol), defined here: int8 codes, one absmax
-    scale per token row."""
-
-    def compress(self, x):
-        scale = x.float().abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
-        return torch.round(x.float() / scale).to(torch.int8), scale, x.dtype
-
-    def decompress(self, c, dtype=None):
-        codes, scale, orig = c
-        return (codes.float() * scale).to(dtype or orig)
-
-    def nbytes(self, c):
-        return c[0].numel() * c[0].element_size() + c[1].numel() * c[1].element_size()
 
 
 class Unpicklable(Int8PerToken):
