@@ -15,7 +15,7 @@
 # must not capture: -s.)
 # tests/run.sh calls it after the main tests; NEXUSKV_SKIP_SANITIZE=1 skips it there.
 # NEXUSKV_SANITIZE_STEPS="ctest sweep fuzz" (the default) chooses the steps after the build.
-# About 12 minutes on 2 cores from a cold build (docs/sanitizers.md).
+# About 12 minutes on 2 cores from a cold build, 2.5 warm (docs/sanitizers.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
