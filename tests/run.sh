@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Every test of nexuskv: installs and builds first (scripts/install.sh), then the
-# Catch2 suites through ctest and the pytest suite.
+# Catch2 suites through ctest, the pytest suite, the Hugging Face tests under the other
+# transformers line, and last the sanitizer job (scripts/sanitize.sh: its own ASan +
+# UBSan build; NEXUSKV_SKIP_SANITIZE=1 skips it, e.g. for a quick local run).
+# Arguments are passed to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -22,3 +25,10 @@ echo "== Hugging Face tests with transformers $HF_OTHER ($VENV)"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation . \
   -Ccmake.define.NEXUSKV_BUILD_TESTS=ON
 "$VENV/bin/python" -m pytest tests/python/test_hf*.py -q "$@"
+
+# Last, as it builds nexuskv once more (instrumented, CPU-only, build/asan).
+if [ "${NEXUSKV_SKIP_SANITIZE:-0}" = 1 ]; then
+  echo "== sanitizer job skipped (NEXUSKV_SKIP_SANITIZE=1)"
+else
+  bash scripts/sanitize.sh
+fi
