@@ -9,7 +9,8 @@ nexuskv's cache and attention plug into the transformers model itself
 
 Nothing here imports an engine: an object can only be an engine's if the
 engine's package is already imported.  What the paged servers (DeepSpeed-FastGen,
-vLLM) would need is written down in docs/deepspeed.md and docs/vllm.md."""
+vLLM) would need is written down in docs/deepspeed.md; vLLM itself: nexuskv.integrations.vllm
+(docs/vllm.md), imported by vLLM through its plugin entry point, not from here."""
 
 from . import deepspeed
 
