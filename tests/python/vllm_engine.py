@@ -16,6 +16,22 @@ import os
 import sys
 
 
+def _margin(lp) -> float:
+    top = sorted((x.logprob for x in lp.values()), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else float("inf")
+
+
+def _summary(o) -> dict:
+    """Greedy token ids, their log-probabilities, the text, and per step the top-1 minus
+    top-2 log-probability (how near a tie the greedy choice was)."""
+    return {
+        "ids": list(o.token_ids),
+        "logprobs": [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)],
+        "margins": [_margin(lp) for lp in o.logprobs],
+        "text": o.text,
+    }
+
+
 def main() -> None:
     job = json.load(sys.stdin)
     os.environ.update({k: str(v) for k, v in (job.get("nexuskv") or {}).items()})
@@ -29,16 +45,9 @@ def main() -> None:
     out = {}
     if "greedy" in job:
         g = job["greedy"]
-        sp = SamplingParams(temperature=0.0, max_tokens=g.get("max_tokens", 32), logprobs=0, ignore_eos=True)
+        sp = SamplingParams(temperature=0.0, max_tokens=g.get("max_tokens", 32), logprobs=2, ignore_eos=True)
         res = llm.generate(g["prompts"], sp, use_tqdm=False)
-        out["greedy"] = [
-            {
-                "ids": list(r.outputs[0].token_ids),
-                "logprobs": [lp[t].logprob for lp, t in zip(r.outputs[0].logprobs, r.outputs[0].token_ids)],
-                "text": r.outputs[0].text,
-            }
-            for r in res
-        ]
+        out["greedy"] = [_summary(r.outputs[0]) for r in res]
     if "ppl" in job:
         ids = job["ppl"]["prompt_token_ids"]
         sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
@@ -47,19 +56,12 @@ def main() -> None:
         out["ppl"] = {"logprobs": lps, "ppl": math.exp(-sum(lps) / len(lps))}
     if "prefix" in job:
         p = job["prefix"]
-        sp = SamplingParams(temperature=0.0, max_tokens=p.get("max_tokens", 16), logprobs=0, ignore_eos=True)
+        sp = SamplingParams(temperature=0.0, max_tokens=p.get("max_tokens", 16), logprobs=2, ignore_eos=True)
         runs = []
         llm.reset_prefix_cache()
         for _ in range(2):
             r = llm.generate([p["prompt"]], sp, use_tqdm=False)[0]
-            o = r.outputs[0]
-            runs.append(
-                {
-                    "ids": list(o.token_ids),
-                    "logprobs": [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)],
-                    "cached": r.num_cached_tokens or 0,
-                }
-            )
+            runs.append(dict(_summary(r.outputs[0]), cached=r.num_cached_tokens or 0))
         out["prefix"] = runs
     with open(sys.argv[1], "w") as f:
         json.dump(out, f)
