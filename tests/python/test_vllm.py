@@ -99,7 +99,7 @@ def engines(tmp_path_factory, text_ids):
                 "nexuskv": BITS4,
                 "greedy": greedy,
                 "ppl": {"prompt_token_ids": text_ids},
-                "prefix": {"prompt": PROMPTS[3], "max_tokens": 16},
+                "prefix": {"prompt_token_ids": text_ids[:300], "max_tokens": 16},
             },
             None,
         ),
@@ -273,7 +273,7 @@ def test_chunked_prefill_invariance(engines):
 
 @needs_engine
 def test_prefix_cache_hit_equals_miss(engines):
-    miss, hit = engines("nq4")["prefix"]
+    miss, hit = engines("nq4")["prefix"]  # 300 prompt tokens: 2 full 128-token blocks to share
     assert miss["cached"] == 0 and hit["cached"] > 0, (miss["cached"], hit["cached"])
     assert same_greedy(miss, hit) is None, same_greedy(miss, hit)
     n = next((i for i, (x, y) in enumerate(zip(miss["ids"], hit["ids"])) if x != y), len(miss["ids"]))

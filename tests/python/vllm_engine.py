@@ -5,7 +5,7 @@ hand).  Reads a JSON job from stdin, writes a JSON answer to the file named by a
      "llm": {extra vllm.LLM arguments},
      "greedy": {"prompts": [...], "max_tokens": 32},     -> token ids and their logprobs
      "ppl": {"prompt_token_ids": [...]},                  -> prompt logprobs and perplexity
-     "prefix": {"prompt": "...", "max_tokens": 16}}       -> a prefix-cache miss, then a hit
+     "prefix": {"prompt_token_ids": [...], "max_tokens": 16}}  -> a prefix-cache miss, then a hit
 
 A process per engine: vLLM keeps process-wide state (its config, the plugins, the
 attention backend selection) that a second engine in the same process would inherit."""
@@ -60,7 +60,7 @@ def main() -> None:
         runs = []
         llm.reset_prefix_cache()
         for _ in range(2):
-            r = llm.generate([p["prompt"]], sp, use_tqdm=False)[0]
+            r = llm.generate([{"prompt_token_ids": p["prompt_token_ids"]}], sp, use_tqdm=False)[0]
             runs.append(dict(_summary(r.outputs[0]), cached=r.num_cached_tokens or 0))
         out["prefix"] = runs
     with open(sys.argv[1], "w") as f:
