@@ -77,7 +77,7 @@ __all__ = [
     "BACKEND_PATH",
 ]
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.nexuskv")  # under vLLM's logger, so that it prints as vLLM's lines do
 
 BACKEND_PATH = f"{__name__}.NexusKVAttentionBackend"
 BITS = (2, 3, 4, 8)
