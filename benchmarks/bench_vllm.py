@@ -73,7 +73,6 @@ def start_server(args, name, env_extra, log_path):
         str(args.kv_mib << 20),
         "--max-num-seqs",
         str(args.max_num_seqs),
-        "--disable-log-requests",
     ]
     if not args.compile:
         cmd.append("--enforce-eager")
@@ -130,7 +129,7 @@ def metric(url, name):
         text = r.read().decode()
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
+        if not line.startswith("#") and line.split()[0].split("{")[0] in (name, name + "_total"):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
