@@ -81,4 +81,33 @@ at::Tensor hadamard_rotate(const at::Tensor& x, const at::Tensor& signs, bool in
   return op.call(x, signs, inverse);
 }
 
+int64_t paged_slot_bytes(int64_t head_dim, int64_t key_bits, int64_t value_bits, int64_t group_size,
+                         int64_t num_outliers, at::ScalarType dtype) {
+  using Sig = int64_t(int64_t, int64_t, int64_t, int64_t, int64_t, at::ScalarType);
+  static const auto op = find_op<Sig>("nexuskv::paged_slot_bytes");
+  return op.call(head_dim, key_bits, value_bits, group_size, num_outliers, dtype);
+}
+
+void paged_kv_write_(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
+                     const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits, int64_t group_size,
+                     int64_t num_outliers, const std::optional<at::Tensor>& rotation_signs) {
+  using Sig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                   int64_t, int64_t, const std::optional<at::Tensor>&);
+  static const auto op = find_op<Sig>("nexuskv::paged_kv_write_");
+  op.call(pages, key, value, slot_mapping, key_bits, value_bits, group_size, num_outliers, rotation_signs);
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pages, const at::Tensor& block_table,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t key_bits,
+                           int64_t value_bits, int64_t group_size, int64_t num_outliers,
+                           const std::optional<at::Tensor>& rotation_signs, std::optional<double> scale,
+                           std::optional<int64_t> window, std::optional<double> softcap) {
+  using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         int64_t, int64_t, int64_t, int64_t, const std::optional<at::Tensor>&, std::optional<double>,
+                         std::optional<int64_t>, std::optional<double>);
+  static const auto op = find_op<Sig>("nexuskv::paged_attention");
+  return op.call(q, pages, block_table, seq_lens, query_start_loc, key_bits, value_bits, group_size, num_outliers,
+                 rotation_signs, scale, window, softcap);
+}
+
 }  // namespace nexuskv

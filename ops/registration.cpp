@@ -87,12 +87,44 @@ void define_operators(torch::Library& m, const std::vector<at::Tag>& tags) {
       "static_kv_append_(Tensor(a!)[] k_store, Tensor(b!)[] v_store, Tensor(c!) k_tail, Tensor(d!) v_tail, "
       "Tensor(e!) lengths, Tensor k, Tensor v, int[] k_format, int[] v_format, int residual) -> ()",
       tags);
+  // Paged KV (a serving engine's block pool; the format:
+  // csrc/include/nexuskv/core/paged_format.h).  pages: uint8 [num_blocks,
+  // kv_heads, block_size, slot_bytes] of one layer, slot_bytes from
+  // paged_slot_bytes.  The write quantizes key / value [num_tokens, kv_heads,
+  // head_dim] per token (groups of group_size channels, scales in their dtype)
+  // into slot_mapping[t] = block * block_size + offset (-1: skip); with
+  // rotation_signs it stores hadamard_rotate(x, signs).  Mutates pages.
+  m.def(
+      "paged_kv_write_(Tensor(a!) pages, Tensor key, Tensor value, Tensor slot_mapping, int key_bits, "
+      "int value_bits, int group_size, int num_outliers=0, Tensor? rotation_signs=None) -> ()",
+      tags);
+  // Fused attention over the pages of ragged requests (vLLM's varlen batch):
+  //   out = softmax(softcap(q . K^T * scale) + causal / window mask) . V   [num_tokens, q_heads, head_dim]
+  // Request r's queries are q rows [query_start_loc[r], query_start_loc[r+1]),
+  // the last positions of its seq_lens[r] tokens (written before the call),
+  // causal among themselves; its token t lives in block block_table[r, t /
+  // block_size].  GQA by q_heads / kv_heads; window: the query at position p
+  // sees keys (p - window, p]; softcap as in dgq_fused_attention; q's dtype is
+  // the dtype the keys and values were written in.  Rows of q past
+  // query_start_loc[-1] give zeros.  Allocates its output.
+  m.def(
+      "paged_attention(Tensor q, Tensor pages, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
+      "int key_bits, int value_bits, int group_size, int num_outliers=0, Tensor? rotation_signs=None, "
+      "float? scale=None, int? window=None, float? softcap=None) -> Tensor",
+      tags);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(nexuskv, m) {
   define_operators(m, {at::Tag::pt2_compliant_tag});
+  // Bytes per (token, kv head) slot of a paged pool (paged_format.h): the last
+  // dimension of paged_kv_write_'s pages, what a serving engine sizes its
+  // blocks by.  No tensor argument: one kernel for every backend.
+  // (Its kernel: csrc/aten/paged_args.cpp.)
+  m.def(
+      "paged_slot_bytes(int head_dim, int key_bits, int value_bits, int group_size, int num_outliers, "
+      "ScalarType dtype) -> int");
 
   // The compressed KV cache of one attention layer (policy and methods:
   // nexuskv/cache.h), for Python and TorchScript as

@@ -10,6 +10,7 @@
 
 #include "attention_args.h"
 #include "nq_args.h"
+#include "paged_args.h"
 #include "static_append_args.h"
 
 namespace nexuskv {
@@ -76,6 +77,23 @@ void static_kv_append_meta(at::TensorList k_store, at::TensorList v_store, const
   check_static_append_args(k_store, v_store, k_tail, v_tail, lengths, k, v, k_format, v_format, residual);
 }
 
+void paged_kv_write_meta(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
+                         const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits, int64_t group_size,
+                         int64_t num_outliers, const std::optional<at::Tensor>& rotation_signs) {
+  check_paged_write_args(pages, key, value, slot_mapping, key_bits, value_bits, group_size, num_outliers,
+                         rotation_signs);
+}
+
+at::Tensor paged_attention_meta(const at::Tensor& q, const at::Tensor& pages, const at::Tensor& block_table,
+                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t key_bits,
+                                int64_t value_bits, int64_t group_size, int64_t num_outliers,
+                                const std::optional<at::Tensor>& rotation_signs, std::optional<double> scale,
+                                std::optional<int64_t> window, std::optional<double> softcap) {
+  check_paged_attention_args(q, pages, block_table, seq_lens, query_start_loc, key_bits, value_bits, group_size,
+                             num_outliers, rotation_signs, scale, window, softcap);
+  return at::empty(q.sizes(), q.options());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(nexuskv_meta, Meta, m) {
@@ -86,6 +104,8 @@ TORCH_LIBRARY_IMPL(nexuskv_meta, Meta, m) {
   m.impl("dgq_fused_attention", &dgq_fused_attention_meta);
   m.impl("hadamard_rotate", &hadamard_rotate_meta);
   m.impl("static_kv_append_", &static_kv_append_meta);
+  m.impl("paged_kv_write_", &paged_kv_write_meta);
+  m.impl("paged_attention", &paged_attention_meta);
 }
 
 }  // namespace nexuskv

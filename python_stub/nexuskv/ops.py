@@ -502,3 +502,54 @@ def _static_kv_append_fake(k_store, v_store, k_tail, v_tail, lengths, k, v, k_fo
         # tensors that share a storage share one meta storage, at the same offsets.
         _meta_outputs("static_kv_append_", args, keep_aliasing=True)
     return None
+
+
+@torch.library.register_fake("nexuskv::paged_kv_write_")
+def _paged_kv_write_fake(
+    pages, key, value, slot_mapping, key_bits, value_bits, group_size, num_outliers=0, rotation_signs=None
+):
+    named = [("pages", pages), ("key", key), ("value", value), ("slot_mapping", slot_mapping)]
+    _one_device("paged_kv_write_", named + [("rotation_signs", rotation_signs)])
+    args = (pages, key, value, slot_mapping, key_bits, value_bits, group_size, num_outliers, rotation_signs)
+    if _concrete(args):
+        _meta_outputs("paged_kv_write_", args)
+    return None
+
+
+@torch.library.register_fake("nexuskv::paged_attention")
+def _paged_attention_fake(
+    q,
+    pages,
+    block_table,
+    seq_lens,
+    query_start_loc,
+    key_bits,
+    value_bits,
+    group_size,
+    num_outliers=0,
+    rotation_signs=None,
+    scale=None,
+    window=None,
+    softcap=None,
+):
+    named = [("q", q), ("pages", pages), ("block_table", block_table), ("seq_lens", seq_lens)]
+    _one_device("paged_attention", named + [("query_start_loc", query_start_loc), ("rotation_signs", rotation_signs)])
+    args = (
+        q,
+        pages,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        key_bits,
+        value_bits,
+        group_size,
+        num_outliers,
+        rotation_signs,
+        scale,
+        window,
+        softcap,
+    )
+    if _concrete(args):
+        return _like(q, _meta_outputs("paged_attention", args))
+    torch._check(q.dim() == 3, lambda: "paged_attention: q must have shape [num_tokens, q_heads, head_dim]")
+    return torch.empty_like(q, memory_format=torch.contiguous_format)

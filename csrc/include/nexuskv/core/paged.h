@@ -1,0 +1,117 @@
+// The paged operators as every backend's kernel reads them (the format:
+// paged_format.h): quantize-on-write of new tokens into slots, and fused
+// attention over a request's pages through its block table.
+//
+//   out = softmax(softcap(q . K^T * scale) + causal / sliding-window mask) . V
+//
+// Requests are ragged (vLLM's varlen batch): request r has seq_lens[r] tokens
+// in the pool, the last q_len(r) = query_start_loc[r+1] - query_start_loc[r]
+// of which are its queries (rows query_start_loc[r] .. of q), causal among
+// themselves: decode (q_len 1), prefill and chunked prefill alike.  Every key
+// is read from the pages, the queries' own tokens included (they were
+// written first), so the output does not depend on how a prompt was cut into
+// chunks.  Query head hq reads kv head hq / (q_heads / kv_heads) (GQA).
+//
+// Contract (the ATen glue establishes it, csrc/aten/paged_args.h): pointers
+// on the kernel's device; q and out rows of head_dim contiguous channels;
+// lengths, block ids and slots are the kernels' to check (they read data).
+#pragma once
+
+#include <cstdint>
+
+#include "nexuskv/core/hd.h"
+#include "nexuskv/core/nq_kernels.h"
+#include "nexuskv/core/paged_format.h"
+
+namespace nexuskv::core {
+
+// One layer's pool: pages uint8 [num_blocks, kv_heads, P, C].
+struct PagedPool {
+  PagedLayout layout;
+  int64_t num_blocks = 0;
+  int kv_heads = 0;
+
+  NEXUSKV_HD_INLINE int64_t num_slots() const { return num_blocks * layout.block_size; }
+  // Byte offset of the head page of (block, kv head).
+  NEXUSKV_HD_INLINE int64_t head_page(int64_t block, int h) const {
+    return (block * kv_heads + h) * layout.head_page_bytes();
+  }
+};
+
+// The write: tokens [num_tokens] of key / value [num_tokens, kv_heads, D]
+// (token stride given, heads and channels contiguous) go to slot_mapping[t]
+// (-1: skipped).  With rotation signs ([D], +-1) each row is
+// hadamard_rotate'd and rounded to X first.
+template <typename X>
+struct PagedWrite {
+  PagedPool pool;
+  uint8_t* pages = nullptr;
+  const X* key = nullptr;                        // [num_tokens, kv_heads, D]
+  const X* value = nullptr;                      // [num_tokens, kv_heads, D]
+  int64_t key_stride_t = 0, value_stride_t = 0;  // in elements
+  const int64_t* slot_mapping = nullptr;         // [num_tokens]
+  const float* rotation_signs = nullptr;         // [D] or null
+  int64_t num_tokens = 0;
+};
+
+// The attention problem.
+template <typename X>
+struct PagedAttention {
+  PagedPool pool;
+  const uint8_t* pages = nullptr;
+  const X* q = nullptr;                    // [num_tokens, q_heads, D]
+  int64_t q_stride_t = 0, q_stride_h = 0;  // in elements
+  X* out = nullptr;                        // [num_tokens, q_heads, D], contiguous
+  int64_t num_tokens = 0;
+  int q_heads = 0;
+  int64_t num_reqs = 0;
+  int64_t max_blocks = 0;                    // columns of block_table
+  const int32_t* block_table = nullptr;      // [num_reqs, max_blocks]
+  const int32_t* seq_lens = nullptr;         // [num_reqs]
+  const int32_t* query_start_loc = nullptr;  // [num_reqs + 1]
+  const float* rotation_signs = nullptr;     // [D] or null
+  float scale = 1.f;
+  int64_t window = 0;   // the query at position p sees keys (p - window, p]; 0: none
+  float softcap = 0.f;  // score -> softcap * tanh(score / softcap); 0: none
+
+  NEXUSKV_HD_INLINE int gqa_group() const { return q_heads / pool.kv_heads; }
+  NEXUSKV_HD_INLINE int64_t q_begin(int64_t r) const { return query_start_loc[r]; }
+  NEXUSKV_HD_INLINE int64_t q_len(int64_t r) const { return query_start_loc[r + 1] - query_start_loc[r]; }
+  // Position of query i of request r.
+  NEXUSKV_HD_INLINE int64_t query_position(int64_t r, int64_t i) const { return seq_lens[r] - q_len(r) + i; }
+  NEXUSKV_HD_INLINE bool visible(int64_t qpos, int64_t kpos) const {
+    return kpos <= qpos && (window <= 0 || kpos > qpos - window);
+  }
+  // Head page of token t of request r (kv head h), as a byte offset into pages.
+  NEXUSKV_HD_INLINE int64_t token_page(int64_t r, int64_t t, int h) const {
+    return pool.head_page(block_table[r * max_blocks + t / pool.layout.block_size], h);
+  }
+};
+
+// ---- CPU kernels (csrc/core/paged_kernels.cpp) ------------------------------
+
+// Writes tokens [begin, end).  Sets status flags on NaN/Inf input or a scale
+// that overflows X (the token's slot then holds garbage: the caller raises).
+template <typename X>
+void paged_write_tokens(const PagedWrite<X>& w, int64_t begin, int64_t end, CompressStatus* status);
+
+// Queries per attention task: a task is (request, kv head, block of up to
+// kPagedQueryBlock queries), so that a long prefill spreads over threads and
+// its scratch stays small.
+constexpr int64_t kPagedQueryBlock = 16;
+
+// One task of the CPU attention.
+struct PagedTask {
+  int64_t req;
+  int64_t first_query;  // index inside the request
+  int64_t queries;      // <= kPagedQueryBlock
+};
+
+// Runs task `t` for every kv head in [h_begin, h_end): writes the out rows of
+// its queries and the GQA group's q heads (NaN where a score was not finite).
+// Returns false if a page held an outlier position outside its group (a
+// corrupt page: its rows are NaN; the caller raises).
+template <typename X>
+bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_begin, int h_end);
+
+}  // namespace nexuskv::core

@@ -1,0 +1,143 @@
+// nexuskv paged KV format (version 1): the one place it is documented.  A
+// serving engine (vLLM, later DeepSpeed-FastGen) owns a pool of fixed-size
+// blocks and gives every request a block table; nexuskv stores K and V of
+// one attention layer compressed inside those blocks.
+//
+// The pool of one layer is one uint8 tensor
+//
+//   pages  uint8 [num_blocks, kv_heads, P, C]      P = block_size tokens
+//
+// i.e. vLLM's per-layer cache shape with C bytes per (token, kv head) slot
+// (vLLM sizes it from the backend's per-slot bytes, C below).  The bytes of
+// one (block, kv head) pair, P * C of them, are a "head page": the NQ buffers
+// (nq_format.h) of that head's P tokens of keys, then of values, each
+// quantized PER TOKEN (GroupAxis::kChannels: groups of G consecutive channels
+// of one token, Bg = ceil(D / G) groups per token), laid out structure of
+// arrays:
+//
+//   offset                      buffer        type   shape
+//   0                           key codes     uint8  [P, row_bytes(key_bits, D)]
+//   + P*krb                     value codes   uint8  [P, row_bytes(value_bits, D)]
+//   + P*vrb                     key scale     x      [P, Bg]
+//                               key zero      x      [P, Bg]
+//                               value scale   x      [P, Bg]
+//                               value zero    x      [P, Bg]
+//                               key outlier values    x      [P, Bg, k]
+//                               value outlier values  x      [P, Bg, k]
+//                               key outlier idx       uint8  [P, Bg, k]
+//                               value outlier idx     uint8  [P, Bg, k]
+//
+// where x is the dtype of the keys and values written (float32, float16 or
+// bfloat16: the scales, zeros and outlier values are stored in it) and k the
+// exact outliers per group.  Slot s of the pool (vLLM's slot_mapping) is
+// token s % P of block s / P.  Every buffer of a slot is a row of the NQ
+// buffers above, so a token is quantized exactly as
+// nq_compress(x[t], bits, G, axis=-1, num_outliers=k) quantizes it (same
+// codes, scales, zeros and outliers, bit for bit), whatever the batch it was
+// written in: the pages do not depend on how a prompt was split into chunks.
+// With rotation signs, the rows written are hadamard_rotate(x, signs) rounded
+// to x's dtype (the attention rotates q and un-rotates its output).
+//
+// Alignment: P must be a multiple of 16, so that every buffer starts at a
+// multiple of 16 bytes from the head page (code rows are whole 16- or 24-byte
+// chunks, and P * anything is a multiple of 16); torch allocates the pool
+// 64-byte aligned, and head pages are P * C bytes apart.
+//
+// Bytes per slot:
+//   C = row_bytes(key_bits, D) + row_bytes(value_bits, D) + Bg * (4 * x_bytes + 2 * k * (x_bytes + 1))
+// e.g. 4-bit keys and values, D = 64, G = 64, bf16, k = 0: 32 + 32 + 8 = 72
+// bytes per token and kv head, against 256 in bf16 (3.56x); 2-bit: 40 (6.4x).
+// Every byte is counted: effective bits per element = 8 * C / (2 * D).
+//
+// Keys quantized per channel over token groups (nq_format.h's kTokens, the
+// better keys at equal bytes) need storage for a request's open group outside
+// the uniform pages; they are not in this version (docs/vllm.md).
+#pragma once
+
+#include <cstdint>
+
+#include "nexuskv/core/hd.h"
+#include "nexuskv/core/nq_format.h"
+
+namespace nexuskv::core {
+
+constexpr int kPagedFormatVersion = 1;
+constexpr int64_t kPageTokenMultiple = 16;  // P % 16 == 0: every buffer of a page 16-byte aligned
+
+// The format parameters of a paged pool and the offsets of every buffer of a
+// head page.  32-bit sizes: a head page is far below 2^31 bytes (P * C with
+// C < 2^12 at D = 256), so per-token offsets need no 64-bit arithmetic.
+struct PagedLayout {
+  int head_dim = 0;    // D
+  int block_size = 0;  // P
+  int key_bits = 4, value_bits = 4;
+  int group_size = 64;   // G: channels per group (per token)
+  int num_outliers = 0;  // k
+  int x_bytes = 2;       // bytes of the stored dtype (scales, zeros, outlier values)
+
+  NEXUSKV_HD_INLINE int groups() const { return int(ceil_div(head_dim, group_size)); }  // Bg
+  NEXUSKV_HD_INLINE int key_row_bytes() const { return int(row_bytes(key_bits, head_dim)); }
+  NEXUSKV_HD_INLINE int value_row_bytes() const { return int(row_bytes(value_bits, head_dim)); }
+  // C: bytes of one (token, kv head) slot.
+  NEXUSKV_HD_INLINE int slot_bytes() const {
+    return key_row_bytes() + value_row_bytes() + groups() * (4 * x_bytes + 2 * num_outliers * (x_bytes + 1));
+  }
+  NEXUSKV_HD_INLINE int64_t head_page_bytes() const { return int64_t(block_size) * slot_bytes(); }
+
+  // Offsets (bytes from the head page) of the ten buffers, in the order above.
+  NEXUSKV_HD_INLINE int64_t key_codes() const { return 0; }
+  NEXUSKV_HD_INLINE int64_t value_codes() const { return int64_t(block_size) * key_row_bytes(); }
+  NEXUSKV_HD_INLINE int64_t meta_bytes() const { return int64_t(block_size) * groups() * x_bytes; }  // one [P, Bg]
+  NEXUSKV_HD_INLINE int64_t key_scale() const { return value_codes() + int64_t(block_size) * value_row_bytes(); }
+  NEXUSKV_HD_INLINE int64_t key_zero() const { return key_scale() + meta_bytes(); }
+  NEXUSKV_HD_INLINE int64_t value_scale() const { return key_zero() + meta_bytes(); }
+  NEXUSKV_HD_INLINE int64_t value_zero() const { return value_scale() + meta_bytes(); }
+  NEXUSKV_HD_INLINE int64_t key_outlier_val() const { return value_zero() + meta_bytes(); }
+  NEXUSKV_HD_INLINE int64_t value_outlier_val() const { return key_outlier_val() + meta_bytes() * num_outliers; }
+  NEXUSKV_HD_INLINE int64_t key_outlier_idx() const { return value_outlier_val() + meta_bytes() * num_outliers; }
+  NEXUSKV_HD_INLINE int64_t value_outlier_idx() const {
+    return key_outlier_idx() + int64_t(block_size) * groups() * num_outliers;
+  }
+
+  // NQDims of one token of one head (a single [1, D] row), what nq_compress /
+  // the NQ readers see for a slot.
+  NEXUSKV_HD_INLINE NQDims token_dims(int bits) const {
+    NQDims d;
+    d.rows = 1;
+    d.tokens = 1;
+    d.head_dim = head_dim;
+    d.bits = bits;
+    d.group_size = group_size;
+    d.axis = GroupAxis::kChannels;
+    d.num_outliers = num_outliers;
+    return d;
+  }
+};
+
+// Pointers to the buffers of one slot (token `offset` of a head page).
+template <typename X>
+struct PagedSlot {
+  uint8_t* codes;
+  X* scale;
+  X* zero;
+  X* outlier_val;
+  uint8_t* outlier_idx;
+};
+
+// Slot `offset` (0 <= offset < P) of the key (value = false) or value half of
+// the head page starting at `head_page`.
+template <typename X>
+NEXUSKV_HD_STATIC PagedSlot<X> paged_slot(const PagedLayout& l, uint8_t* head_page, int offset, bool value) {
+  const int g = l.groups(), k = l.num_outliers;
+  PagedSlot<X> s;
+  s.codes = head_page + (value ? l.value_codes() + int64_t(offset) * l.value_row_bytes()
+                               : l.key_codes() + int64_t(offset) * l.key_row_bytes());
+  s.scale = reinterpret_cast<X*>(head_page + (value ? l.value_scale() : l.key_scale())) + offset * g;
+  s.zero = reinterpret_cast<X*>(head_page + (value ? l.value_zero() : l.key_zero())) + offset * g;
+  s.outlier_val =
+      reinterpret_cast<X*>(head_page + (value ? l.value_outlier_val() : l.key_outlier_val())) + int64_t(offset) * g * k;
+  s.outlier_idx = head_page + (value ? l.value_outlier_idx() : l.key_outlier_idx()) + int64_t(offset) * g * k;
+  return s;
+}
+
+}  // namespace nexuskv::core
