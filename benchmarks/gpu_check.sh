@@ -6,7 +6,7 @@
 #      here is also what matches the library to this machine's torch),
 #   3. stops with a clear message if torch sees no GPU (the first CUDA call),
 #   4. runs the CUDA test suites (tests/python/test_cuda_*.py, the CUDA cases of
-#      test_cache_device.py and test_attention.py),
+#      test_cache_device.py, test_attention.py and test_paged.py),
 #   5. runs compute-sanitizer memcheck on small cases of every kernel (the smoke script),
 #   6. runs the GPU benchmark (benchmarks/bench_cuda.py) on the grid of issue 23,
 #   7. runs compute-sanitizer racecheck on the same small cases.
@@ -200,9 +200,10 @@ SANITIZER=$(find_sanitizer) && VERSION[compute-sanitizer]="$SANITIZER ($("$SANIT
 # missing tool is taken off the list (the CUDA-only files also importorskip it, for runs by
 # hand; test_attention.py is not CUDA-only and imports hypothesis at module level): with
 # xdist, one collection error would stop every test.
-TEST_FILES=(tests/python/test_cuda_*.py tests/python/test_cache_device.py tests/python/test_attention.py)
+TEST_FILES=(tests/python/test_cuda_*.py tests/python/test_cache_device.py tests/python/test_attention.py
+  tests/python/test_paged.py)
 declare -A NEEDS=(
-  [hypothesis]="tests/python/test_cuda_attention.py tests/python/test_attention.py"
+  [hypothesis]="tests/python/test_cuda_attention.py tests/python/test_attention.py tests/python/test_paged.py"
   [transformers]="tests/python/test_cuda_cache_hf.py"
 )
 PYTEST_SEL=(-k cuda -p no:cacheprovider)

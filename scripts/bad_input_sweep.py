@@ -95,7 +95,7 @@ class Case:
 CASES: list[Case] = []
 # The case groups, in the order they run; the last three are issue 18's (item 9): valid
 # operation sequences, forged states and buffers, and messages that must name the argument.
-GROUPS = ("operators", "cache", "hf", "static", "sequences", "forged", "messages")
+GROUPS = ("operators", "cache", "hf", "static", "sequences", "forged", "messages", "paged")
 NEW_GROUPS = ("sequences", "forged", "messages")
 _group = ""  # the group the builder now running adds to (build_cases sets it)
 
@@ -3456,6 +3456,121 @@ def static_cache_cases():
             )
 
 
+# ---- paged KV (serving engines' block pools; paged_format.h) --------------------------------
+
+
+def _paged_setup(dtype=torch.bfloat16, H=2, P=16, blocks=4, n=20, seed=0):
+    """A pool with one request of n tokens in blocks 2, 0 (P-token blocks): (pages, q, table, lens, qsl, k, v)."""
+    from nexuskv import paged
+
+    C = paged.slot_bytes(64, dtype)
+    pages = torch.zeros(blocks, H, P, C, dtype=torch.uint8)
+    k, v = rnd(n, H, 64, dtype=dtype, seed=seed), rnd(n, H, 64, dtype=dtype, seed=seed + 1)
+    table = torch.tensor([[2, 0, 3]], dtype=torch.int32)
+    slots = torch.tensor([int(table[0, t // P]) * P + t % P for t in range(n)])
+    torch.ops.nexuskv.paged_kv_write_(pages, k, v, slots, 4, 4, 64)
+    q = rnd(3, 2 * H, 64, dtype=dtype, seed=seed + 2)
+    return pages, q, table, torch.tensor([n], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32), k, v
+
+
+def _paged_valid(dtype, window):
+    """Attention over the pages against float64 attention over nq_compress'd rows."""
+    pages, q, table, lens, qsl, k, v = _paged_setup(dtype)
+    got = torch.ops.nexuskv.paged_attention(q, pages, table, lens, qsl, 4, 4, 64, 0, None, None, window)
+    K = [ref.reference_dequantize(ops.nq_compress(k.transpose(0, 1), 4, 64, -1), 4, 64, -1, 64)]
+    V = [ref.reference_dequantize(ops.nq_compress(v.transpose(0, 1), 4, 64, -1), 4, 64, -1, 64)]
+    want = attention_f64(q.transpose(0, 1)[None], K, V, lens, 64**-0.5, window)[0].transpose(0, 1)
+    return rel_err(got, want), attention_tol(dtype)
+
+
+def paged_cases():
+    W, A = torch.ops.nexuskv.paged_kv_write_, torch.ops.nexuskv.paged_attention
+    op = "paged_kv_write_"
+
+    def w(pages=None, key=None, value=None, slots=None, kb=4, vb=4, G=64, k=0, signs=None):
+        p, _, _, _, _, kk, vv = _paged_setup()
+        key = kk[:3] if key is None else key
+        value = key if value is None else value
+        slots = torch.tensor([5, 6, 7]) if slots is None else slots
+        W(p if pages is None else pages(p), key, value, slots, kb, vb, G, k, signs)
+
+    kk = lambda: rnd(3, 2, 64, dtype=torch.bfloat16)  # noqa: E731
+    bad(op, "args", "slot past the pool", lambda: w(slots=torch.tensor([5, 6, 64])), "slot_mapping")
+    bad(op, "args", "slot -2", lambda: w(slots=torch.tensor([5, -2, 7])), "slot_mapping")
+    bad(op, "args", "slot twice", lambda: w(slots=torch.tensor([5, 6, 5])), "slot_mapping")
+    bad(op, "dtype", "slots int32", lambda: w(slots=torch.tensor([5, 6, 7], dtype=torch.int32)), "slot_mapping")
+    bad(op, "shape", "slots short", lambda: w(slots=torch.tensor([5, 6])), "slot_mapping")
+    for b in (0, 5, 2**32 + 4):
+        bad(op, "bits", f"key_bits {b}", lambda b=b: w(kb=b), "key_bits")
+    bad(op, "bits", "value_bits 1", lambda: w(vb=1), "value_bits")
+    bad(op, "group_size", "group_size 0", lambda: w(G=0), "group_size")
+    bad(op, "outliers", "num_outliers = group_size", lambda: w(k=64), "num_outliers")
+    bad(op, "mismatch", "format of other slot bytes", lambda: w(kb=2), "pages")
+    bad(op, "dtype", "key float32 in a bf16 pool", lambda: w(key=kk().float()), "pages")
+    bad(op, "dtype", "key int", lambda: w(key=kk().int()), "key")
+    bad(op, "shape", "key 2-D", lambda: w(key=kk()[0]), "key")
+    bad(op, "shape", "key heads", lambda: w(key=kk()[:, :1]), "key")
+    # ("value" is a generic word to the clear rule: these messages must name key, whose
+    # shape and dtype value must have.)
+    bad(op, "mismatch", "value shape", lambda: w(value=kk()[:2]), "key")
+    bad(op, "mismatch", "value dtype", lambda: w(value=kk().half()), "key")
+    bad(op, "layout", "pages view", lambda: w(pages=lambda p: p[:, :, ::2]), "pages")
+    bad(op, "dtype", "pages int8", lambda: w(pages=lambda p: p.to(torch.int8)), "pages")
+    bad(op, "shape", "pages block 8", lambda: w(pages=lambda p: p[:, :, :8].contiguous()), "block_size")
+    bad(op, "signs", "signs length 32", lambda: w(signs=torch.ones(32)), "rotation_signs")
+    bad(op, "signs", "signs 0.5", lambda: w(signs=torch.full((64,), 0.5)), "rotation_signs")
+    bad(op, "meta", "key on meta", lambda: w(key=kk().to("meta")), "key")
+    bad(op, "grad", "key requires grad", lambda: w(key=grad_leaf(kk())), "key")
+    bad(op, "values", "key NaN", lambda: w(key=poke(kk(), NAN)), "key")
+    bad(op, "values", "value Inf", lambda: w(value=poke(kk(), INF)), "key")
+
+    op = "paged_attention"
+
+    def a(q=None, pages=None, table=None, lens=None, qsl=None, k=0, signs=None, scale=None, window=None, cap=None):
+        p, qq, tt, ll, ss, _, _ = _paged_setup()
+        return A(
+            qq if q is None else q(qq),
+            p if pages is None else pages(p),
+            tt if table is None else table,
+            ll if lens is None else lens,
+            ss if qsl is None else qsl,
+            4,
+            4,
+            64,
+            k,
+            signs,
+            scale,
+            window,
+            cap,
+        )
+
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    bad(op, "shape", "q 2-D", lambda: a(q=lambda q: q[0]), "q")
+    bad(op, "gqa", "q heads 3", lambda: a(q=lambda q: q[:, :3]), "q")
+    bad(op, "shape", "head_dim 40", lambda: a(q=lambda q: q[..., :40]), "head_dim")
+    bad(op, "mismatch", "q float32 over a bf16 pool", lambda: a(q=lambda q: q.float()), "q")
+    bad(op, "dtype", "block_table int64", lambda: a(table=i32(2, 0, 3)[None].long()), "block_table")
+    bad(op, "shape", "block_table rows", lambda: a(table=i32(2, 0, 3)[None].repeat(2, 1)), "block_table")
+    bad(op, "shape", "query_start_loc short", lambda: a(qsl=i32(0)), "query_start_loc")
+    bad(op, "lengths", "query_start_loc from 1", lambda: a(qsl=i32(1, 3)), "query_start_loc")
+    bad(op, "lengths", "query_start_loc past q", lambda: a(qsl=i32(0, 4)), "query_start_loc")
+    bad(op, "lengths", "seq_lens below q_len", lambda: a(lens=i32(2)), "seq_lens")
+    bad(op, "lengths", "seq_lens past the table", lambda: a(lens=i32(49)), "seq_lens")
+    bad(op, "lengths", "seq_lens -1", lambda: a(lens=i32(-1)), "seq_lens")
+    bad(op, "args", "block id past the pool", lambda: a(table=i32(2, 9, 3)[None]), "block_table")
+    bad(op, "args", "block id -1 read", lambda: a(table=i32(-1, 0, 3)[None]), "block_table")
+    bad(op, "args", "window 0", lambda: a(window=0), "window")
+    bad(op, "args", "softcap -1", lambda: a(cap=-1.0), "softcap")
+    bad(op, "args", "scale NaN", lambda: a(scale=NAN), "scale")
+    bad(op, "outliers", "format with outliers", lambda: a(k=1), "pages")
+    bad(op, "meta", "table on meta", lambda: a(table=i32(2, 0, 3)[None].to("meta")), "block_table")
+    bad(op, "grad", "q requires grad", lambda: a(q=lambda q: grad_leaf(q.float()).bfloat16()), "q")
+    nonfinite(op, "q NaN", lambda: a(q=lambda q: poke(q, NAN)))
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for window in (None, 7):
+            valid(op, f"{dtype} window {window} vs float64", lambda d=dtype, wnd=window: _paged_valid(d, wnd))
+
+
 def build_cases():
     global _group
     for _group, builders in (
@@ -3466,6 +3581,7 @@ def build_cases():
         ("sequences", (sequence_cases,)),
         ("forged", (forged_cases,)),
         ("messages", (message_cases,)),
+        ("paged", (paged_cases,)),
     ):
         for build in builders:
             build()

@@ -23,23 +23,6 @@ std::optional<at::Tensor> float_signs(const char* op, const std::optional<at::Te
   return s;
 }
 
-// Every slot is -1 (skip) or inside the pool, and no slot is written twice
-// (two tokens of one call racing for one slot would leave a mix of both).
-void check_slots(const char* op, const at::Tensor& slots, int64_t num_slots) {
-  const int64_t* s = slots.data_ptr<int64_t>();
-  std::vector<int64_t> used;
-  used.reserve(size_t(slots.numel()));
-  for (int64_t t = 0; t < slots.numel(); ++t) {
-    TORCH_CHECK(s[t] >= -1 && s[t] < num_slots, op, ": slot_mapping[", t, "] is ", s[t],
-                ", outside the pool's slots [0, num_blocks * block_size) = [0, ", num_slots, ") (-1: skip the token)");
-    if (s[t] >= 0) used.push_back(s[t]);
-  }
-  std::sort(used.begin(), used.end());
-  const auto dup = std::adjacent_find(used.begin(), used.end());
-  TORCH_CHECK(dup == used.end(), op, ": slot_mapping holds slot ", dup == used.end() ? 0 : *dup,
-              " twice; each slot can take one token per call");
-}
-
 void paged_kv_write_cpu(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
                         const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits, int64_t group_size,
                         int64_t num_outliers, const std::optional<at::Tensor>& rotation_signs) {
@@ -48,7 +31,7 @@ void paged_kv_write_cpu(const at::Tensor& pages, const at::Tensor& key, const at
                                                     num_outliers, rotation_signs);
   if (s.num_tokens == 0) return;
   const at::Tensor slots = slot_mapping.contiguous();
-  check_slots(op, slots, s.pool.num_slots());
+  check_paged_slots(op, slots.data_ptr<int64_t>(), slots.numel(), s.pool.num_slots());
   const std::optional<at::Tensor> signs = float_signs(op, rotation_signs);
   const at::Tensor k = paged_rows(key), v = paged_rows(value);
   core::CompressStatus status;
@@ -63,42 +46,17 @@ void paged_kv_write_cpu(const at::Tensor& pages, const at::Tensor& key, const at
       if (st.range_overflow || st.meta_overflow) overflow = true;
     });
   });
-  TORCH_CHECK(!non_finite, op, ": key or value holds NaN or Inf (in a token with a slot); the slots of such tokens ",
-              "now hold garbage: write them again with finite values before attending over them");
-  TORCH_CHECK(!overflow, op, ": a group of key or value spans more than ", key.scalar_type(),
-              " can hold as a scale (finite values beyond +-1.7e38 in float32, or beyond +-65504 in float16); the ",
-              "slots of such tokens now hold garbage");
+  check_paged_write_status(op, key.scalar_type(), non_finite, overflow);
 }
 
-// The data checks of the attention: query_start_loc runs from 0, in order,
-// within q; each request has 0 <= q_len <= seq_len <= max_blocks * P; the
-// block ids the kernel will read lie in the pool.  Returns the tasks.
+// The attention's tasks (after its data checks): (request, block of queries).
 std::vector<core::PagedTask> paged_tasks(const char* op, const PagedAttentionShapes& s, const int32_t* qsl,
                                          const int32_t* seq_lens, const int32_t* table) {
-  const int64_t P = s.pool.layout.block_size;
-  TORCH_CHECK(qsl[0] == 0, op, ": query_start_loc[0] must be 0, got ", qsl[0]);
+  check_paged_requests(op, s, qsl, seq_lens, table);
   std::vector<core::PagedTask> tasks;
-  for (int64_t r = 0; r < s.num_reqs; ++r) {
-    const int64_t q_len = int64_t(qsl[r + 1]) - qsl[r];
-    TORCH_CHECK(q_len >= 0 && qsl[r + 1] <= s.num_tokens, op, ": query_start_loc must be non-decreasing and at most ",
-                "q's tokens (", s.num_tokens, "), got query_start_loc[", r, "] = ", qsl[r], ", [", r + 1,
-                "] = ", qsl[r + 1]);
-    const int64_t len = seq_lens[r];
-    TORCH_CHECK(len >= q_len && len <= s.max_blocks * P, op, ": seq_lens[", r, "] = ", len, " must be at least ",
-                "the request's queries (", q_len, ") and at most block_table's blocks times block_size (", s.max_blocks,
-                " x ", P, ")");
-    if (q_len == 0) continue;
-    // The blocks read: from the oldest query's window start to the last key.
-    int64_t first = 0;
-    if (s.window > 0 && len - q_len - s.window + 1 > 0) first = len - q_len - s.window + 1;
-    for (int64_t b = first / P; b < (len + P - 1) / P; ++b) {
-      const int32_t id = table[r * s.max_blocks + b];
-      TORCH_CHECK(id >= 0 && id < s.pool.num_blocks, op, ": block_table[", r, ", ", b, "] = ", id,
-                  " is not a block of pages (", s.pool.num_blocks, " blocks), and request ", r, " reads it");
-    }
-    for (int64_t i = 0; i < q_len; i += core::kPagedQueryBlock)
-      tasks.push_back({r, i, std::min<int64_t>(core::kPagedQueryBlock, q_len - i)});
-  }
+  for (int64_t r = 0; r < s.num_reqs; ++r)
+    for (int64_t i = 0; i < int64_t(qsl[r + 1]) - qsl[r]; i += core::kPagedQueryBlock)
+      tasks.push_back({r, i, std::min<int64_t>(core::kPagedQueryBlock, int64_t(qsl[r + 1]) - qsl[r] - i)});
   return tasks;
 }
 
@@ -128,8 +86,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& pages, con
         if (!core::paged_attention_task(p, tasks[size_t(i / H)], int(i % H), int(i % H) + 1)) corrupt = true;
     });
   });
-  TORCH_CHECK(!corrupt, op, ": pages hold an outlier position outside its group: they were not written by ",
-              "paged_kv_write_ with this format (key_bits, value_bits, group_size, num_outliers, dtype)");
+  check_paged_outliers(op, corrupt);
   return out;
 }
 

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <vector>
 
 namespace nexuskv {
 
@@ -44,6 +45,58 @@ void check_lengths_within(const char* op, const char* name, const core::SeqLengt
     TORCH_CHECK(v >= 0 && v <= limit, op, ": ", name, "[", b, "] = ", v, " is outside [0, ", limit, "] (", limit_what,
                 ")");
   }
+}
+
+void check_paged_slots(const char* op, const int64_t* slots, int64_t n, int64_t num_slots) {
+  std::vector<int64_t> used;
+  used.reserve(size_t(n));
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, op, ": slot_mapping[", t, "] is ", slots[t],
+                ", outside the pool's slots [0, num_blocks * block_size) = [0, ", num_slots, ") (-1: skip the token)");
+    if (slots[t] >= 0) used.push_back(slots[t]);
+  }
+  // Two tokens of one call racing for one slot would leave a mix of both.
+  std::sort(used.begin(), used.end());
+  const auto dup = std::adjacent_find(used.begin(), used.end());
+  TORCH_CHECK(dup == used.end(), op, ": slot_mapping holds slot ", dup == used.end() ? 0 : *dup,
+              " twice; each slot can take one token per call");
+}
+
+void check_paged_write_status(const char* op, at::ScalarType dtype, bool non_finite, bool overflow) {
+  TORCH_CHECK(!non_finite, op, ": key or value holds NaN or Inf (in a token with a slot); the slots of such tokens ",
+              "now hold garbage: write them again with finite values before attending over them");
+  TORCH_CHECK(!overflow, op, ": a group of key or value spans more than ", dtype,
+              " can hold as a scale (finite values beyond +-1.7e38 in float32, or beyond +-65504 in float16); the ",
+              "slots of such tokens now hold garbage");
+}
+
+void check_paged_requests(const char* op, const PagedAttentionShapes& s, const int32_t* qsl, const int32_t* seq_lens,
+                          const int32_t* table) {
+  const int64_t P = s.pool.layout.block_size;
+  TORCH_CHECK(qsl[0] == 0, op, ": query_start_loc[0] must be 0, got ", qsl[0]);
+  for (int64_t r = 0; r < s.num_reqs; ++r) {
+    const int64_t q_len = int64_t(qsl[r + 1]) - qsl[r];
+    TORCH_CHECK(q_len >= 0 && qsl[r + 1] <= s.num_tokens, op, ": query_start_loc must be non-decreasing and at most ",
+                "q's tokens (", s.num_tokens, "), got query_start_loc[", r, "] = ", qsl[r], ", [", r + 1,
+                "] = ", qsl[r + 1]);
+    const int64_t len = seq_lens[r];
+    TORCH_CHECK(len >= q_len && len <= s.max_blocks * P, op, ": seq_lens[", r, "] = ", len, " must be at least ",
+                "the request's queries (", q_len, ") and at most block_table's blocks times block_size (", s.max_blocks,
+                " x ", P, ")");
+    if (q_len == 0) continue;
+    int64_t first = 0;
+    if (s.window > 0 && len - q_len - s.window + 1 > 0) first = len - q_len - s.window + 1;
+    for (int64_t b = first / P; b < (len + P - 1) / P; ++b) {
+      const int32_t id = table[r * s.max_blocks + b];
+      TORCH_CHECK(id >= 0 && id < s.pool.num_blocks, op, ": block_table[", r, ", ", b, "] = ", id,
+                  " is not a block of pages (", s.pool.num_blocks, " blocks), and request ", r, " reads it");
+    }
+  }
+}
+
+void check_paged_outliers(const char* op, bool corrupt) {
+  TORCH_CHECK(!corrupt, op, ": pages hold an outlier position outside its group: they were not written by ",
+              "paged_kv_write_ with this format (key_bits, value_bits, group_size, num_outliers, dtype)");
 }
 
 }  // namespace nexuskv

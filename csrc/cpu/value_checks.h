@@ -11,6 +11,7 @@
 #include <functional>
 
 #include "../aten/nq_args.h"
+#include "../aten/paged_args.h"
 #include "nexuskv/core/attention.h"
 #include "nexuskv/core/nq_kernels.h"
 
@@ -68,5 +69,23 @@ void check_attention_values(const char* op, const core::CpuAttentionParams<Meta,
   check_cache_values(op, "k_cache", p.k, p.compressed_lens, p.batch, p.kv_heads);
   check_cache_values(op, "v_cache", p.v, p.compressed_lens, p.batch, p.kv_heads);
 }
+
+// ---- paged operators (also the CUDA glue's, on host copies, in check mode) ----
+
+// slots[0..n) are -1 (skip) or inside the pool, and none is there twice.
+void check_paged_slots(const char* op, const int64_t* slots, int64_t n, int64_t num_slots);
+
+// The errors of a write whose compressor saw NaN/Inf (non_finite) or a scale
+// overflowing the dtype (overflow).
+void check_paged_write_status(const char* op, at::ScalarType dtype, bool non_finite, bool overflow);
+
+// query_start_loc runs from 0, in order, within q; each request has
+// 0 <= q_len <= seq_len <= max_blocks * P; the block ids the attention reads
+// (from the oldest query's window start to the last key) lie in the pool.
+void check_paged_requests(const char* op, const PagedAttentionShapes& s, const int32_t* query_start_loc,
+                          const int32_t* seq_lens, const int32_t* block_table);
+
+// The error of an attention that met an outlier position outside its group.
+void check_paged_outliers(const char* op, bool corrupt);
 
 }  // namespace nexuskv

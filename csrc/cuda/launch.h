@@ -10,6 +10,7 @@
 #include "nexuskv/core/half.h"
 #include "nexuskv/core/hd.h"
 #include "nexuskv/core/nq_format.h"
+#include "nexuskv/core/paged.h"
 
 #include <cuda_runtime_api.h>
 
@@ -101,5 +102,67 @@ void launch_hadamard(const T* x,  // [rows, n] contiguous
                      T* y,            // [rows, n]
                      float* scratch,  // [rows, n] when n > kHadamardSmemMax, else unused
                      uint32_t* status, Stream stream);
+
+}  // namespace nexuskv::cuda
+
+// ---- Paged KV (paged_kernels.cuh; paged_kernels.cu) --------------------------------------------
+
+namespace nexuskv::cuda {
+
+// The paged write quantizes every (token, kv head) row of key and value with
+// the NQ compressor of launch_nq_compress (rows = tokens, tokens = kv heads,
+// axis kChannels: one group set per (token, head), the bytes of nq_compress
+// on that token) into one scratch buffer, then copies each row with a slot
+// into its slot.  Byte offsets of the scratch's buffers (256-byte aligned);
+// index 0: keys, 1: values.
+struct PagedWriteScratch {
+  int64_t rotated = 0;                                 // X [2, rows, D] when rotating (keys, then values)
+  int64_t codes[2] = {}, scale[2] = {}, zero[2] = {};  // uint8 [rows, row_bytes], X [rows, Bg], X [rows, Bg]
+  int64_t outlier_idx[2] = {}, outlier_val[2] = {};    // uint8 [rows, Bg, k], X [rows, Bg, k]
+  int64_t bytes = 0;
+};
+inline PagedWriteScratch paged_write_scratch(const core::PagedLayout& l, int64_t rows, bool rotate) {
+  PagedWriteScratch s;
+  int64_t at = 0;
+  auto take = [&](int64_t n) {
+    const int64_t offset = at;
+    at += (n + 255) / 256 * 256;
+    return offset;
+  };
+  const int64_t x = l.x_bytes, g = rows * l.groups();
+  s.rotated = take(rotate ? 2 * rows * l.head_dim * x : 0);
+  for (int half = 0; half < 2; ++half) {
+    s.codes[half] = take(rows * (half ? l.value_row_bytes() : l.key_row_bytes()));
+    s.scale[half] = take(g * x);
+    s.zero[half] = take(g * x);
+    s.outlier_idx[half] = take(g * l.num_outliers);
+    s.outlier_val[half] = take(g * l.num_outliers * x);
+  }
+  s.bytes = at;
+  return s;
+}
+
+// Writes w.num_tokens tokens (w.num_tokens * kv_heads < 2^31) through
+// `scratch` (device, paged_write_scratch(...).bytes, 256-byte aligned).
+// Device-side checks: a slot outside [-1, num_slots) skips its token
+// (kBadSlot); signs not +-1 (kBadSigns) make the rotated rows NaN; a written
+// group whose input held NaN/Inf (kNonFiniteInput) or whose scale or zero
+// overflows X (kMetaOverflow) is stored with that NaN/Inf scale and zero.
+// Duplicate slots are the caller's contract on CUDA (the tokens race; the CPU
+// raises): no check without NEXUSKV_CUDA_CHECKS=1.
+template <typename X>
+void launch_paged_write(const core::PagedWrite<X>& w, uint8_t* scratch, uint32_t* status, Stream stream);
+
+// The paged attention, one block per (token, kv head, up to kPagedHeadsPerBlock
+// q heads of its GQA group); p.out is written in full (padding rows zero).
+// Device-side checks (rows NaN, status bits): query_start_loc / seq_lens
+// inconsistent for the row's request (kBadLengths), a block id outside the
+// pool (kBadBlock), signs not +-1 (kBadSigns), an outlier position outside its
+// group (kBadOutlierIndex).  Returns the cudaError_t of the shared-memory
+// opt-in (0: launched).  Needs p.num_tokens < 2^31 and
+// kv_heads * ceil(gqa_group / kPagedHeadsPerBlock) <= 65535.
+constexpr int kPagedHeadsPerBlock = 8;
+template <typename X>
+int launch_paged_attention(const core::PagedAttention<X>& p, uint32_t* status, Stream stream);
 
 }  // namespace nexuskv::cuda

@@ -18,6 +18,8 @@ enum StatusBit : uint32_t {
   kBadLengths = 16u,      // a length outside [0, capacity], or q_len above a sequence's length
   kBadSigns = 32u,        // rotation signs not all +1 / -1
   kSegmentsUnmet = 64u,   // DGQ could not cut a row into its segments
+  kBadSlot = 256u,        // paged: a slot_mapping entry outside [-1, num_slots) (that token is skipped)
+  kBadBlock = 512u,       // paged: a block id read from block_table outside [0, num_blocks) (rows NaN)
 };
 
 }  // namespace nexuskv::cuda

@@ -257,8 +257,9 @@ def test_write_skips_slot_minus_one_and_leaves_other_slots():
         (paged.PagedFormat(2, 2, 32, 1, rotate=True, seed=3), 2, 4, None, None),
         (paged.PagedFormat(8, 4, 64, 0, rotate=False), 1, 4, 23, None),
         (paged.PagedFormat(3, 8, 16, 2, rotate=False), 2, 2, 40, 30.0),
+        (paged.PagedFormat(4, 2, 64, 0, rotate=True), 1, 12, None, None),
     ],
-    ids=["4bit-gqa3", "2bit-out1", "8-4-window", "3-8-window-softcap"],
+    ids=["4bit-gqa3", "2bit-out1", "8-4-window", "3-8-window-softcap", "4-2-gqa12"],
 )
 def test_attention_matches_float64_over_a_serving_sequence(device, dtype, fmt, kv_heads, q_heads, window, softcap):
     """Prefill, chunked prefill and decode of three requests in ragged batches, against float64
