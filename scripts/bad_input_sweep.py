@@ -3565,7 +3565,7 @@ def paged_cases():
     bad(op, "outliers", "format with outliers", lambda: a(k=1), "pages")
     bad(op, "meta", "table on meta", lambda: a(table=i32(2, 0, 3)[None].to("meta")), "block_table")
     bad(op, "grad", "q requires grad", lambda: a(q=lambda q: grad_leaf(q.float()).bfloat16()), "q")
-    nonfinite(op, "q NaN", lambda: a(q=lambda q: poke(q, NAN)))
+    nonfinite(op, "q NaN", lambda: a(q=lambda q: poke(q, NAN)), "q")
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for window in (None, 7):
             valid(op, f"{dtype} window {window} vs float64", lambda d=dtype, wnd=window: _paged_valid(d, wnd))
