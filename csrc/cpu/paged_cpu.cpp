@@ -74,8 +74,10 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& pages, con
       paged_tasks(op, s, qsl.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), table.data_ptr<int32_t>());
   const std::optional<at::Tensor> signs = float_signs(op, rotation_signs);
   const at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous();
-  // Zeros: the rows past query_start_loc[-1] (padding) stay zero.
-  at::Tensor out = at::zeros(q.sizes(), q.options());
+  // The tasks write every row of the requests' queries; the rows past
+  // query_start_loc[-1] (padding) are zeroed here.
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  out.narrow(0, qsl.data_ptr<int32_t>()[s.num_reqs], s.num_tokens - qsl.data_ptr<int32_t>()[s.num_reqs]).zero_();
   const int64_t H = s.pool.kv_heads, n = int64_t(tasks.size()) * H;
   std::atomic<bool> corrupt{false};
   dispatch_core_float(q.scalar_type(), op, [&](auto tag) {
