@@ -5,8 +5,9 @@ or preempt requests.
 For each configuration the script starts `vllm serve` on 127.0.0.1 (the launcher of
 scripts/install_vllm.sh), sends N streaming /v1/completions requests with Poisson
 arrivals and fixed prompt / output lengths (loopback only, bounded in count and time),
-stops the server, and reports requests/s, output tokens/s, P50/P95 time to first token
-and inter-token latency, KV bytes per token and the concurrency the budget holds (from
+stops the server, and reports requests/s (and its ratio to the stock backend's), output
+tokens/s, P50/P95 time to first token, inter-token latency and request latency (arrival to
+last token), KV bytes per token and the concurrency the budget holds (from
 the server's "KV cache size" line), and preemptions (from /metrics).  Prints a table,
 writes JSON.
 
@@ -175,6 +176,7 @@ def run_config(args, name, env_extra):
     ok = [r for r in results if r.get("ok")]
     ttft = [r["stamps"][0] - r["start"] for r in ok if r["stamps"]]
     itl = [b - a for r in ok for a, b in zip(r["stamps"], r["stamps"][1:])]
+    latency = [r["stamps"][-1] - r["start"] for r in ok if r["stamps"]]  # arrival to last token
     out_tokens = sum(len(r["stamps"]) for r in ok)
     return {
         "config": name,
@@ -190,6 +192,8 @@ def run_config(args, name, env_extra):
         "ttft_p95_s": percentile(ttft, 0.95),
         "itl_p50_s": percentile(itl, 0.5),
         "itl_p95_s": percentile(itl, 0.95),
+        "latency_p50_s": percentile(latency, 0.5),
+        "latency_p95_s": percentile(latency, 0.95),
         "kv_budget_bytes": args.kv_mib << 20,
         "kv_cache_tokens": kv_tokens,
         "kv_bytes_per_token": (args.kv_mib << 20) / kv_tokens if kv_tokens else None,
@@ -219,23 +223,42 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(ROOT, "results", "bench_vllm.json"))
     args = p.parse_args(argv)
     os.makedirs(args.log_dir, exist_ok=True)
+    load_before = os.getloadavg()
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rows = []
     for name in args.configs.split(","):
         print(f"== {name}", flush=True)
         rows.append(run_config(args, name, CONFIGS[name]))
         print(json.dumps(rows[-1]), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    load_after = os.getloadavg()
+    stock = next((r for r in rows if r["config"] == "stock"), None)
+    for r in rows:
+        r["requests_per_s_vs_stock"] = r["requests_per_s"] / stock["requests_per_s"] if stock else None
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "results": rows}, f, indent=2)
+        json.dump(
+            {
+                "args": vars(args),
+                "date": date,
+                "loadavg_before": load_before,
+                "loadavg_after": load_after,
+                "results": rows,
+            },
+            f,
+            indent=2,
+        )
     head = (
         "config",
         "done",
         "req/s",
+        "vs stock",
         "tok/s",
         "TTFT p50",
         "TTFT p95",
         "ITL p50",
         "ITL p95",
+        "latency p50",
+        "latency p95",
         "KV B/tok",
         "max seqs",
         "preempt",
@@ -248,18 +271,21 @@ def main(argv=None):
                     r["config"],
                     f"{r['completed']}/{r['requests']}",
                     f"{r['requests_per_s']:.3f}",
+                    f"{r['requests_per_s_vs_stock']:.2f}x" if r["requests_per_s_vs_stock"] else "-",
                     f"{r['output_tokens_per_s']:.1f}",
                     f"{r['ttft_p50_s']:.2f}",
                     f"{r['ttft_p95_s']:.2f}",
                     f"{r['itl_p50_s'] * 1e3:.0f} ms",
                     f"{r['itl_p95_s'] * 1e3:.0f} ms",
+                    f"{r['latency_p50_s']:.2f}",
+                    f"{r['latency_p95_s']:.2f}",
                     f"{r['kv_bytes_per_token']:.0f}" if r["kv_bytes_per_token"] else "?",
                     str(r["max_concurrent_seqs"]),
                     f"{r['preemptions']:.0f}",
                 ]
             )
         )
-    print(f"\nwrote {args.out}")
+    print(f"\n{date}, load average before {load_before[0]:.2f} / after {load_after[0]:.2f}; wrote {args.out}")
 
 
 if __name__ == "__main__":

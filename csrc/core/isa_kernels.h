@@ -1,6 +1,6 @@
 // What every per-ISA compilation of the kernel sources defines (isa.h), for
 // the dispatchers that choose one at run time (nq_dispatch.cpp,
-// attention.cpp).  NEXUSKV_DECLARE_ISA_KERNELS(isa) declares the kernels of
+// attention.cpp, paged_kernels.cpp).  NEXUSKV_DECLARE_ISA_KERNELS(isa) declares the kernels of
 // namespace nexuskv::core::isa.
 #pragma once
 
@@ -8,6 +8,7 @@
 
 #include "nexuskv/core/attention.h"
 #include "nexuskv/core/nq_kernels.h"
+#include "nexuskv/core/paged.h"
 
 // Every (input, meta) and (meta, output) pairing of the three float types.
 // clang-format off
@@ -30,6 +31,9 @@
   template <typename Meta, typename Val>                                                                           \
   void attention_tasks(const CpuAttentionParams<Meta, Val>& p, int64_t splits, float* partials, int64_t begin,     \
                        int64_t end);                                                                               \
+  /* paged_attention_kernel.cpp: as paged_attention_task of paged.h */                                             \
+  template <typename X>                                                                                            \
+  bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_begin, int h_end);               \
   }
 
 NEXUSKV_DECLARE_ISA_KERNELS(generic)

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "catch_compat.h"
+#include "nexuskv/core/cpu_isa.h"
 #include "nexuskv/core/paged.h"
 
 using namespace nexuskv::core;
@@ -83,32 +84,40 @@ TEST_CASE("paged write and attention against nq_compress and double attention", 
     p.out = out.data(), p.num_tokens = Q, p.q_heads = Hq, p.num_reqs = 1, p.max_blocks = 3;
     p.block_table = table.data(), p.seq_lens = &seq_len, p.query_start_loc = qsl, p.scale = 0.125f;
     p.window = window;
-    for (int h = 0; h < H; ++h) REQUIRE(paged_attention_task(p, PagedTask{0, 0, Q}, h, h + 1));
-    double worst = 0;
-    for (int i = 0; i < Q; ++i)
-      for (int hq = 0; hq < Hq; ++hq) {
-        const int h = hq / (Hq / H), pos = T - Q + i;
-        const std::vector<double>&kd = dense[size_t(2 * h)], &vd = dense[size_t(2 * h + 1)];
-        std::vector<double> s(size_t(pos + 1), -INFINITY);
-        double mx = -INFINITY, sum = 0;
-        for (int t = 0; t <= pos; ++t) {
-          if (window > 0 && t <= pos - window) continue;
-          double dot = 0;
-          for (int c = 0; c < D; ++c) dot += double(q[size_t((i * Hq + hq) * D + c)]) * kd[size_t(t * D + c)];
-          s[size_t(t)] = dot * 0.125;
-          mx = std::max(mx, s[size_t(t)]);
+    // Every instruction set this build and CPU have (paged_attention_kernel.cpp is compiled per ISA).
+    for (CpuIsa isa : {CpuIsa::kGeneric, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+      if (!cpu_isa_supported(isa)) continue;
+      const CpuIsa previous = set_cpu_isa_cap(isa);
+      std::fill(out.begin(), out.end(), NAN);
+      for (int h = 0; h < H; ++h) REQUIRE(paged_attention_task(p, PagedTask{0, 0, Q}, h, h + 1));
+      set_cpu_isa_cap(previous);
+      REQUIRE(last_kernel_isa() == isa);
+      double worst = 0;
+      for (int i = 0; i < Q; ++i)
+        for (int hq = 0; hq < Hq; ++hq) {
+          const int h = hq / (Hq / H), pos = T - Q + i;
+          const std::vector<double>&kd = dense[size_t(2 * h)], &vd = dense[size_t(2 * h + 1)];
+          std::vector<double> s(size_t(pos + 1), -INFINITY);
+          double mx = -INFINITY, sum = 0;
+          for (int t = 0; t <= pos; ++t) {
+            if (window > 0 && t <= pos - window) continue;
+            double dot = 0;
+            for (int c = 0; c < D; ++c) dot += double(q[size_t((i * Hq + hq) * D + c)]) * kd[size_t(t * D + c)];
+            s[size_t(t)] = dot * 0.125;
+            mx = std::max(mx, s[size_t(t)]);
+          }
+          std::vector<double> o(D, 0.0);
+          for (int t = 0; t <= pos; ++t) {
+            if (s[size_t(t)] == -INFINITY) continue;
+            const double e = std::exp(s[size_t(t)] - mx);
+            sum += e;
+            for (int c = 0; c < D; ++c) o[size_t(c)] += e * vd[size_t(t * D + c)];
+          }
+          for (int c = 0; c < D; ++c)
+            worst = std::max(worst, std::abs(o[size_t(c)] / sum - out[size_t((i * Hq + hq) * D + c)]));
         }
-        std::vector<double> o(D, 0.0);
-        for (int t = 0; t <= pos; ++t) {
-          if (s[size_t(t)] == -INFINITY) continue;
-          const double e = std::exp(s[size_t(t)] - mx);
-          sum += e;
-          for (int c = 0; c < D; ++c) o[size_t(c)] += e * vd[size_t(t * D + c)];
-        }
-        for (int c = 0; c < D; ++c)
-          worst = std::max(worst, std::abs(o[size_t(c)] / sum - out[size_t((i * Hq + hq) * D + c)]));
-      }
-    INFO("window " << window << ": max error " << worst);
-    CHECK(worst < 1e-5);
+      INFO("window " << window << ", " << cpu_isa_name(isa) << ": max error " << worst);
+      CHECK(worst < 1e-5);
+    }
   }
 }

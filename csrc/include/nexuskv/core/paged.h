@@ -88,7 +88,7 @@ struct PagedAttention {
   }
 };
 
-// ---- CPU kernels (csrc/core/paged_kernels.cpp) ------------------------------
+// ---- CPU kernels (csrc/core/paged_kernels.cpp, paged_attention_kernel.cpp) --
 
 // Writes tokens [begin, end).  Sets status flags on NaN/Inf input or a scale
 // that overflows X (the token's slot then holds garbage: the caller raises).

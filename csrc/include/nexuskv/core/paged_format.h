@@ -124,20 +124,38 @@ struct PagedSlot {
   uint8_t* outlier_idx;
 };
 
+// A head page's buffer offsets and row sizes evaluated once: PagedLayout's
+// accessors divide (ceil_div, row_bytes), which a kernel should not do per slot.
+struct PagedOffsets {
+  int groups = 0, num_outliers = 0;  // Bg, k
+  int row_bytes[2] = {};             // key, value
+  int64_t codes[2] = {}, scale[2] = {}, zero[2] = {}, outlier_val[2] = {}, outlier_idx[2] = {};
+
+  PagedOffsets() = default;
+  NEXUSKV_HD_INLINE explicit PagedOffsets(const PagedLayout& l)
+      : groups(l.groups()), num_outliers(l.num_outliers), row_bytes{l.key_row_bytes(), l.value_row_bytes()},
+        codes{l.key_codes(), l.value_codes()}, scale{l.key_scale(), l.value_scale()}, zero{l.key_zero(),
+                                                                                           l.value_zero()},
+        outlier_val{l.key_outlier_val(), l.value_outlier_val()}, outlier_idx{l.key_outlier_idx(),
+                                                                             l.value_outlier_idx()} {}
+};
+
 // Slot `offset` (0 <= offset < P) of the key (value = false) or value half of
 // the head page starting at `head_page`.
 template <typename X>
-NEXUSKV_HD_STATIC PagedSlot<X> paged_slot(const PagedLayout& l, uint8_t* head_page, int offset, bool value) {
-  const int g = l.groups(), k = l.num_outliers;
+NEXUSKV_HD_STATIC PagedSlot<X> paged_slot(const PagedOffsets& o, uint8_t* head_page, int offset, bool value) {
+  const int v = value ? 1 : 0, g = o.groups, k = o.num_outliers;
   PagedSlot<X> s;
-  s.codes = head_page + (value ? l.value_codes() + int64_t(offset) * l.value_row_bytes()
-                               : l.key_codes() + int64_t(offset) * l.key_row_bytes());
-  s.scale = reinterpret_cast<X*>(head_page + (value ? l.value_scale() : l.key_scale())) + offset * g;
-  s.zero = reinterpret_cast<X*>(head_page + (value ? l.value_zero() : l.key_zero())) + offset * g;
-  s.outlier_val =
-      reinterpret_cast<X*>(head_page + (value ? l.value_outlier_val() : l.key_outlier_val())) + int64_t(offset) * g * k;
-  s.outlier_idx = head_page + (value ? l.value_outlier_idx() : l.key_outlier_idx()) + int64_t(offset) * g * k;
+  s.codes = head_page + o.codes[v] + int64_t(offset) * o.row_bytes[v];
+  s.scale = reinterpret_cast<X*>(head_page + o.scale[v]) + offset * g;
+  s.zero = reinterpret_cast<X*>(head_page + o.zero[v]) + offset * g;
+  s.outlier_val = reinterpret_cast<X*>(head_page + o.outlier_val[v]) + int64_t(offset) * g * k;
+  s.outlier_idx = head_page + o.outlier_idx[v] + int64_t(offset) * g * k;
   return s;
+}
+template <typename X>
+NEXUSKV_HD_STATIC PagedSlot<X> paged_slot(const PagedLayout& l, uint8_t* head_page, int offset, bool value) {
+  return paged_slot<X>(PagedOffsets(l), head_page, offset, value);
 }
 
 }  // namespace nexuskv::core

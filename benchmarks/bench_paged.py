@@ -1,0 +1,187 @@
+"""CPU paged attention (the kernel behind the vLLM backend): nexuskv.paged.attention over
+compressed pages against torch's scaled_dot_product_attention (SDPA, enable_gqa) over dense
+bfloat16 K/V of the same tokens, side by side in one run.
+
+Shapes: smollm-like (9 q / 3 kv heads, d64: SmolLM2-135M, the model of the vLLM tests) and
+llama-like (32 q / 8 kv heads, d128); decode (one query per request) over a ragged-free batch,
+and prefill (the whole prompt as queries, causal).  Pages of 16 tokens, blocks of a request in
+a shuffled order (as a serving engine hands them out), format 4-bit keys and values, group 64,
+rotation on (the vLLM backend's default); --bits 2 for 2-bit.  Each time is the median of
+repeated calls (about --budget seconds each, at least 5) after 2 warmup calls, with
+torch.set_num_threads(--threads).  The bytes column is what one call reads of the cache (every
+scale and zero counted) against bf16.
+
+Every run checks the paged output against SDPA over the dequantized pages in float64 (max
+error < 2e-2 of the value range), so that the times compare the same attention.
+
+    python benchmarks/bench_paged.py                     # ~1-2 min on 2 cores
+    python benchmarks/bench_paged.py --json results/bench_paged.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import nexuskv
+from nexuskv import paged
+
+SHAPES = {"smollm": (9, 3, 64), "llama": (32, 8, 128)}
+# (shape, requests, context, queries per request)
+CASES = [
+    ("smollm", 1, 300, 1),
+    ("smollm", 4, 300, 1),
+    ("smollm", 8, 300, 1),
+    ("smollm", 1, 4096, 1),
+    ("smollm", 1, 256, 256),
+    ("smollm", 4, 256, 256),
+    ("llama", 1, 4096, 1),
+    ("llama", 8, 4096, 1),
+    ("llama", 1, 16384, 1),
+    ("llama", 1, 512, 512),
+]
+BLOCK = 16
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+def timeit(fn, budget: float) -> float:
+    for _ in range(2):
+        fn()
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-6)
+    reps = max(5, int(budget / once))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def build(shape, reqs, ctx, qlen, fmt, gen):
+    hq, hkv, d = SHAPES[shape]
+    dt = torch.bfloat16
+    per_req = (ctx + BLOCK - 1) // BLOCK
+    blocks = torch.randperm(reqs * per_req, generator=gen).to(torch.int32).reshape(reqs, per_req)
+    pages = torch.zeros(reqs * per_req, hkv, BLOCK, fmt.slot_bytes(d, dt), dtype=torch.uint8)
+    slots = (blocks.long()[:, :, None] * BLOCK + torch.arange(BLOCK)).reshape(reqs, -1)[:, :ctx].reshape(-1)
+    k = torch.randn(reqs * ctx, hkv, d, generator=gen).to(dt)
+    v = torch.randn(reqs * ctx, hkv, d, generator=gen).to(dt)
+    signs = fmt.signs(d)
+    paged.write_(pages, k, v, slots, fmt, signs)
+    q = torch.randn(reqs * qlen, hq, d, generator=gen).to(dt)
+    seq = torch.full((reqs,), ctx, dtype=torch.int32)
+    qsl = torch.arange(reqs + 1, dtype=torch.int32) * qlen
+    return dict(pages=pages, table=blocks, seq=seq, qsl=qsl, q=q, k=k, v=v, signs=signs, slots=slots)
+
+
+def dequantized(b, reqs, ctx, hkv, d, fmt):
+    """K and V [reqs, hkv, ctx, d] in float64 as the pages hold them: a slot is what
+    nq_compress(row, bits, group, axis=-1) gives for the (rotated, rounded) row."""
+    out = []
+    for x, bits in ((b["k"], fmt.key_bits), (b["v"], fmt.value_bits)):
+        rows = x.reshape(-1, d)
+        if fmt.rotate:
+            rows = torch.ops.nexuskv.hadamard_rotate(rows.float(), b["signs"]).to(x.dtype)
+        parts = torch.ops.nexuskv.nq_compress(rows, bits, fmt.group_size, -1, 0)
+        z = torch.ops.nexuskv.nq_decompress(*parts, bits, fmt.group_size, -1, d, torch.float32)
+        out.append(z.double().reshape(reqs, ctx, hkv, d).transpose(1, 2))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--budget", type=float, default=1.0, help="seconds of timed calls per measurement")
+    ap.add_argument("--json", default="results/bench_paged.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    fmt = paged.PagedFormat(args.bits, args.bits, 64)
+    gen = torch.Generator().manual_seed(0)
+    with open("/proc/loadavg") as f:
+        load_before = f.read().split()[:3]
+    rows = []
+    head = ("shape", "req", "ctx", "q/req", "paged us", "SDPA bf16 us", "ratio", "bytes")
+    print("{:7} {:>3} {:>6} {:>5} {:>10} {:>13} {:>6} {:>6}".format(*head))
+    for shape, reqs, ctx, qlen in CASES:
+        hq, hkv, d = SHAPES[shape]
+        b = build(shape, reqs, ctx, qlen, fmt, gen)
+
+        def run_paged():
+            return paged.attention(b["q"], b["pages"], b["table"], b["seq"], b["qsl"], fmt, b["signs"])
+
+        # Dense: K/V [reqs, hkv, ctx, d] bf16, q [reqs, hq, qlen, d]; causal for prefill (q at the end).
+        kd = b["k"].reshape(reqs, ctx, hkv, d).transpose(1, 2).contiguous()
+        vd = b["v"].reshape(reqs, ctx, hkv, d).transpose(1, 2).contiguous()
+        qd = b["q"].reshape(reqs, qlen, hq, d).transpose(1, 2).contiguous()
+        causal = qlen > 1  # prefill: the queries are the whole context (qlen == ctx)
+
+        def run_sdpa():
+            return F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, enable_gqa=True)
+
+        got = run_paged().double().reshape(reqs, qlen, hq, d).transpose(1, 2)
+        kq, vq = dequantized(b, reqs, ctx, hkv, d, fmt)
+        qr = torch.ops.nexuskv.hadamard_rotate(qd.float(), b["signs"]) if fmt.rotate else qd.float()
+        want = F.scaled_dot_product_attention(qr.double(), kq, vq, is_causal=causal, enable_gqa=True)
+        if fmt.rotate:
+            want = torch.ops.nexuskv.hadamard_rotate(want.float(), b["signs"], True).double()
+        err = float((got - want).abs().max() / vq.abs().max())
+        assert err < 2e-2, (shape, reqs, ctx, qlen, err)
+
+        tp, ts = timeit(run_paged, args.budget), timeit(run_sdpa, args.budget)
+        byte_ratio = fmt.slot_bytes(d, torch.bfloat16) / (4 * d)
+        rows.append(
+            dict(
+                shape=shape,
+                requests=reqs,
+                context=ctx,
+                queries_per_request=qlen,
+                paged_us=tp * 1e6,
+                sdpa_bf16_us=ts * 1e6,
+                paged_over_sdpa=tp / ts,
+                bytes_vs_bf16=byte_ratio,
+                max_rel_error=err,
+            )
+        )
+        print(
+            f"{shape:7} {reqs:>3} {ctx:>6} {qlen:>5} {tp * 1e6:>10.0f} {ts * 1e6:>13.0f} {tp / ts:>6.2f} "
+            f"{byte_ratio:>6.3f}"
+        )
+    with open("/proc/loadavg") as f:
+        load_after = f.read().split()[:3]
+    meta = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        machine=cpu_model(),
+        threads=args.threads,
+        torch=torch.__version__,
+        nexuskv_file=nexuskv.__file__,
+        bits=args.bits,
+        loadavg_before=load_before,
+        loadavg_after=load_after,
+    )
+    print(f"load average before {' '.join(load_before)}, after {' '.join(load_after)}; {meta['date']}")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+// Building blocks of the CPU attention kernels (per ISA, isa.h): the
+// softmax exp, float sums and dots that vectorize without -ffast-math, packed
+// code rows widened to float, q . k for 4 x 4 rows, and p . V for up to four
+// query rows per value load.  Shared by the contiguous cache's kernel
+// (attention_kernel.cpp) and the paged one (paged_attention_kernel.cpp);
+// internal linkage, as isa.h requires.
+#pragma once
+
+#include <cstring>
+#include <limits>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "isa.h"
+#include "nexuskv/core/half.h"
+#include "nexuskv/core/nq_layout.h"
+
+namespace nexuskv::core::NEXUSKV_ISA {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp(x) for softmax arguments x <= 0, branch-free so that loops over it
+// vectorize (std::exp does not without -ffast-math).  Cody-Waite reduction
+// x = n*ln2 + r, |r| <= ln2/2, degree-6 Taylor polynomial: relative error
+// < 2e-7.  Returns exactly 0 below -87 (and for -inf).
+inline float exp_nonpos(float x) {
+  const float xc = x > -87.f ? x : -87.f;
+  const float n = (xc * 1.44269504f + 12582912.f) - 12582912.f;  // round to nearest
+  const float r = (xc - n * 0.693145752f) - n * 1.42860677e-6f;
+  float p = 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const float two_n = bits_float(uint32_t(int32_t(n) + 127) << 23);
+  return x < -87.f ? 0.f : p * two_n;
+}
+
+// Sum of v[0..n) with 16 independent partial sums (an in-order float sum
+// cannot be vectorized without -ffast-math).
+inline float sum_f(const float* __restrict v, int64_t n) {
+  float part[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) part[l] += v[i + l];
+  for (; i < n; ++i) part[0] += v[i];
+  float s = 0.f;
+  for (int l = 0; l < 16; ++l) s += part[l];
+  return s;
+}
+
+// Dot product of a[0..n) and b[0..n), the same way.
+inline float dot_f(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float part[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) part[l] += a[i + l] * b[i + l];
+  for (; i < n; ++i) part[0] += a[i] * b[i];
+  float s = 0.f;
+  for (int l = 0; l < 16; ++l) s += part[l];
+  return s;
+}
+
+// False if v[0..n) holds a NaN or an Inf (v * 0 is NaN exactly then).
+inline bool all_finite(const float* __restrict v, int64_t n) {
+  float part[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) part[l] += v[i + l] * 0.f;
+  for (; i < n; ++i) part[0] += v[i] * 0.f;
+  float s = 0.f;
+  for (int l = 0; l < 16; ++l) s += part[l];
+  return s == 0.f;
+}
+
+// dst[c] = code(c) * s[c] + z[c] for one packed row, c < D (D % 16 == 0);
+// with kAffine false just dst[c] = code(c) (scales are folded elsewhere).
+// Plane by plane (nq_layout.h), so that every shift is a constant.
+template <int kBits, bool kAffine = true>
+void dequant_row(const uint8_t* __restrict packed, int64_t D, const float* __restrict s, const float* __restrict z,
+                 float* __restrict dst) {
+  constexpr int kChunk = layout::kChunkChannels<kBits>, kPlanes = layout::kPlanes<kBits>;
+  for (int64_t base = 0; base < D; base += kChunk, packed += layout::kChunkBytes<kBits>) {
+    // Full chunks unroll over a constant number of planes; a partial last chunk holds D - base channels.
+    const int planes = base + kChunk <= D ? kPlanes : int((D - base) / 16);
+    NEXUSKV_UNROLL
+    for (int j = 0; j < kPlanes; ++j) {
+      if (j >= planes) break;
+      const int64_t c0 = base + 16 * j;
+      for (int l = 0; l < 16; ++l) {
+        const uint32_t code = layout::plane_lane_code<kBits>(packed, j, l);
+        if constexpr (kAffine)
+          dst[c0 + l] = float(code) * s[c0 + l] + z[c0 + l];
+        else
+          dst[c0 + l] = float(code);
+      }
+    }
+  }
+}
+
+inline void dequant_row_bits(int bits, const uint8_t* packed, int64_t D, const float* s, const float* z, float* dst) {
+  switch (bits) {
+    case 2: dequant_row<2>(packed, D, s, z, dst); break;
+    case 3: dequant_row<3>(packed, D, s, z, dst); break;
+    case 4: dequant_row<4>(packed, D, s, z, dst); break;
+    default: dequant_row<8>(packed, D, s, z, dst); break;
+  }
+}
+
+inline void codes_row_bits(int bits, const uint8_t* packed, int64_t D, float* dst) {
+  switch (bits) {
+    case 2: dequant_row<2, false>(packed, D, nullptr, nullptr, dst); break;
+    case 3: dequant_row<3, false>(packed, D, nullptr, nullptr, dst); break;
+    case 4: dequant_row<4, false>(packed, D, nullptr, nullptr, dst); break;
+    default: dequant_row<8, false>(packed, D, nullptr, nullptr, dst); break;
+  }
+}
+
+// out[i * 4 + j] = q_i . k_j for four query rows and four key rows (D % 16 == 0).
+inline void dot4x4(const float* const* q, const float* __restrict k, int64_t D, float* out) {
+#if defined(__AVX512F__)
+  __m512 a[4][4];
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    __m512 kv[4];
+    for (int j = 0; j < 4; ++j) kv[j] = _mm512_loadu_ps(k + j * D + d);
+    for (int i = 0; i < 4; ++i) {
+      const __m512 qv = _mm512_loadu_ps(q[i] + d);
+      for (int j = 0; j < 4; ++j) a[i][j] = _mm512_fmadd_ps(qv, kv[j], a[i][j]);
+    }
+  }
+  // Sum each accumulator: fold 512 -> 256 bits, then three hadds give the four sums of a row.
+  for (int i = 0; i < 4; ++i) {
+    __m256 y[4];
+    for (int j = 0; j < 4; ++j)
+      y[j] = _mm256_add_ps(_mm512_castps512_ps256(a[i][j]),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i][j]), 1)));
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(y[0], y[1]), _mm256_hadd_ps(y[2], y[3]));
+    _mm_storeu_ps(out + 4 * i, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
+#elif defined(__AVX2__)
+  __m256 a[4][4];
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j) a[i][j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 kv[4];
+    for (int j = 0; j < 4; ++j) kv[j] = _mm256_loadu_ps(k + j * D + d);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 qv = _mm256_loadu_ps(q[i] + d);
+      for (int j = 0; j < 4; ++j) a[i][j] = _mm256_fmadd_ps(qv, kv[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[i][0], a[i][1]), _mm256_hadd_ps(a[i][2], a[i][3]));
+    _mm_storeu_ps(out + 4 * i, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
+#else
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j) {
+      float acc[8] = {};
+      for (int64_t d = 0; d < D; d += 8)
+        for (int l = 0; l < 8; ++l) acc[l] += q[i][d + l] * k[j * D + d + l];
+      float sum = 0.f;
+      for (int l = 0; l < 8; ++l) sum += acc[l];
+      out[4 * i + j] = sum;
+    }
+#endif
+}
+
+// acc_i[d] += sum_j w_i[(d / G) * bstride + j] * v[j * D + d] for R query rows
+// at once (each V load serves all R rows): one weight per token and channel
+// group of G channels (G % 16 == 0), groups bstride apart; bstride = 0 and
+// G = D for plain probabilities.
+template <int R>
+void pv_block(float* const* acc, const float* const* w, int64_t bstride, int64_t G, const float* __restrict v,
+              int64_t n, int64_t D) {
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    const int64_t b = (d0 / G) * bstride;
+#if defined(__AVX512F__)
+    __m512 a[R];
+    for (int i = 0; i < R; ++i) a[i] = _mm512_loadu_ps(acc[i] + d0);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 vj = _mm512_loadu_ps(v + j * D + d0);
+      for (int i = 0; i < R; ++i) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i][b + j]), vj, a[i]);
+    }
+    for (int i = 0; i < R; ++i) _mm512_storeu_ps(acc[i] + d0, a[i]);
+#elif defined(__AVX2__)
+    __m256 a[R][2];
+    for (int i = 0; i < R; ++i) a[i][0] = _mm256_loadu_ps(acc[i] + d0), a[i][1] = _mm256_loadu_ps(acc[i] + d0 + 8);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(v + j * D + d0), v1 = _mm256_loadu_ps(v + j * D + d0 + 8);
+      for (int i = 0; i < R; ++i) {
+        const __m256 wj = _mm256_set1_ps(w[i][b + j]);
+        a[i][0] = _mm256_fmadd_ps(wj, v0, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(wj, v1, a[i][1]);
+      }
+    }
+    for (int i = 0; i < R; ++i) _mm256_storeu_ps(acc[i] + d0, a[i][0]), _mm256_storeu_ps(acc[i] + d0 + 8, a[i][1]);
+#else
+    for (int i = 0; i < R; ++i) {
+      float a[16];
+      std::memcpy(a, acc[i] + d0, sizeof(a));
+      for (int64_t j = 0; j < n; ++j)
+        for (int l = 0; l < 16; ++l) a[l] += w[i][b + j] * v[j * D + d0 + l];
+      std::memcpy(acc[i] + d0, a, sizeof(a));
+    }
+#endif
+  }
+}
+
+#if defined(__AVX512F__)
+// pv_block for folded values read straight from their packed rows (bits 2, 4,
+// 8): each 16-channel block of a token's codes is masked out of its chunk and
+// widened to float in registers, once for the R rows, instead of going
+// through a float tile.  codes: [n, row_bytes] packed rows of the tile's tokens.
+template <int R, int kBits>
+void pv_codes_block(float* const* acc, const float* const* w, int64_t bstride, int64_t G,
+                    const uint8_t* __restrict codes, int64_t row_bytes, int64_t n, int64_t D) {
+  static_assert(kBits != 3, "3-bit chunks are not 16-byte planes");
+  constexpr int kPlanes = layout::kPlanes<kBits>, kChunk = layout::kChunkChannels<kBits>;
+  const __m128i mask = _mm_set1_epi8(char(layout::kPlaneMask<kBits>));
+  for (int64_t c0 = 0; c0 < D; c0 += kChunk) {  // one packed chunk: kPlanes blocks of 16 channels
+    const uint8_t* src = codes + layout::kChunkBytes<kBits> * (c0 / kChunk);
+    const int64_t planes = (D - c0) / 16 < kPlanes ? (D - c0) / 16 : kPlanes;  // a partial last chunk
+    int64_t woff[kPlanes];  // where the weights of block j's channel group start
+    __m512 a[kPlanes][R];
+    for (int j = 0; j < kPlanes; ++j) {
+      woff[j] = ((c0 + 16 * j) / G) * bstride;
+      for (int i = 0; i < R; ++i) a[j][i] = j < planes ? _mm512_loadu_ps(acc[i] + c0 + 16 * j) : _mm512_setzero_ps();
+    }
+    for (int64_t t = 0; t < n; ++t, src += row_bytes) {
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+      NEXUSKV_UNROLL
+      for (int j = 0; j < kPlanes; ++j) {
+        if (j >= planes) break;
+        // Plane j: every byte lane shifted by plane_shift(j), masked (nq_layout.h).
+        __m128i code = c;
+        if constexpr (kBits != 8)
+          code = _mm_and_si128(j == 0 ? c : _mm_srli_epi16(c, layout::plane_shift<kBits>(j)), mask);
+        const __m512 vt = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(code));
+        for (int i = 0; i < R; ++i) a[j][i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i][woff[j] + t]), vt, a[j][i]);
+      }
+    }
+    for (int j = 0; j < planes; ++j)
+      for (int i = 0; i < R; ++i) _mm512_storeu_ps(acc[i] + c0 + 16 * j, a[j][i]);
+  }
+}
+
+template <int R>
+void pv_codes_bits(int bits, float* const* acc, const float* const* w, int64_t bstride, int64_t G, const uint8_t* codes,
+                   int64_t row_bytes, int64_t n, int64_t D) {
+  switch (bits) {
+    case 2: pv_codes_block<R, 2>(acc, w, bstride, G, codes, row_bytes, n, D); break;
+    case 4: pv_codes_block<R, 4>(acc, w, bstride, G, codes, row_bytes, n, D); break;
+    default: pv_codes_block<R, 8>(acc, w, bstride, G, codes, row_bytes, n, D); break;
+  }
+}
+
+inline void pv_codes_rows(int R, int bits, float* const* acc, const float* const* w, int64_t bstride, int64_t G,
+                          const uint8_t* codes, int64_t row_bytes, int64_t n, int64_t D) {
+  switch (R) {
+    case 1: pv_codes_bits<1>(bits, acc, w, bstride, G, codes, row_bytes, n, D); break;
+    case 2: pv_codes_bits<2>(bits, acc, w, bstride, G, codes, row_bytes, n, D); break;
+    case 3: pv_codes_bits<3>(bits, acc, w, bstride, G, codes, row_bytes, n, D); break;
+    default: pv_codes_bits<4>(bits, acc, w, bstride, G, codes, row_bytes, n, D); break;
+  }
+}
+constexpr bool kPackedValues = true;
+#else
+constexpr bool kPackedValues = false;
+#endif
+
+inline void pv_rows(int R, float* const* acc, const float* const* w, int64_t bstride, int64_t G, const float* v,
+                    int64_t n, int64_t D) {
+  switch (R) {
+    case 1: pv_block<1>(acc, w, bstride, G, v, n, D); break;
+    case 2: pv_block<2>(acc, w, bstride, G, v, n, D); break;
+    case 3: pv_block<3>(acc, w, bstride, G, v, n, D); break;
+    default: pv_block<4>(acc, w, bstride, G, v, n, D); break;
+  }
+}
+
+}  // namespace
+}  // namespace nexuskv::core::NEXUSKV_ISA
