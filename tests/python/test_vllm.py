@@ -235,11 +235,28 @@ def test_customize_spec_page_bytes():
 # ---- engines ----------------------------------------------------------------------------------------
 
 
+# How far 8-bit K/V move a log-probability on SmolLM2 in float32: the top-1 minus top-2 margin of
+# the same step differs by 0.01-0.03 nats between stock and nexuskv 8-bit (and between nexuskv's
+# per-ISA kernels, whose float rounding flips an 8-bit code here and there in later layers).
+NEAR_TIE = 0.05
+
+
 @needs_engine
 def test_greedy_8bit_matches_stock(engines):
+    """The first 32 greedy tokens equal stock's, except after a near tie: a step where stock's
+    top-1 and top-2 are closer than 8-bit quantization moves them ("Once upon a time, ..."
+    has 0.014 nats at its 4th token) may go either way; up to it every token must agree, and
+    so must all 32 tokens of at least three of the four prompts."""
     stock, nq8 = engines("stock32")["greedy"], engines("nq8_32")["greedy"]
+    whole = 0
     for p, a, b in zip(PROMPTS, stock, nq8):
-        assert a["ids"] == b["ids"], f"{p!r}: stock {a['text']!r} vs nexuskv 8-bit {b['text']!r}"
+        n = next((i for i, (x, y) in enumerate(zip(a["ids"], b["ids"])) if x != y), len(a["ids"]))
+        if n == len(a["ids"]):
+            whole += 1
+            continue
+        print(f"{p!r}: diverges at token {n}, stock's margin {a['margins'][n]:.4f} nats")
+        assert a["margins"][n] < NEAR_TIE, f"{p!r}: stock {a['text']!r} vs nexuskv 8-bit {b['text']!r}"
+    assert whole >= 3, whole
 
 
 @needs_engine
@@ -247,8 +264,9 @@ def test_perplexity_against_stock(engines):
     """Prompt perplexity (prompt_logprobs, 1024 tokens of text): every position attends over
     the compressed cache, the prompt's own tokens included.  8-bit within 1 % of stock.
     4-bit per-token keys (no uncompressed tail: vLLM's pages hold only compressed tokens)
-    lose more on SmolLM2: +5.3 % at group 64 (+2.7 % at group 32, +0.9 % with 8-bit keys and
-    4-bit values; docs/vllm.md); bounded at 8 % so that a broken kernel shows."""
+    lose more on SmolLM2: +2.7 to +5.7 % at group 64 over six runs that differ only in the
+    rotation seed or the kernel's float rounding (+0.9 % with 8-bit keys and 4-bit values;
+    docs/vllm.md); bounded at 8 % so that a broken kernel shows."""
     stock, nq4 = engines("stock")["ppl"]["ppl"], engines("nq4")["ppl"]["ppl"]
     stock32, nq8 = engines("stock32")["ppl"]["ppl"], engines("nq8_32")["ppl"]["ppl"]
     print(
