@@ -62,7 +62,7 @@ def engine_env(extra=None):
 def run_engine(tmp, name, job, env_extra=None, check=True):
     """One engine in a subprocess; (answer, completed process)."""
     out = os.path.join(tmp, f"{name}.json")
-    job = dict(job, model=MODEL)
+    job = dict({"model": MODEL}, **job)
     p = subprocess.run(
         [sys.executable, ENGINE, out],
         input=json.dumps(job),
@@ -84,6 +84,41 @@ def text_ids():
 
     tok = AutoTokenizer.from_pretrained(MODEL)
     return tok(load_text()[:12000]).input_ids[:1024]
+
+
+def tiny_gemma(path, arch, **overrides):
+    """A 3-layer Gemma 2 / Gemma 3 of random weights (no hub): sliding-window layers with a
+    24-token window (Gemma 2 also soft-caps its attention logits at 5), weights large enough
+    that attention is far from uniform, so that ignoring the window or the cap shows."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+        initializer_range=0.15,
+        query_pre_attn_scalar=64,
+        sliding_window=24,
+    )
+    if arch == "gemma3":
+        types = ["sliding_attention", "full_attention", "sliding_attention"]
+        model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(layer_types=types, **common))
+    else:
+        model = tf.Gemma2ForCausalLM(
+            tf.Gemma2Config(attn_logit_softcapping=5.0, final_logit_softcapping=30.0, **common)
+        )
+    model.to(torch.bfloat16).save_pretrained(path)
+    if overrides:  # the same weights, other attention settings
+        cfg = json.load(open(os.path.join(path, "config.json")))
+        cfg.update(overrides)
+        json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -118,11 +153,34 @@ def engines(tmp_path_factory, text_ids):
             None,
         ),
     }
+    # Sliding windows and soft-capping through vLLM on random Gemmas (token ids, no tokenizer).
+    ids = [int(i) for i in torch.randint(2, 512, (160,), generator=torch.Generator().manual_seed(0))]
+    tiny = {
+        "ppl": {"prompt_token_ids": ids},
+        "llm": {"dtype": "float32", "skip_tokenizer_init": True, "max_model_len": 512},
+    }
+    for arch, variant, overrides in (
+        ("gemma3", "", {}),
+        ("gemma2", "", {}),
+        ("gemma3", "_no_window", {"sliding_window": 512}),
+        ("gemma2", "_no_softcap", {"attn_logit_softcapping": None}),
+    ):
+        for name, bits in (("stock", None), ("nq8", BITS8)):
+            jobs[f"{arch}{variant}_{name}"] = (
+                dict(
+                    tiny,
+                    nexuskv=bits,
+                    model=lambda a=arch, v=variant, o=overrides: tiny_gemma(tmp_path_factory.mktemp(a + v), a, **o),
+                ),
+                None,
+            )
     done = {}
 
     def get(name):
         if name not in done:
             job, _ = jobs[name]
+            if callable(job.get("model")):  # a model built on first use
+                job = dict(job, model=job["model"]())
             t = time.time()
             done[name], _ = run_engine(tmp, name, job, {k: v for k, v in (job["nexuskv"] or {}).items()})
             print(f"engine {name}: {time.time() - t:.0f} s")
@@ -275,6 +333,26 @@ def test_perplexity_against_stock(engines):
     )
     assert abs(nq8 / stock32 - 1) < 0.01
     assert 0 < nq4 / stock - 1 < 0.08
+
+
+@needs_engine
+@pytest.mark.parametrize("arch,other", [("gemma3", "gemma3_no_window"), ("gemma2", "gemma2_no_softcap")])
+def test_sliding_window_and_softcap_through_vllm(engines, arch, other):
+    """Gemma 3's sliding-window layers and Gemma 2's windows and attention soft-cap, served by
+    vLLM: nexuskv 8-bit gives stock CPU_ATTN's prompt log-probabilities within 8-bit noise,
+    while the same weights without the window (or the cap) move them by far more, so a kernel
+    that dropped either would fail."""
+    stock, nq8 = engines(f"{arch}_stock")["ppl"]["logprobs"], engines(f"{arch}_nq8")["ppl"]["logprobs"]
+    without = engines(f"{other}_stock")["ppl"]["logprobs"]
+    diff = [abs(a - b) for a, b in zip(stock, nq8)]
+    changed = [abs(a - b) for a, b in zip(stock, without)]
+    print(
+        f"{arch}: nexuskv 8-bit vs stock max {max(diff):.4f} mean {sum(diff) / len(diff):.4f}; "
+        f"{other} vs stock max {max(changed):.3f} mean {sum(changed) / len(changed):.3f}"
+    )
+    assert len(stock) == len(nq8) == 159
+    assert sum(changed) / len(changed) > 0.2  # the window / the cap matter to this model
+    assert max(diff) < 0.25 and sum(diff) / len(diff) < 0.05
 
 
 @needs_engine
