@@ -1,0 +1,377 @@
+"""Static byte budget of the CUDA decode kernel (no GPU needed): for every variant of the
+tensor-core attention kernel (attention_mma_kernel<Launch, kBits, kD> in
+csrc/cuda/attention_mma.cuh) it reads, from the objects a CUDA build already compiled
+(build/py by default; nothing is compiled here):
+
+  registers, stack and local memory (spills), static shared memory   cuobjdump --dump-resource-usage
+  the SASS of the kernel                                              cuobjdump -sass -arch sm_XX
+
+and prints, per architecture, bits, head_dim and dtype: the resources, the resident blocks per SM
+the registers allow, and the static instruction count of the steady-state tile loop (one 64-key
+tile per iteration, counted per warp) against the tile's byte budget.
+
+The budget.  One 64-key tile of one (batch, kv head) reads
+
+    bytes = 64 * row_bytes(bits, D) * 2            key and value codes
+          + (D / 16 ... ) meta                     key scale/zero per channel (one 64-token group:
+                                                   2 * D * 2 bytes), value scale/zero per token
+                                                   (64 * ceil(D / 64) * 2 * 2 bytes)
+
+(4-bit, D 128: 9,216 bytes; 2-bit: 5,120).  At a fraction f (0.75) of the HBM bandwidth B
+(H200: 4.8 TB/s) shared by N SMs (132) at clock F (1.98 GHz), an SM must finish a tile every
+
+    cycles = bytes / (f * B / N) * F                (4-bit D 128: ~670 cycles)
+
+and its 4 schedulers issue at most one instruction per cycle each, so the 4 warps of a block may
+spend at most `cycles` instructions each per tile (more resident blocks share the bandwidth and
+the issue slots alike: the per-warp budget does not change).  The table shows
+instructions / budget; above 1.0 the kernel is bound by instructions, not bytes.
+
+How the loop is found, so that the count cannot silently measure something else: the SASS is cut
+into basic blocks; every backward edge u -> h closes a natural loop (the blocks that reach u
+without passing h; the compiler places blocks out of order, so a loop is a set of blocks, not an
+address range); the tile loop is the smallest loop that contains every HMMA (tensor-core MMA)
+instruction of the kernel, since q . K and P . V both run once per tile.  The script checks
+that this loop also holds a barrier (BAR.SYNC) and an asynchronous copy (LDGSTS, the next
+tile's prefetch) and fails otherwise.  The count is static: every instruction of the loop's
+blocks once, so inner loops the compiler did not unroll count once (the table lists how many)
+and rarely taken paths count fully; it is an estimate of the per-tile work, not a trace.
+
+    python benchmarks/cuda_budget.py                      # build/py, sm_90 and sm_80
+    python benchmarks/cuda_budget.py --check-spills       # exit 1 on any spill (stack or local)
+    python benchmarks/cuda_budget.py --json results/cuda_budget.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+
+KERNEL = re.compile(r"attention_mma_kernel.*?(bf16_t|half_t).*?ELi(\d+)ELi(\d+)EEEvT_")
+INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+TILE = 64  # keys per tile of attention_mma.cuh (kMmaTile)
+WARPS = 4  # warps per block (kMmaThreads / 32)
+
+
+def row_bytes(bits: int, d: int) -> int:
+    """Bytes of a packed row of d codes (nq_format.h: 16-byte chunks, 24 for 3 bits)."""
+    chunk_channels = {2: 64, 3: 64, 4: 32, 8: 16}[bits]
+    chunk_bytes = 24 if bits == 3 else 16
+    return -(-d // chunk_channels) * chunk_bytes
+
+
+def tile_bytes(bits: int, d: int, meta_bytes: int = 2) -> int:
+    codes = 2 * TILE * row_bytes(bits, d)
+    key_meta = 2 * d * meta_bytes  # scale + zero per channel, one 64-token group
+    value_meta = TILE * -(-d // 64) * 2 * meta_bytes  # scale + zero per token and 64-channel group
+    return codes + key_meta + value_meta
+
+
+def find_cuobjdump() -> str:
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    candidates = glob.glob("/usr/local/cuda*/bin/cuobjdump")
+    try:  # triton ships the CUDA binary utilities
+        import triton
+
+        candidates += glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"))
+    except ImportError:
+        pass
+    if not candidates:
+        sys.exit("cuda_budget: cuobjdump not found (PATH, /usr/local/cuda*/bin, or triton's bundled copy)")
+    return candidates[0]
+
+
+@dataclass
+class Variant:
+    arch: str
+    dtype: str
+    bits: int
+    head_dim: int
+    registers: int = 0
+    stack: int = 0
+    local: int = 0
+    shared: int = 0
+    blocks_per_sm: int = 0
+    sass_instructions: int = 0
+    loop_instructions: int = 0
+    loop_inner_loops: int = 0
+    loop_counts: dict = field(default_factory=dict)
+    tile_bytes: int = 0
+    budget: float = 0.0
+
+    @property
+    def spills(self) -> bool:
+        return self.stack > 0 or self.local > 0
+
+
+def resources(cuobjdump: str, obj: str) -> dict:
+    """{(arch, function): {REG, STACK, SHARED, LOCAL}} from --dump-resource-usage."""
+    out = subprocess.run([cuobjdump, "--dump-resource-usage", obj], capture_output=True, text=True, check=True).stdout
+    res, arch, fn = {}, None, None
+    for line in out.splitlines():
+        m = re.match(r"\s*arch = (sm_\d+)", line)
+        if m:
+            arch = m.group(1)
+        m = re.match(r"\s*Function (\S+):", line)
+        if m:
+            fn = m.group(1)
+            continue
+        if fn and "REG:" in line:
+            res[(arch, fn)] = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", line)}
+            fn = None
+    return res
+
+
+def sass_functions(cuobjdump: str, obj: str, arch: str) -> dict:
+    """{function: [(address, opcode, operands, predicated)]} of one architecture's SASS."""
+    out = subprocess.run([cuobjdump, "-sass", "-arch", arch, obj], capture_output=True, text=True, check=True).stdout
+    return parse_sass(out)
+
+
+def parse_sass(text: str) -> dict:
+    """parse_sass(cuobjdump -sass output) -> {function: [(address, opcode, operands, predicated)]}."""
+    funcs, cur = {}, None
+    for line in text.splitlines():
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            cur = funcs.setdefault(m.group(1), [])
+            continue
+        m = INSTR.search(line)
+        if m and cur is not None:
+            cur.append((int(m.group(1), 16), m.group(3), m.group(4), m.group(2) is not None))
+    return funcs
+
+
+def natural_loops(code):
+    """The loops of the kernel's control-flow graph: {header block: set of blocks}, and the
+    blocks as (first, last) instruction indices.  A back edge u -> h (h dominates u) closes a
+    loop whose body is every block that reaches u without passing h.  (The compiler
+    places blocks out of order, so a loop is a set of blocks, not an address range.)"""
+    addr = {a: i for i, (a, *_rest) in enumerate(code)}
+
+    def target(op, rest):
+        # BRA's target; and CALL's: besides subroutines (which return), ptxas uses a predicated
+        # CALL.REL.NOINC to a nearby address as a branch (seen on sm_80), so both are edges.
+        m = re.search(r"0x([0-9a-f]+)", rest) if op.split(".")[0] in ("BRA", "CALL") else None
+        return addr.get(int(m.group(1), 16)) if m else None
+
+    def ends_block(op):  # control may leave the instruction other than by falling through
+        return op.split(".")[0] in ("BRA", "CALL", "EXIT", "RET", "BRX", "JMP", "JMX")
+
+    def falls_through(op, rest, pred):
+        # Unpredicated BRA / EXIT / RET do not; a predicate on the instruction (@P0) or a
+        # BRA's own condition operand (BRA P1, 0x...) or a divergent BRA.DIV makes them fall through.
+        base = op.split(".")[0]
+        if base not in ("BRA", "EXIT", "RET", "BRX", "JMP", "JMX"):
+            return True
+        return pred or op.startswith("BRA.DIV") or bool(re.match(r"\s*!?U?P[T0-9]+\s*,", rest))
+
+    leaders = {0}
+    for i, (a, op, rest, pred) in enumerate(code):
+        if ends_block(op):
+            leaders.add(i + 1)
+            t = target(op, rest)
+            if t is not None:
+                leaders.add(t)
+    starts = sorted(x for x in leaders if x < len(code))
+    blocks = [(s0, (starts[k + 1] if k + 1 < len(starts) else len(code)) - 1) for k, s0 in enumerate(starts)]
+    block_of = {s0: k for k, (s0, _) in enumerate(blocks)}
+    succ = {k: [] for k in range(len(blocks))}
+    for k, (_, last) in enumerate(blocks):
+        a, op, rest, pred = code[last]
+        t = target(op, rest)
+        if t is not None:
+            succ[k].append(block_of[t])
+        if falls_through(op, rest, pred) and k + 1 < len(blocks):
+            succ[k].append(k + 1)
+    # Only what the entry reaches (called subroutines, e.g. the 64-bit division, and padding are
+    # not part of the kernel's own loops; their CALLs count as instructions of the caller).
+    reach, stack = {0}, [0]
+    while stack:
+        for x in succ[stack.pop()]:
+            if x not in reach:
+                reach.add(x)
+                stack.append(x)
+    succ = {k: (v if k in reach else []) for k, v in succ.items()}
+    pred_of = {k: [] for k in range(len(blocks))}
+    for k, ss in succ.items():
+        for x in ss:
+            pred_of[x].append(k)
+    # Dominators (iterative, bit sets): a loop's header dominates its back edge's source.
+    n = len(blocks)
+    full = (1 << n) - 1
+    dom = [full] * n
+    dom[0] = 1
+    changed = True
+    while changed:
+        changed = False
+        for k in range(1, n):
+            if k not in reach:
+                continue
+            d = full
+            for p_ in pred_of[k]:
+                d &= dom[p_]
+            d = (d if pred_of[k] else 0) | (1 << k)
+            if d != dom[k]:
+                dom[k], changed = d, True
+    loops = {}
+    for u, ss in succ.items():
+        for h in ss:
+            if dom[u] >> h & 1:  # back edge u -> h: h dominates u
+                body, stack = {h, u}, ([u] if u != h else [])
+                while stack:
+                    x = stack.pop()
+                    for p_ in pred_of[x]:
+                        if p_ not in body:
+                            body.add(p_)
+                            stack.append(p_)
+                loops.setdefault(h, set()).update(body)
+    return loops, blocks
+
+
+def tile_loop(code):
+    """(loop's blocks, blocks, inner loops) of the smallest loop that holds every HMMA."""
+    loops, blocks = natural_loops(code)
+    hmma = {k for k, (b, e) in enumerate(blocks) if any(code[i][1].startswith("HMMA") for i in range(b, e + 1))}
+    if not hmma:
+        raise ValueError("no HMMA in the kernel")
+
+    def size(body):
+        return sum(blocks[k][1] - blocks[k][0] + 1 for k in body)
+
+    holding = [(h, body) for h, body in loops.items() if hmma <= body]
+    if not holding:
+        raise ValueError("no loop holds every HMMA")
+    header, body = min(holding, key=lambda hb: size(hb[1]))
+    inner = sum(1 for h, b in loops.items() if h != header and b < body)
+    return body, blocks, inner
+
+
+def analyse(variant: Variant, code) -> None:
+    body, blocks, inner = tile_loop(code)
+    ops = [code[i][1] for k in sorted(body) for i in range(blocks[k][0], blocks[k][1] + 1)]
+    counts = {
+        "HMMA": sum(op.startswith("HMMA") for op in ops),
+        "BAR": sum(op.startswith("BAR") for op in ops),
+        "LDGSTS": sum(op.startswith("LDGSTS") for op in ops),
+        "LDS": sum(op.startswith("LDS") for op in ops),
+        "SHFL": sum(op.startswith("SHFL") for op in ops),
+        "CALL": sum(op.startswith("CALL") for op in ops),  # e.g. the 64-bit division routine
+        "IMAD": sum(op.startswith("IMAD") for op in ops),
+    }
+    if counts["BAR"] == 0 or counts["LDGSTS"] == 0:
+        raise ValueError(f"the loop found ({len(ops)} instructions) has no barrier or no cp.async: not the tile loop")
+    variant.sass_instructions = len(code)
+    variant.loop_instructions = len(ops)
+    variant.loop_inner_loops = inner
+    variant.loop_counts = counts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default="build/py", help="a CUDA build of nexuskv (its CMake binary dir)")
+    ap.add_argument("--arch", default="sm_90,sm_80")
+    ap.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth, TB/s (H200)")
+    ap.add_argument("--fraction", type=float, default=0.75, help="fraction of it to budget for")
+    ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--clock-ghz", type=float, default=1.98)
+    ap.add_argument("--check-spills", action="store_true", help="exit 1 if any decode kernel spills")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    objs = sorted(glob.glob(os.path.join(args.build, "CMakeFiles/nexuskv.dir/csrc/cuda/attention_*16.cu.o")))
+    if not objs:
+        sys.exit(f"cuda_budget: no CUDA attention objects under {args.build} (build with NEXUSKV_WITH_CUDA=ON first)")
+    cuobjdump = find_cuobjdump()
+    per_sm_bytes_per_cycle = args.fraction * args.hbm_tbps * 1e12 / args.sms / (args.clock_ghz * 1e9)
+    variants = []
+    for obj in objs:
+        res = resources(cuobjdump, obj)
+        for arch in args.arch.split(","):
+            for fn, code in sass_functions(cuobjdump, obj, arch).items():
+                m = KERNEL.search(fn)
+                if not m:
+                    continue
+                dtype, bits, d = {"bf16_t": "bf16", "half_t": "fp16"}[m.group(1)], int(m.group(2)), int(m.group(3))
+                r = res.get((arch, fn), {})
+                v = Variant(
+                    arch, dtype, bits, d, r.get("REG", 0), r.get("STACK", 0), r.get("LOCAL", 0), r.get("SHARED", 0)
+                )
+                v.blocks_per_sm = 65536 // (max(v.registers, 1) * 32 * WARPS) if v.registers else 0
+                v.tile_bytes = tile_bytes(bits, d)
+                v.budget = v.tile_bytes / per_sm_bytes_per_cycle
+                try:
+                    analyse(v, code)
+                except ValueError as e:
+                    sys.exit(f"cuda_budget: {os.path.basename(obj)} {arch} {dtype} {bits}-bit D{d}: {e}")
+                variants.append(v)
+    variants.sort(key=lambda v: (v.arch, v.dtype, v.bits, v.head_dim))
+    print(
+        f"budget: tile bytes / ({args.fraction} * {args.hbm_tbps} TB/s / {args.sms} SMs) * {args.clock_ghz} GHz "
+        f"= bytes / {per_sm_bytes_per_cycle:.2f} B per SM-cycle; instructions per warp per 64-key tile"
+    )
+    head = (
+        "arch",
+        "dtype",
+        "bits",
+        "D",
+        "regs",
+        "spill",
+        "blk/SM",
+        "tile B",
+        "budget",
+        "loop instr",
+        "ratio",
+        "inner",
+        "HMMA",
+        "BAR",
+        "SHFL",
+        "CALL",
+    )
+    fmt = "{:6} {:5} {:>4} {:>4} {:>5} {:>5} {:>6} {:>6} {:>7} {:>10} {:>6} {:>5} {:>5} {:>4} {:>5} {:>4}"
+    print(fmt.format(*head))
+    for v in variants:
+        c = v.loop_counts
+        print(
+            fmt.format(
+                v.arch,
+                v.dtype,
+                v.bits,
+                v.head_dim,
+                v.registers,
+                v.stack + v.local,
+                v.blocks_per_sm,
+                v.tile_bytes,
+                f"{v.budget:.0f}",
+                v.loop_instructions,
+                f"{v.loop_instructions / v.budget:.2f}",
+                v.loop_inner_loops,
+                c["HMMA"],
+                c["BAR"],
+                c["SHFL"],
+                c["CALL"],
+            )
+        )
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "variants": [asdict(v) for v in variants]}, f, indent=1)
+        print(f"wrote {args.json}")
+    spilling = [v for v in variants if v.spills]
+    if args.check_spills and spilling:
+        sys.exit(
+            "cuda_budget: spills in " + ", ".join(f"{v.arch} {v.dtype} {v.bits}-bit D{v.head_dim}" for v in spilling)
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""benchmarks/cuda_budget.py finds the tile loop in SASS by its control-flow graph: checked on
+small hand-written listings in cuobjdump's format (no CUDA needed), including the shapes ptxas
+produces (blocks placed after the loop, a predicated CALL used as a branch, a self-loop, a
+loop entered at its condition), and that a loop with more work counts more."""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+spec = importlib.util.spec_from_file_location("cuda_budget", os.path.join(ROOT, "benchmarks", "cuda_budget.py"))
+cb = importlib.util.module_from_spec(spec)
+sys.modules["cuda_budget"] = cb  # (its dataclasses look their module up)
+spec.loader.exec_module(cb)
+
+
+def listing(lines):
+    """cuobjdump -sass text of one function from (opcode and operands) lines, 16 bytes apart."""
+    body = "\n".join(f"        /*{16 * i:04x}*/                   {ins} ;    /* 0x0 */" for i, ins in enumerate(lines))
+    return "\t\tFunction : kernel\n" + body + "\n"
+
+
+def tile(extra=0):
+    # prologue; loop header at 0x30 (index 3); cold block placed after the loop; exit.
+    return [
+        "S2R R0, SR_TID.X",
+        "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]",
+        "MOV R5, RZ",
+        "BAR.SYNC.DEFER_BLOCKING 0x0",  # 0x30: header
+        "HMMA.16816.F32.BF16 R8, R12, R16, R8",
+        *["FADD R20, R20, R21"] * extra,
+        "@P0 BRA 0x0c0",  # to the cold block (index 12 without extra)
+        "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]",
+        "HMMA.16816.F32.BF16 R8, R12, R16, R8",
+        "ISETP.NE.AND P1, PT, R5, R6, PT",
+        "@P1 BRA 0x030",  # back edge
+        "EXIT",
+        "BRA 0x0b0",  # padding self-loop
+    ]
+
+
+def fix_targets(lines):
+    """Resolve the cold-block target to the index of the line after EXIT's padding."""
+    cold = len(lines) * 16
+    out = [ln.replace("0x0c0", f"0x{cold:03x}") for ln in lines]
+    # the cold block: some work, then back into the loop (before the back edge)
+    out += [
+        "IMAD R30, R31, R32, RZ",
+        f"BRA 0x{16 * (lines.index('LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]', 2)):03x}",
+    ]
+    return out
+
+
+def analyse(lines):
+    code = cb.parse_sass(listing(lines))["kernel"]
+    v = cb.Variant("sm_90", "bf16", 4, 128)
+    cb.analyse(v, code)
+    return v
+
+
+def test_finds_the_loop_with_its_cold_block_and_counts_more_work():
+    base = analyse(fix_targets(tile()))
+    assert base.loop_counts["HMMA"] == 2 and base.loop_counts["BAR"] == 1 and base.loop_counts["LDGSTS"] == 1
+    # header..back edge (7 instructions) + the cold block (2); not the prologue, EXIT or padding
+    assert base.loop_instructions == 9
+    slowed = analyse(fix_targets(tile(extra=7)))
+    assert slowed.loop_instructions == base.loop_instructions + 7
+
+
+def test_a_predicated_call_is_a_branch_and_a_self_loop_is_not_the_whole_kernel():
+    lines = [
+        "S2R R0, SR_TID.X",
+        "BAR.SYNC.DEFER_BLOCKING 0x0",  # 0x10: header
+        "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]",
+        "HMMA.16816.F32.BF16 R8, R12, R16, R8",
+        "IADD3 R5, R5, 0x1, RZ",  # 0x40: a spin (self-loop)
+        "@P2 BRA 0x040",
+        "@P1 CALL.REL.NOINC 0x090",  # leaves the loop (ptxas's branch idiom)
+        "BRA 0x010",  # back edge
+        "EXIT",
+        "EXIT",  # 0x90
+    ]
+    v = analyse(lines)
+    assert v.loop_instructions == 7 and v.loop_inner_loops == 1
+
+
+def test_refuses_a_loop_without_barrier_or_copy():
+    lines = ["S2R R0, SR_TID.X", "HMMA.16816.F32.BF16 R8, R12, R16, R8", "@P0 BRA 0x010", "EXIT"]
+    with pytest.raises(ValueError, match="not the tile loop"):
+        analyse(lines)
+
+
+def test_tile_bytes_and_budget_of_the_issue():
+    assert cb.tile_bytes(4, 128) == 9216 and cb.tile_bytes(2, 128) == 5120
