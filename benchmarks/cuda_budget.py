@@ -12,10 +12,10 @@ tile per iteration, counted per warp) against the tile's byte budget.
 
 The budget.  One 64-key tile of one (batch, kv head) reads
 
-    bytes = 64 * row_bytes(bits, D) * 2            key and value codes
-          + (D / 16 ... ) meta                     key scale/zero per channel (one 64-token group:
-                                                   2 * D * 2 bytes), value scale/zero per token
-                                                   (64 * ceil(D / 64) * 2 * 2 bytes)
+    bytes = 2 * 64 * row_bytes(bits, D)            key and value codes
+          + 2 * D * 2                              key scale and zero per channel (one 64-token
+                                                   group, 2-byte meta)
+          + 64 * ceil(D / 64) * 2 * 2              value scale and zero per token and 64-channel group
 
 (4-bit, D 128: 9,216 bytes; 2-bit: 5,120).  At a fraction f (0.75) of the HBM bandwidth B
 (H200: 4.8 TB/s) shared by N SMs (132) at clock F (1.98 GHz), an SM must finish a tile every
