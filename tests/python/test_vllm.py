@@ -11,6 +11,7 @@ configuration, its answers cached for the module: stock CPU_ATTN and nexuskv 8-b
 float32, stock and nexuskv 4-bit in bf16, nexuskv 4-bit with a small prefill chunk.
 SmolLM2-135M-Instruct from build/smollm2-hf (or $NEXUSKV_VLLM_MODEL)."""
 
+import functools
 import json
 import os
 import socket
@@ -159,21 +160,23 @@ def engines(tmp_path_factory, text_ids):
         "ppl": {"prompt_token_ids": ids},
         "llm": {"dtype": "float32", "skip_tokenizer_init": True, "max_model_len": 512},
     }
-    for arch, variant, overrides in (
-        ("gemma3", "", {}),
-        ("gemma2", "", {}),
-        ("gemma3", "_no_window", {"sliding_window": 512}),
-        ("gemma2", "_no_softcap", {"attn_logit_softcapping": None}),
+    models = {}
+
+    def tiny_model(arch, variant, overrides):
+        """Built on first use, once for the engines that read it."""
+        if arch + variant not in models:
+            models[arch + variant] = tiny_gemma(tmp_path_factory.mktemp(arch + variant), arch, **overrides)
+        return models[arch + variant]
+
+    for arch, variant, overrides, configs in (
+        ("gemma3", "", {}, (("stock", None), ("nq8", BITS8))),
+        ("gemma2", "", {}, (("stock", None), ("nq8", BITS8))),
+        ("gemma3", "_no_window", {"sliding_window": 512}, (("stock", None),)),
+        ("gemma2", "_no_softcap", {"attn_logit_softcapping": None}, (("stock", None),)),
     ):
-        for name, bits in (("stock", None), ("nq8", BITS8)):
-            jobs[f"{arch}{variant}_{name}"] = (
-                dict(
-                    tiny,
-                    nexuskv=bits,
-                    model=lambda a=arch, v=variant, o=overrides: tiny_gemma(tmp_path_factory.mktemp(a + v), a, **o),
-                ),
-                None,
-            )
+        for name, bits in configs:
+            model = functools.partial(tiny_model, arch, variant, overrides)
+            jobs[f"{arch}{variant}_{name}"] = (dict(tiny, nexuskv=bits, model=model), None)
     done = {}
 
     def get(name):
