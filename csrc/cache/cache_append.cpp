@@ -87,10 +87,15 @@ struct GroupPlan {
   int64_t sink_after = 0, evicted_after = 0, compressed_after = 0, tail_after = 0;
 };
 
-// A bigger full-precision buffer [B, H, cap, D] holding the old one's rows.
-at::Tensor grown(const at::Tensor& old, int64_t B, int64_t H, int64_t cap, int64_t D, const at::TensorOptions& x) {
+// A full-precision buffer [B, H, cap, D] holding the old one's first min(cap, old) rows (a
+// shrink keeps every live row: cap is at least what the append needs, tail_at included).
+at::Tensor resized_rows(const at::Tensor& old, int64_t B, int64_t H, int64_t cap, int64_t D,
+                        const at::TensorOptions& x) {
   at::Tensor fresh = at::zeros({B, H, cap, D}, x);
-  if (old.defined()) fresh.slice(2, 0, old.size(2)).copy_(old);
+  if (old.defined()) {
+    const int64_t keep = std::min(cap, old.size(2));
+    fresh.slice(2, 0, keep).copy_(old.slice(2, 0, keep));
+  }
   return fresh;
 }
 
@@ -146,6 +151,7 @@ void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::
   check_values(*this, k, v);
 
   // ---- plan: everything that can fail ------------------------------------
+  thaw_outside_inference_mode();  // contents unchanged: harmless if the append fails below
   const at::TensorOptions xo = k.options();
   const at::Tensor new_signs = first && options.rotate ? rotation_signs_for(D, k.device()) : signs;
   std::vector<int64_t> zeros(size_t(B), 0);
@@ -252,8 +258,12 @@ void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::
   if (mode == StorageMode::kFused) {
     const int64_t cur = store_capacity(k_fused);
     int64_t cap = cur;
-    if (need_cap > cur || cur == 0)  // grow by a quarter at least (amortized copies); exactly with a window
-      cap = round_up(std::max({need_cap, W > 0 ? need_cap : cur + cur / 4, chunk}), chunk);
+    // Grow to what is needed plus the whole chunks in 1/64 of it (none with a window): at most
+    // 1/64 of the capacity stays unused.  A growth copies the n live rows, once per
+    // max(chunk, n/64) appended tokens: at most 64 rows per token, while each decode step's
+    // attention reads all n.
+    if (need_cap > cur || cur == 0)
+      cap = round_up(std::max(need_cap + (W > 0 ? 0 : need_cap / 64 / chunk * chunk), chunk), chunk);
     else if (W > 0 && cur > chunk && cur > 2 * round_up(need_cap, chunk))  // e.g. after a long prefill
       cap = round_up(std::max(need_cap, chunk), chunk);
     if (cap != cur) {
@@ -261,15 +271,18 @@ void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::
       resized = true;
     }
   }
+  // Full-precision buffers follow their need in steps of kStep tokens (at most limit): they grow
+  // when it rises and shrink when it falls a step (the tail, after it hands a chunk to the
+  // compressed part), so at most kStep - 1 slots per buffer stay unused.  A resize copies
+  // at most limit rows, a few times per chunk of decoded tokens.
+  constexpr int64_t kStep = 16;
   const auto full_precision = [&](const at::Tensor& old, int64_t need, int64_t limit) {
     const int64_t cur = old.defined() ? old.size(2) : 0;
-    if (need <= cur && old.defined()) return old;
-    const int64_t cap = std::max(need, std::min(limit, std::max<int64_t>(2 * cur, 16)));
-    return grown(old, B, H, std::max<int64_t>(cap, 1), D, xo);
+    const int64_t cap = std::max<int64_t>(std::max(need, std::min(limit, round_up(need, kStep))), 1);
+    if (old.defined() && need <= cur && cur <= cap) return old;
+    return resized_rows(old, B, H, cap, D, xo);
   };
-  // A tail holds at most residual + chunk - 1 tokens after an append; its
-  // buffer grows to residual + chunk at most (the size earlier releases
-  // allocated up front: byte counts stay as they were).
+  // A tail holds at most residual + chunk - 1 tokens after an append.
   const int64_t tail_limit = options.residual + chunk;
   at::Tensor kt = full_precision(k_tail, need_tail, tail_limit), vt = full_precision(v_tail, need_tail, tail_limit);
   at::Tensor ks = k_sink, vs = v_sink;

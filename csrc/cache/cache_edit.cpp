@@ -2,6 +2,7 @@
 // beam reorder, moving to a device, deep copies and reset.  Each checks and
 // prepares everything first, then writes (an error leaves the cache as it was).
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 
@@ -47,6 +48,7 @@ void KVCache::Impl::crop(int64_t length, const std::vector<at::Tensor>* k_compre
   if (!started()) return;  // nothing cached, nothing to cut
   TORCH_CHECK(due.empty(), kCls, ": ", method, " while ", due.size(),
               " chunks wait in take_due_chunks(); take and store them first");
+  thaw_outside_inference_mode();
   const int64_t W = options.window.value_or(0);
   struct Cut {
     int64_t b, sinks, compressed, tail;
@@ -167,6 +169,14 @@ void KVCache::Impl::reorder(const at::Tensor& beam_idx) {
   permute(sink_len), permute(evicted_len), permute(compressed_len), permute(tail_len);
   if (mode == StorageMode::kChunks) permute(k_chunks), permute(v_chunks);
   lengths_changed();
+}
+
+void KVCache::Impl::thaw_outside_inference_mode() {
+  if (c10::InferenceMode::is_enabled()) return;
+  const auto thawed = [](const at::Tensor& t) { return t.defined() && t.is_inference() ? t.clone() : t; };
+  for (StoreParts* parts : {&k_fused, &v_fused})
+    for (at::Tensor& t : *parts) t = thawed(t);
+  k_tail = thawed(k_tail), v_tail = thawed(v_tail), k_sink = thawed(k_sink), v_sink = thawed(v_sink);
 }
 
 void KVCache::Impl::to(const at::Device& device) {

@@ -108,6 +108,10 @@ struct KVCache::Impl {
   at::Tensor rotation_signs_for(int64_t head_dim, const at::Device& device) const;
 
   void append(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& valid);  // cache_append.cpp
+  // Append and crop write into the fused, tail and sink buffers in place, which torch refuses
+  // for tensors made under torch.inference_mode() once outside it (a prompt cache filled under
+  // inference_mode, then generate): those buffers are replaced by normal copies first, once.
+  void thaw_outside_inference_mode();  // cache_edit.cpp
   at::Tensor attend(const at::Tensor& q, std::optional<double> scale, std::optional<double> softcap) const;
   std::tuple<at::Tensor, at::Tensor, at::Tensor> assemble(
       at::ScalarType dtype, const std::vector<at::Tensor>* k_compressed,

@@ -94,6 +94,49 @@ def test_used_nbytes_is_the_format_formula(dtype):
     assert cache.used_nbytes() <= cache.nbytes()
 
 
+@pytest.mark.parametrize("prefill", [1, 1000])
+def test_allocated_bytes_stay_within_5_percent_of_used(prefill):
+    # A prefill, then token-by-token decode to 4096 (4-bit, groups of 64, a 128-token bf16 tail):
+    # the compressed buffers grow by 1/64 of their need in whole chunks, the tail's in steps of 16
+    # tokens, so what is allocated stays within 5 % of what the cached tokens use.
+    H, D = 2, 64
+    cache = make(bits=4, group=64, residual=128)
+    g = torch.Generator().manual_seed(0)
+
+    def kv(n):
+        return [torch.randn(1, H, n, D, generator=g).bfloat16() for _ in range(2)]
+
+    cache.append(*kv(prefill), None)
+    grown = set()
+    for t in range(prefill, 4096):
+        cache.append(*kv(1), None)
+        if t + 1 >= 1024:
+            assert cache.nbytes() <= 1.05 * cache.used_nbytes(), (t + 1, cache.nbytes(), cache.used_nbytes())
+        grown.add(cache.nbytes())
+    assert int(cache.lengths()) == 4096 and int(cache.compressed_lengths()) > 0
+    # Growth is in steps, not per token: far fewer distinct sizes than appended tokens.
+    assert len(grown) < (4096 - prefill) / 8
+
+
+def test_a_cache_filled_under_inference_mode_continues_outside_it():
+    # Its buffers are inference tensors with room left; append and crop outside inference_mode
+    # write into them in place, which torch refuses: the cache copies them to normal tensors.
+    H, D = 2, 32
+    k, v = torch.randn(1, H, 150, D), torch.randn(1, H, 150, D)
+    ref = make(bits=4, group=32, residual=16)
+    ref.append(k[:, :, :100], v[:, :, :100], None)
+    cache = make(bits=4, group=32, residual=16)
+    with torch.inference_mode():
+        cache.append(k[:, :, :100], v[:, :, :100], None)
+    for c in (cache, ref):
+        c.append(k[:, :, 100:101], v[:, :, 100:101], None)
+        c.crop(90)
+        c.append(k[:, :, 90:150], v[:, :, 90:150], None)
+    q = torch.randn(1, H, 1, D)
+    assert torch.equal(cache.attend(q, None, None), ref.attend(q, None, None))
+    assert int(cache.lengths()) == 150 and int(cache.compressed_lengths()) > 0
+
+
 # ---- external storage: a front end's own compressor -------------------------------------------
 
 

@@ -82,7 +82,11 @@ def test_bytes_are_bounded_by_the_window_not_the_tokens():
             cache.append(*kv(1), None)
             if t + 1 in (2048, 3000, 4096):
                 sizes[t + 1] = cache.nbytes()
-        assert len(set(sizes.values())) == 1, sizes  # steady state: nothing grows with the tokens
+        # Steady state: nothing grows with the tokens.  The bf16 tail's buffer follows its fill
+        # (0..31 tokens: residual 0, chunks of 32), so sizes at the same point of the chunk
+        # cycle are equal and the others differ by at most 32 tokens of K and V.
+        assert sizes[2048] == sizes[4096], sizes
+        assert max(sizes.values()) - min(sizes.values()) <= 2 * H * 32 * D * 2, sizes
         assert cache.lengths().item() + cache.evicted_lengths().item() == 4096
         assert cache.nbytes() < 0.5 * dense_window, (cache.nbytes(), dense_window)
         assert cache.used_nbytes() <= cache.nbytes()

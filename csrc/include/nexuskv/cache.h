@@ -26,6 +26,15 @@
 // Storage, one of three:
 //   fused     NQ / DGQ buffers [B, H, capacity, ...] grown in place; attention
 //             reads them through dgq_fused_attention (no dense copy).
+//
+// Capacity.  The compressed buffers grow to the tokens they must hold plus the
+// whole chunks in 1/64 of them; the full-precision tail and sink buffers follow
+// their fill in steps of 16 tokens (the tail shrinks again after it hands a
+// chunk over).  So nbytes() stays within ~1/64 + 16 tail tokens of
+// used_nbytes(), and a growth copies at most 64 rows per appended token on
+// average.  Buffers made under torch.inference_mode() are copied to normal
+// tensors by the first append or crop outside it (torch refuses in-place
+// writes to inference tensors there).
 //   chunks    any C++ KVCompressor: one CompressedTensor per chunk; attention
 //             and dense() go through decompress().
 //   external  no compression here: the chunks due for compression are handed
