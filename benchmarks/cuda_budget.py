@@ -37,8 +37,17 @@ tile's prefetch) and fails otherwise.  The count is static: every instruction of
 blocks once, so inner loops the compiler did not unroll count once (the table lists how many)
 and rarely taken paths count fully; it is an estimate of the per-tile work, not a trace.
 
+The NQ element kernels (nq_decompress_kernel, nq_pack_kernel of csrc/cuda/nq_kernels.cu: one
+thread per element / per packed chunk) are listed too, with the number of 64-bit integer
+division routines in their SASS.  A GPU has no integer divider: `/` or `%` on 64-bit operands
+compiles to an inline routine that starts by converting the divisor to a float and taking its
+reciprocal (I2F.U64.RP then MUFU.RCP), so each I2F.U64.RP is one such division site.  The
+kernels take their indices from nq_index.h (32-bit multiply-shift divisions by host-computed
+constants) and must show none: --check-nq-division fails otherwise.
+
     python benchmarks/cuda_budget.py                      # build/py, sm_90 and sm_80
     python benchmarks/cuda_budget.py --check-spills       # exit 1 on any spill (stack or local)
+    python benchmarks/cuda_budget.py --check-nq-division  # exit 1 on a 64-bit division per NQ element
     python benchmarks/cuda_budget.py --json results/cuda_budget.json
 """
 
@@ -55,6 +64,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 KERNEL = re.compile(r"attention_mma_kernel.*?(bf16_t|half_t).*?ELi(\d+)ELi(\d+)EEEvT_")
+NQ_KERNEL = re.compile(r"(nq_decompress_kernel|nq_pack_kernel)I(\w+?)(?:Li(\d+)E)?EEv")
+DIV64 = "I2F.U64.RP"  # first instruction of the inline 64-bit integer division routine
 INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 TILE = 64  # keys per tile of attention_mma.cuh (kMmaTile)
 WARPS = 4  # warps per block (kMmaThreads / 32)
@@ -276,6 +287,28 @@ def analyse(variant: Variant, code) -> None:
     variant.loop_counts = counts
 
 
+def nq_kernels(cuobjdump: str, obj: str, archs) -> list:
+    """[{arch, kernel, type, bits, instructions, div64}] of the NQ element kernels in obj."""
+    rows = []
+    for arch in archs:
+        for fn, code in sass_functions(cuobjdump, obj, arch).items():
+            m = NQ_KERNEL.search(fn)
+            if m:
+                rows.append(
+                    {
+                        "arch": arch,
+                        "kernel": m.group(1),
+                        "type": {"f": "fp32", "NS_4core6bf16_tE": "bf16", "NS_4core6half_tE": "fp16"}.get(
+                            m.group(2), m.group(2)
+                        ),
+                        "bits": int(m.group(3)) if m.group(3) else None,
+                        "instructions": len(code),
+                        "div64": sum(op == DIV64 for _, op, _, _ in code),
+                    }
+                )
+    return sorted(rows, key=lambda r: (r["arch"], r["kernel"], r["type"], r["bits"] or 0))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", default="build/py", help="a CUDA build of nexuskv (its CMake binary dir)")
@@ -285,6 +318,9 @@ def main() -> None:
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--clock-ghz", type=float, default=1.98)
     ap.add_argument("--check-spills", action="store_true", help="exit 1 if any decode kernel spills")
+    ap.add_argument(
+        "--check-nq-division", action="store_true", help="exit 1 if an NQ element kernel divides in 64 bits"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -361,11 +397,27 @@ def main() -> None:
                 c["CALL"],
             )
         )
+    nq_obj = os.path.join(args.build, "CMakeFiles/nexuskv.dir/csrc/cuda/nq_kernels.cu.o")
+    nq = nq_kernels(cuobjdump, nq_obj, args.arch.split(",")) if os.path.exists(nq_obj) else []
+    print("\nNQ element kernels (one thread per element / packed chunk): static instructions, 64-bit divisions")
+    for r in nq:
+        name = r["kernel"] + (f"<{r['bits']}-bit>" if r["bits"] else "")
+        print(f"{r['arch']:6} {name:26} {r['type']:5} {r['instructions']:6} instr  {r['div64']} div64")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "variants": [asdict(v) for v in variants]}, f, indent=1)
+            json.dump({"args": vars(args), "variants": [asdict(v) for v in variants], "nq": nq}, f, indent=1)
         print(f"wrote {args.json}")
+    dividing = [r for r in nq if r["div64"]]
+    if args.check_nq_division and (dividing or not nq):
+        sys.exit(
+            "cuda_budget: "
+            + (
+                "64-bit divisions in " + ", ".join(f"{r['arch']} {r['kernel']} {r['type']}" for r in dividing)
+                if dividing
+                else f"no NQ element kernels found in {nq_obj}"
+            )
+        )
     spilling = [v for v in variants if v.spills]
     if args.check_spills and spilling:
         sys.exit(

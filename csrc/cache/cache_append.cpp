@@ -120,7 +120,8 @@ void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::
   const int64_t B = k.size(0), H = k.size(1), n = k.size(2), D = k.size(3);
   if (first) {
     TORCH_CHECK(B > 0 && H > 0 && D > 0, kCls,
-                ": k and v of the first append() fix [batch, kv_heads, *, head_dim] and need them > 0, got ", k.sizes());
+                ": k and v of the first append() fix [batch, kv_heads, *, head_dim] and need them > 0, got ",
+                k.sizes());
     TORCH_CHECK(!options.rotate || (D & (D - 1)) == 0, kCls,
                 ": rotate=True needs head_dim a power of two (the Hadamard rotation), got ", D);
   } else {

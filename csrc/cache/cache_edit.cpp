@@ -52,7 +52,7 @@ void KVCache::Impl::crop(int64_t length, const std::vector<at::Tensor>* k_compre
   const int64_t W = options.window.value_or(0);
   struct Cut {
     int64_t b, sinks, compressed, tail;
-    size_t objects = 0;         // chunk storage: compressed objects kept
+    size_t objects = 0;               // chunk storage: compressed objects kept
     at::Tensor restore_k, restore_v;  // [1, H, m, D]: survivors of the cut chunk, into the tail
   };
   std::vector<Cut> cuts;
@@ -140,8 +140,8 @@ void KVCache::Impl::crop(int64_t length, const std::vector<at::Tensor>* k_compre
 void KVCache::Impl::reorder(const at::Tensor& beam_idx) {
   check_started("reorder()");
   TORCH_CHECK(due.empty(), kCls, ": reorder() while chunks wait in take_due_chunks(); take them first");
-  TORCH_CHECK(beam_idx.defined() && !beam_idx.is_meta(), kCls,
-              ": beam_idx must be an integer tensor with data, got ", beam_idx.defined() ? "a meta tensor" : "None");
+  TORCH_CHECK(beam_idx.defined() && !beam_idx.is_meta(), kCls, ": beam_idx must be an integer tensor with data, got ",
+              beam_idx.defined() ? "a meta tensor" : "None");
   TORCH_CHECK(beam_idx.dim() == 1 && beam_idx.size(0) == batch &&
                   at::isIntegralType(beam_idx.scalar_type(), /*includeBool=*/false),
               kCls, ": beam_idx must be an integer tensor of shape [", batch, "], got ", beam_idx.scalar_type(), " ",
@@ -180,8 +180,10 @@ void KVCache::Impl::thaw_outside_inference_mode() {
 }
 
 void KVCache::Impl::to(const at::Device& device) {
-  TORCH_CHECK(!device.is_meta(), kCls, ": to(): the cache must stay on a device with data (CPU or an "
-              "accelerator), got ", device);
+  TORCH_CHECK(!device.is_meta(), kCls,
+              ": to(): the cache must stay on a device with data (CPU or an "
+              "accelerator), got ",
+              device);
   if (!started()) return;  // a new cache takes the device of its first append
   const auto move_all = [&](const StoreParts& parts) {
     StoreParts out;

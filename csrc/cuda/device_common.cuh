@@ -7,6 +7,7 @@
 
 #include "nexuskv/core/half.h"
 #include "nexuskv/core/nq_format.h"
+#include "nexuskv/core/nq_index.h"
 #include "simt.cuh"
 #include "status.h"
 
@@ -51,17 +52,7 @@ NKV_DEVICE T nan_of() {
 
 // Segment (token group) of token t in one row of DGQ segment_starts [S]: the
 // last s with starts[s] <= t (0 if none).  Works on any array: the answer is
-// always in [0, S).
-NKV_DEVICE int64_t find_segment(const int32_t* starts, int64_t S, int64_t t) {
-  int64_t lo = 0, hi = S;  // answer in [lo, hi)
-  while (hi - lo > 1) {
-    const int64_t mid = (lo + hi) / 2;
-    if (starts[mid] <= t)
-      lo = mid;
-    else
-      hi = mid;
-  }
-  return lo;
-}
+// always in [0, S).  Defined in nq_index.h (host and device: tested on the CPU).
+using core::find_segment;
 
 }  // namespace nexuskv::cuda

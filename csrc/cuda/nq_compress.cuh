@@ -214,48 +214,48 @@ NKV_KERNEL void nq_meta_outlier_kernel(core::NQDims d, RowsView<In> x, float qma
 
 // ---- codes ----------------------------------------------------------------------------------
 
-// One thread per (row, token, chunk): task = (n * T + t) * chunks + chunk.
+// One thread per (row, token, chunk of C channels): rows along grid.y (a loop past
+// 65,535), whole tokens along grid.x, (token, chunk) from a block-local index by a
+// 32-bit multiply-shift division (nq_index.h): no 64-bit `/` or `%` per task.
 template <typename In, int kBits>
-NKV_KERNEL void nq_pack_kernel(core::NQDims d, RowsView<In> x, const void* __restrict__ scale,  // [N, A, B]
-                               const void* __restrict__ zero,                                   // [N, A, B]
-                               DType meta_dtype, float qmax, int64_t tasks,
+NKV_KERNEL void nq_pack_kernel(core::NQDims d, core::NQIndexing ix,             // ix.tiles: [T, chunks]
+                               RowsView<In> x, const void* __restrict__ scale,  // [N, A, B]
+                               const void* __restrict__ zero,                   // [N, A, B]
+                               DType meta_dtype, float qmax,
                                uint8_t* __restrict__ codes) {  // [N, T, row_bytes]
   constexpr int C = core::layout::kChunkChannels<kBits>, CB = core::layout::kChunkBytes<kBits>;
-  const int64_t task = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (task >= tasks) return;
-  const int64_t D = d.head_dim, chunks = core::ceil_div(D, C);
-  const int64_t chunk = task % chunks, nt = task / chunks, n = nt / d.tokens, t = nt % d.tokens;
-  const int64_t Bm = d.meta_b();
-  int64_t meta_row;  // index of the group's meta at channel 0 (kTokens) or channel group 0 (kChannels)
-  if (d.axis == core::GroupAxis::kTokens) {
-    const int64_t A = d.meta_a();
-    const int64_t a = d.segment_starts ? find_segment(d.segment_starts + n * A, A, t) : t / d.group_size;
-    meta_row = (n * A + a) * Bm;
-  } else {
-    meta_row = (n * d.tokens + t) * Bm;
-  }
-  uint8_t q[C];
-  for (int i = 0; i < C; ++i) {
-    const int64_t c = chunk * C + i;
-    q[i] = 0;  // padding channels are 0 (nq_format.h)
-    if (c < D) {
-      const int64_t m = meta_row + (d.axis == core::GroupAxis::kTokens ? c : c / d.group_size);
-      const float z = load_as_float(zero, meta_dtype, m), s = load_as_float(scale, meta_dtype, m);
-      q[i] = quantize_code(core::to_float(x.at(n, t, c)), z, inverse_scale(s), qmax);
+  const int64_t D = d.head_dim;
+  for (int64_t n = blockIdx.y; n < d.rows; n += gridDim.y) {
+    for (uint32_t local = threadIdx.x; local < ix.tiles.local_size(); local += blockDim.x) {
+      uint32_t t, chunk;
+      if (!ix.tiles.at(blockIdx.x, local, t, chunk)) break;
+      // Meta index of channel 0's group (one DGQ segment lookup per task); channel c's is
+      // c further on (per-channel groups) or c / G (per-token groups).
+      const int64_t g0 = core::element_group(d, ix, n, t, 0).g;
+      uint8_t q[C];
+      for (int i = 0; i < C; ++i) {
+        const uint32_t c = chunk * C + i;
+        q[i] = 0;  // padding channels are 0 (nq_format.h)
+        if (c < D) {
+          const int64_t m = g0 + (d.axis == core::GroupAxis::kTokens ? c : ix.by_group.div(c));
+          const float z = load_as_float(zero, meta_dtype, m), s = load_as_float(scale, meta_dtype, m);
+          q[i] = quantize_code(core::to_float(x.at(n, t, c)), z, inverse_scale(s), qmax);
+        }
+      }
+      uint8_t packed[CB];
+      core::layout::pack_chunk<kBits>(q, packed);
+      uint8_t* out = codes + (n * d.tokens + t) * ix.row_bytes + chunk * CB;
+      // Rows are whole chunks of 16 (24) bytes from a 16-byte aligned base: vector stores.
+      if constexpr (CB == 16) {
+        uint4 v;
+        __builtin_memcpy(&v, packed, 16);
+        *reinterpret_cast<uint4*>(out) = v;
+      } else {
+        uint2 v[3];
+        __builtin_memcpy(v, packed, 24);
+        for (int i = 0; i < 3; ++i) reinterpret_cast<uint2*>(out)[i] = v[i];
+      }
     }
-  }
-  uint8_t packed[CB];
-  core::layout::pack_chunk<kBits>(q, packed);
-  uint8_t* out = codes + nt * d.packed_row_bytes() + chunk * CB;
-  // Rows are whole chunks of 16 (24) bytes from a 16-byte aligned base: vector stores.
-  if constexpr (CB == 16) {
-    uint4 v;
-    __builtin_memcpy(&v, packed, 16);
-    *reinterpret_cast<uint4*>(out) = v;
-  } else {
-    uint2 v[3];
-    __builtin_memcpy(v, packed, 24);
-    for (int i = 0; i < 3; ++i) reinterpret_cast<uint2*>(out)[i] = v[i];
   }
 }
 
@@ -278,12 +278,12 @@ void launch_nq_compress(const NQCompressArgs<In, Meta>& a, Stream stream) {
   const DType meta = sizeof(Meta) == 4              ? DType::kFloat32
                      : std::is_same_v<Meta, half_t> ? DType::kFloat16
                                                     : DType::kBFloat16;
-  const int64_t tasks = d.rows * d.tokens * core::ceil_div(d.head_dim, core::chunk_channels(d.bits));
   constexpr int kThreads = 128;
-  const Dim3 grid(unsigned(core::ceil_div(tasks, kThreads)));
+  const core::NQIndexing ix(d, core::ceil_div(d.head_dim, core::chunk_channels(d.bits)), kThreads);
+  const Dim3 grid(ix.tiles.blocks(), unsigned(d.rows < kMaxGridY ? d.rows : kMaxGridY));
   core::layout::with_bits(d.bits, [&]<int kBits>() {
-    launch(nq_pack_kernel<In, kBits>, grid, Dim3(kThreads), 0, stream, d, a.x, static_cast<const void*>(a.scale),
-           static_cast<const void*>(a.zero), meta, qmax, tasks, a.codes);
+    launch(nq_pack_kernel<In, kBits>, grid, Dim3(kThreads), 0, stream, d, ix, a.x, static_cast<const void*>(a.scale),
+           static_cast<const void*>(a.zero), meta, qmax, a.codes);
   });
 }
 

@@ -20,6 +20,7 @@ namespace nexuskv::cuda {
 
 constexpr int kWarp = 32;
 constexpr size_t kDefaultSmem = 48 << 10;  // dynamic shared memory a kernel gets without opting in
+constexpr int64_t kMaxGridY = 65535;       // gridDim.y (and z) limit; gridDim.x goes to 2^31 - 1
 
 #define NKV_KERNEL __global__
 #define NKV_DEVICE __device__ __forceinline__

@@ -94,3 +94,26 @@ def test_refuses_a_loop_without_barrier_or_copy():
 
 def test_tile_bytes_and_budget_of_the_issue():
     assert cb.tile_bytes(4, 128) == 9216 and cb.tile_bytes(2, 128) == 5120
+
+
+def test_nq_kernels_count_64_bit_division_sites(monkeypatch):
+    # One decompress kernel with the inline 64-bit division routine, one pack kernel without.
+    names = {
+        "_ZN7nexuskv4cuda20nq_decompress_kernelIfEEvNS_4core6NQDimsE": [
+            "S2R R0, SR_TID.X",
+            "I2F.U64.RP R2, R4",
+            "EXIT",
+        ],
+        "_ZN7nexuskv4cuda14nq_pack_kernelINS_4core6bf16_tELi4EEEvNS_4core6NQDimsE": [
+            "IMAD.HI.U32 R1, R2, R3, RZ",
+            "EXIT",
+        ],
+        "_ZN7nexuskv4cuda21nq_meta_minmax_kernelIffEEvNS_4core6NQDimsE": ["I2F.U64.RP R2, R4", "EXIT"],
+    }
+    text = "".join(listing(body).replace("kernel\n", name + "\n", 1) for name, body in names.items())
+    monkeypatch.setattr(cb, "sass_functions", lambda cuobjdump, obj, arch: cb.parse_sass(text))
+    rows = cb.nq_kernels("cuobjdump", "nq_kernels.cu.o", ["sm_90"])
+    assert [(r["kernel"], r["type"], r["bits"], r["instructions"], r["div64"]) for r in rows] == [
+        ("nq_decompress_kernel", "fp32", None, 3, 1),
+        ("nq_pack_kernel", "bf16", 4, 2, 0),
+    ]
