@@ -481,7 +481,7 @@ def settings_from_args(args, sixteen_bit_model: bool = False) -> List[ec.Setting
 
 def main(args) -> int:
     from . import hf
-    from .models import as_sequence, load_model, load_text, model_name, sequence_prefix, text_tokens
+    from .models import DEFAULT_TEXT, as_sequence, load_model, load_text, model_name, sequence_prefix, text_tokens
 
     torch.manual_seed(0)
     load_at_start = os.getloadavg()  # the machine is shared: the load goes beside the numbers
@@ -517,6 +517,7 @@ def main(args) -> int:
     print(table)
     print("\n".join("- " + v for v in verdicts))
     doc = {"model": model_name(args.model), "model_path": args.model, "model_facts": facts, "dtype": args.dtype,
+           "text": args.text or DEFAULT_TEXT,
            "tokens": args.tokens, "repeats": repeats, "segment_offsets": [r * args.tokens for r in range(repeats)],
            "sequence_prefix": prefix, "window": args.window, "chunk": args.chunk,
            "greedy_prompt_tokens": args.prompt_tokens, "greedy_new_tokens": args.new_tokens,
