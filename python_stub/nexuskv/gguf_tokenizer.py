@@ -12,7 +12,8 @@ training created them, and encoding merges, at each step, the adjacent pair whos
 piece listed earliest.  So every split of a piece into two pieces of the vocabulary is a merge
 ranked by the position of their union.  Two splits of one piece tie there; they are ordered by
 their parts' positions, which matters only when both pairs stand in one word at the same step.
-The result is checked token for token against transformers 5.x on three texts (the tests).
+The result is checked token for token against transformers 5.x on three texts
+(tests/python/test_hf_tokenizer.py).
 
 The GGUF header is read by a small parser of its key/value section (`read_metadata`), not by
 gguf.GGUFReader, which maps and describes every tensor first (~25 s for Gemma 3 270M).
@@ -94,8 +95,8 @@ def read_metadata(path: str, arrays: Iterable[str] = ()) -> Dict[str, object]:
         return meta
 
 
-def gguf_architecture(path: str) -> str:
-    return str(read_metadata(path).get("general.architecture", ""))
+# The arrays gemma_tokenizer needs in full (read_metadata returns other arrays as lengths).
+TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type")
 
 
 def recover_merges(tokens: List[str], mergeable: List[bool]) -> List[Tuple[str, str]]:
@@ -114,15 +115,16 @@ def recover_merges(tokens: List[str], mergeable: List[bool]) -> List[Tuple[str, 
     return [(tokens[left], tokens[right]) for _, left, right in ranked]
 
 
-def gemma_tokenizer(path: str):
+def gemma_tokenizer(path: str, meta: Optional[Dict[str, object]] = None):
     """A transformers fast tokenizer for a Gemma GGUF: BPE over the file's vocabulary with
     merges recovered from its order, byte fallback, spaces spelled as U+2581 by the
-    normalizer, control tokens special and user-defined tokens matched whole."""
+    normalizer, control tokens special and user-defined tokens matched whole.  `meta`: the
+    file's read_metadata(path, TOKENIZER_ARRAYS), if the caller has read it already."""
     from tokenizers import AddedToken, Tokenizer, decoders, normalizers
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
 
-    meta = read_metadata(path, ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"))
+    meta = read_metadata(path, TOKENIZER_ARRAYS) if meta is None else meta
     arch = meta.get("general.architecture")
     if arch not in GEMMA_ARCHITECTURES or meta.get("tokenizer.ggml.model") != "llama":
         raise ValueError(f"{path}: not a Gemma sentencepiece GGUF (architecture {arch!r})")
@@ -172,12 +174,11 @@ def gemma_tokenizer(path: str):
     return tok
 
 
-def follow_bos_eos_flags(tok, path: str):
-    """Makes a fast tokenizer start / end a sequence as the GGUF file says
-    (`tokenizer.ggml.add_bos_token` / `add_eos_token`), where it says.  transformers 4.57
-    ignores the flags for a GPT-2 style vocabulary: SmolLM2's file says no BOS, 4.57 adds
-    `<|im_start|>` and 5.x adds nothing."""
-    meta = read_metadata(path)
+def follow_bos_eos_flags(tok, meta: Dict[str, object]):
+    """Makes a fast tokenizer start / end a sequence as the GGUF file whose metadata is
+    `meta` says (`tokenizer.ggml.add_bos_token` / `add_eos_token`), where it says.
+    transformers 4.57 ignores the flags for a GPT-2 style vocabulary: SmolLM2's file says no
+    BOS, 4.57 adds `<|im_start|>` and 5.x adds nothing."""
     bos, eos = meta.get("tokenizer.ggml.add_bos_token"), meta.get("tokenizer.ggml.add_eos_token")
     if bos is None and eos is None:
         return tok

@@ -145,9 +145,10 @@ def _tokenizer(where: str, kw: dict):
     if "gguf_file" not in kw:
         return AutoTokenizer.from_pretrained(where, **kw)
     path = os.path.join(where, kw["gguf_file"])
-    if gguf_tokenizer.gguf_architecture(path) in gguf_tokenizer.GEMMA_ARCHITECTURES:
-        return gguf_tokenizer.gemma_tokenizer(path)
-    return gguf_tokenizer.follow_bos_eos_flags(AutoTokenizer.from_pretrained(where, **kw), path)
+    meta = gguf_tokenizer.read_metadata(path, gguf_tokenizer.TOKENIZER_ARRAYS)  # read once, used by both
+    if meta.get("general.architecture") in gguf_tokenizer.GEMMA_ARCHITECTURES:
+        return gguf_tokenizer.gemma_tokenizer(path, meta)
+    return gguf_tokenizer.follow_bos_eos_flags(AutoTokenizer.from_pretrained(where, **kw), meta)
 
 
 def check_text_path(path: Optional[str]) -> None:
@@ -186,10 +187,12 @@ def sequence_prefix(tokenizer) -> List[int]:
     plain = tokenizer(sample, add_special_tokens=False).input_ids
     full = tokenizer(sample).input_ids
     for start in range(len(full) - len(plain) + 1):
-        if full[start:start + len(plain)] == plain:
+        if full[start : start + len(plain)] == plain:
             return list(full[:start])
-    raise ValueError("sequence_prefix: the tokenizer encodes the text differently with special tokens; "
-                     "cannot tell which tokens start a sequence")
+    raise ValueError(
+        "sequence_prefix: the tokenizer encodes the text differently with special tokens; "
+        "cannot tell which tokens start a sequence"
+    )
 
 
 def text_tokens(tokenizer, text: str, num_tokens: int, offset: int = 0) -> torch.Tensor:
@@ -198,8 +201,9 @@ def text_tokens(tokenizer, text: str, num_tokens: int, offset: int = 0) -> torch
     want = offset + num_tokens
     ids = tokenizer(text[: want * 12], add_special_tokens=False, return_tensors="pt").input_ids
     if ids.shape[1] < want:
-        raise MissingResource(f"the text has only {ids.shape[1]} tokens, {want} were asked for "
-                              f"({num_tokens} from token {offset})")
+        raise MissingResource(
+            f"the text has only {ids.shape[1]} tokens, {want} were asked for ({num_tokens} from token {offset})"
+        )
     return ids[:, offset:want]
 
 
@@ -248,13 +252,29 @@ def capture_qkv(model, input_ids: torch.Tensor) -> Capture:
 
     captured = Capture()
 
-    def record(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None,
-               **kwargs):
-        captured.append(LayerQKV(query.detach().clone(), key.detach().clone(), value.detach().clone(),
-                                 float(scaling if scaling is not None else query.shape[-1] ** -0.5),
-                                 sliding_window, softcap, attention_mask))
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      sliding_window=sliding_window, softcap=softcap, **kwargs)
+    def record(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None, **kwargs):
+        captured.append(
+            LayerQKV(
+                query.detach().clone(),
+                key.detach().clone(),
+                value.detach().clone(),
+                float(scaling if scaling is not None else query.shape[-1] ** -0.5),
+                sliding_window,
+                softcap,
+                attention_mask,
+            )
+        )
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            **kwargs,
+        )
 
     AttentionInterface.register(_CAPTURE_IMPL, record)
     AttentionMaskInterface.register(_CAPTURE_IMPL, sdpa_mask)

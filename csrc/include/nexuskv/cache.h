@@ -26,6 +26,12 @@
 // Storage, one of three:
 //   fused     NQ / DGQ buffers [B, H, capacity, ...] grown in place; attention
 //             reads them through dgq_fused_attention (no dense copy).
+//   chunks    any C++ KVCompressor: one CompressedTensor per chunk; attention
+//             and dense() go through decompress().
+//   external  no compression here: the chunks due for compression are handed
+//             to the front end (take_due_chunks), which compresses them with
+//             its own compressor (e.g. a Python class), keeps them, and gives
+//             them back dequantized to dense_with().  The policy stays here.
 //
 // Capacity.  The compressed buffers grow to the tokens they must hold plus the
 // whole chunks in 1/64 of them; the full-precision tail and sink buffers follow
@@ -35,12 +41,6 @@
 // average.  Buffers made under torch.inference_mode() are copied to normal
 // tensors by the first append or crop outside it (torch refuses in-place
 // writes to inference tensors there).
-//   chunks    any C++ KVCompressor: one CompressedTensor per chunk; attention
-//             and dense() go through decompress().
-//   external  no compression here: the chunks due for compression are handed
-//             to the front end (take_due_chunks), which compresses them with
-//             its own compressor (e.g. a Python class), keeps them, and gives
-//             them back dequantized to dense_with().  The policy stays here.
 //
 // Device and dtype.  A cache has none until its first append: it then
 // allocates every buffer on the device and in the dtype of that K/V (rotation

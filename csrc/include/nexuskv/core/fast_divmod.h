@@ -8,7 +8,7 @@
 // let l = ceil(log2 d) and m = floor(2^32 * (2^l - d) / d) + 1 (< 2^32); then for
 // every 0 <= n < 2^31, n / d = (mulhi(n, m) + n) >> l, and the sum cannot
 // overflow 32 bits because mulhi(n, m) <= n.  Torch-free, host and device
-// (tests/cpp/test_core.cpp checks it against `/` and `%`).
+// (tests/cpp/test_nq_index.cpp checks it against `/` and `%`).
 #pragma once
 
 #include <cstdint>

@@ -2,7 +2,7 @@
 // nq_compress.cuh's pack kernel) without per-element 64-bit division: sizes are
 // divided once on the host (FastDivmod), each block takes whole tokens, and a
 // thread splits only a small block-local index.  Torch-free, host and device, so
-// that tests/cpp/test_core.cpp checks every index against the plain formulas of
+// that tests/cpp/test_nq_index.cpp checks every index against the plain formulas of
 // nq_format.h on the CPU.
 #pragma once
 
