@@ -1,7 +1,8 @@
 // Building blocks of the CPU attention kernels (per ISA, isa.h): the
-// softmax exp, float sums and dots that vectorize without -ffast-math, packed
-// code rows widened to float, q . k for 4 x 4 rows, and p . V for up to four
-// query rows per value load.  Shared by the contiguous cache's kernel
+// softmax exp, float sums, dots and maxima that vectorize without
+// -ffast-math, packed code rows widened to float, q . k for 4 x 4 rows, and
+// float p . V for up to four query rows per value load (the integer p . V on
+// packed codes: attention_int_values.h).  Shared by the contiguous cache's kernel
 // (attention_kernel.cpp) and the paged one (paged_attention_kernel.cpp);
 // internal linkage, as isa.h requires.
 #pragma once
@@ -41,6 +42,45 @@ inline float exp_nonpos(float x) {
   return x < -87.f ? 0.f : p * two_n;
 }
 
+#if defined(__AVX512F__)
+// Lanes [0, m) of a 16-float vector (m >= 16: all).
+inline __mmask16 first_lanes(int64_t m) { return m >= 16 ? __mmask16(0xffff) : __mmask16((1u << m) - 1); }
+
+// Sum of v[0..n): 16 lanes, then one reduction (a tile's rows are 32 floats:
+// two loads, instead of a 16-partial sum folded with 15 dependent scalar adds).
+inline float sum_f(const float* __restrict v, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(first_lanes(n - i), v + i));
+  return _mm512_reduce_add_ps(acc);
+}
+
+// Dot product of a[0..n) and b[0..n), the same way.
+inline float dot_f(const float* __restrict a, const float* __restrict b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = first_lanes(n - i);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// False if v[0..n) holds a NaN or an Inf (v * 0 is NaN exactly then).
+inline bool all_finite(const float* __restrict v, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16)
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_maskz_loadu_ps(first_lanes(n - i), v + i), _mm512_setzero_ps()));
+  return _mm512_reduce_add_ps(acc) == 0.f;
+}
+
+// max of v[0..n), -inf when n <= 0 (a NaN may or may not be seen: callers
+// check all_finite).
+inline float max_range(const float* __restrict v, int64_t n) {
+  const __m512 lowest = _mm512_set1_ps(kNegInf);
+  __m512 acc = lowest;
+  for (int64_t i = 0; i < n; i += 16) acc = _mm512_max_ps(acc, _mm512_mask_loadu_ps(lowest, first_lanes(n - i), v + i));
+  return _mm512_reduce_max_ps(acc);
+}
+#else
 // Sum of v[0..n) with 16 independent partial sums (an in-order float sum
 // cannot be vectorized without -ffast-math).
 inline float sum_f(const float* __restrict v, int64_t n) {
@@ -77,6 +117,14 @@ inline bool all_finite(const float* __restrict v, int64_t n) {
   for (int l = 0; l < 16; ++l) s += part[l];
   return s == 0.f;
 }
+
+// max of v[0..n), -inf when n <= 0.
+inline float max_range(const float* __restrict v, int64_t n) {
+  float m = kNegInf;
+  for (int64_t i = 0; i < n; ++i) m = max_f(m, v[i]);
+  return m;
+}
+#endif
 
 // dst[c] = code(c) * s[c] + z[c] for one packed row, c < D (D % 16 == 0);
 // with kAffine false just dst[c] = code(c) (scales are folded elsewhere).
@@ -213,68 +261,6 @@ void pv_block(float* const* acc, const float* const* w, int64_t bstride, int64_t
 #endif
   }
 }
-
-#if defined(__AVX512F__)
-// pv_block for folded values read straight from their packed rows (bits 2, 4,
-// 8): each 16-channel block of a token's codes is masked out of its chunk and
-// widened to float in registers, once for the R rows, instead of going
-// through a float tile.  codes: [n, row_bytes] packed rows of the tile's tokens.
-template <int R, int kBits>
-void pv_codes_block(float* const* acc, const float* const* w, int64_t bstride, int64_t G,
-                    const uint8_t* __restrict codes, int64_t row_bytes, int64_t n, int64_t D) {
-  static_assert(kBits != 3, "3-bit chunks are not 16-byte planes");
-  constexpr int kPlanes = layout::kPlanes<kBits>, kChunk = layout::kChunkChannels<kBits>;
-  const __m128i mask = _mm_set1_epi8(char(layout::kPlaneMask<kBits>));
-  for (int64_t c0 = 0; c0 < D; c0 += kChunk) {  // one packed chunk: kPlanes blocks of 16 channels
-    const uint8_t* src = codes + layout::kChunkBytes<kBits> * (c0 / kChunk);
-    const int64_t planes = (D - c0) / 16 < kPlanes ? (D - c0) / 16 : kPlanes;  // a partial last chunk
-    int64_t woff[kPlanes];  // where the weights of block j's channel group start
-    __m512 a[kPlanes][R];
-    for (int j = 0; j < kPlanes; ++j) {
-      woff[j] = ((c0 + 16 * j) / G) * bstride;
-      for (int i = 0; i < R; ++i) a[j][i] = j < planes ? _mm512_loadu_ps(acc[i] + c0 + 16 * j) : _mm512_setzero_ps();
-    }
-    for (int64_t t = 0; t < n; ++t, src += row_bytes) {
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-      NEXUSKV_UNROLL
-      for (int j = 0; j < kPlanes; ++j) {
-        if (j >= planes) break;
-        // Plane j: every byte lane shifted by plane_shift(j), masked (nq_layout.h).
-        __m128i code = c;
-        if constexpr (kBits != 8)
-          code = _mm_and_si128(j == 0 ? c : _mm_srli_epi16(c, layout::plane_shift<kBits>(j)), mask);
-        const __m512 vt = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(code));
-        for (int i = 0; i < R; ++i) a[j][i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i][woff[j] + t]), vt, a[j][i]);
-      }
-    }
-    for (int j = 0; j < planes; ++j)
-      for (int i = 0; i < R; ++i) _mm512_storeu_ps(acc[i] + c0 + 16 * j, a[j][i]);
-  }
-}
-
-template <int R>
-void pv_codes_bits(int bits, float* const* acc, const float* const* w, int64_t bstride, int64_t G, const uint8_t* codes,
-                   int64_t row_bytes, int64_t n, int64_t D) {
-  switch (bits) {
-    case 2: pv_codes_block<R, 2>(acc, w, bstride, G, codes, row_bytes, n, D); break;
-    case 4: pv_codes_block<R, 4>(acc, w, bstride, G, codes, row_bytes, n, D); break;
-    default: pv_codes_block<R, 8>(acc, w, bstride, G, codes, row_bytes, n, D); break;
-  }
-}
-
-inline void pv_codes_rows(int R, int bits, float* const* acc, const float* const* w, int64_t bstride, int64_t G,
-                          const uint8_t* codes, int64_t row_bytes, int64_t n, int64_t D) {
-  switch (R) {
-    case 1: pv_codes_bits<1>(bits, acc, w, bstride, G, codes, row_bytes, n, D); break;
-    case 2: pv_codes_bits<2>(bits, acc, w, bstride, G, codes, row_bytes, n, D); break;
-    case 3: pv_codes_bits<3>(bits, acc, w, bstride, G, codes, row_bytes, n, D); break;
-    default: pv_codes_bits<4>(bits, acc, w, bstride, G, codes, row_bytes, n, D); break;
-  }
-}
-constexpr bool kPackedValues = true;
-#else
-constexpr bool kPackedValues = false;
-#endif
 
 inline void pv_rows(int R, float* const* acc, const float* const* w, int64_t bstride, int64_t G, const float* v,
                     int64_t n, int64_t D) {

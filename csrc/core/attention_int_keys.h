@@ -29,11 +29,12 @@
 // bf16 queries' own rounding) and save a third of the dot products.
 // Every integer sum is exact: |l| * code * D <= 127 * 255 * 256 < 2^31.
 //
-// Layout of the limbs (QueryLimbs::data): [rows, limbs, padded D] in channel
-// order.  Plane j of packed chunk c (nq_layout.h: channels c*C + 16j + [0, 16),
-// C = 16 * planes) is then the 16 bytes at block c * planes + j, which a
-// 128-bit broadcast spreads over four keys whose chunk c sit in the four
-// 128-bit lanes of one register.
+// Layout of the limbs (QueryLimbs::data): [rows, limbs, padded D / 16, 4, 16]
+// in channel order, each 16-channel block written four times.  Plane j of
+// packed chunk c (nq_layout.h: channels c*C + 16j + [0, 16), C = 16 * planes)
+// is then the 64 bytes of block c * planes + j, one copy for each of the four
+// keys whose chunk c sit in the four 128-bit lanes of one register, so that
+// vpdpbusd reads them as its memory operand (no broadcast instruction).
 #pragma once
 
 #if defined(__AVX512VNNI__)
@@ -62,12 +63,12 @@ struct QueryLimbs {
   int64_t limbs = 0;       // in use for the current key group (set())
   int64_t min_limbs = 0;   // 2: bf16 queries (a third where needed), 3: fp16 / fp32
   float qmax = 0;          // the largest code
-  int8_t* data = nullptr;  // [rows, kMaxLimbs, padded]
+  int8_t* data = nullptr;  // [rows, kMaxLimbs, padded / 16, 4, 16]
   float* a = nullptr;      // [rows] limb unit (NaN when the row's x is not finite)
 
   QueryLimbs(int64_t rows_, int64_t D, int bits, int min_limbs_)
       : rows(rows_), padded(layout::padded_channels(bits, D)), limbs(min_limbs_), min_limbs(min_limbs_),
-        qmax(float((1 << bits) - 1)), data(new int8_t[size_t(rows_ * kMaxLimbs * padded)]()),
+        qmax(float((1 << bits) - 1)), data(new int8_t[size_t(rows_ * kMaxLimbs * padded * 4)]()),
         a(new float[size_t(rows_)]) {}
   ~QueryLimbs() {
     delete[] data;
@@ -76,10 +77,9 @@ struct QueryLimbs {
   QueryLimbs(const QueryLimbs&) = delete;
   QueryLimbs& operator=(const QueryLimbs&) = delete;
 
-  // The 16 limbs l of row r for packed block `block` (chunk * planes + plane).
-  __m512i block(int64_t r, int64_t l, int64_t block) const {
-    return _mm512_broadcast_i32x4(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + (r * kMaxLimbs + l) * padded + 16 * block)));
+  // The 16 limbs l of row r for packed block `block` (chunk * planes + plane), four times.
+  const int8_t* block(int64_t r, int64_t l, int64_t block) const {
+    return data + ((r * kMaxLimbs + l) * padded + 16 * block) * 4;
   }
 
   // Writes the limbs of x [rows, D], D % 16 == 0 (channels past D stay zero),
@@ -108,8 +108,8 @@ struct QueryLimbs {
         for (int64_t l = 0; l < kMaxLimbs; ++l) {
           if (l == 2) rest_after_two = _mm512_add_ps(rest_after_two, _mm512_and_ps(rest, abs_mask));
           const __m512 limb = _mm512_roundscale_ps(rest, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(data + (r * kMaxLimbs + l) * padded + c),
-                           _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(limb)));
+          _mm512_storeu_si512(data + ((r * kMaxLimbs + l) * padded + c) * 4,
+                              _mm512_broadcast_i32x4(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(limb))));
           rest = _mm512_mul_ps(_mm512_sub_ps(rest, limb), radix);  // the remainder, in [-127, 127]
         }
       }
@@ -130,8 +130,9 @@ void int_scores_block(const QueryLimbs& ql, int64_t r0, const uint8_t* const* ke
   constexpr int kPlanes = layout::kPlanes<kBits>, kChunk = layout::kChunkBytes<kBits>;
   const __m512i mask = _mm512_set1_epi8(char(layout::kPlaneMask<kBits>));
   __m512i acc[R][L];
+  const int8_t* limbs[R][L];  // block 0 of each row's limbs; block b is 64 * b bytes on
   for (int i = 0; i < R; ++i)
-    for (int l = 0; l < L; ++l) acc[i][l] = _mm512_setzero_si512();
+    for (int l = 0; l < L; ++l) acc[i][l] = _mm512_setzero_si512(), limbs[i][l] = ql.block(r0 + i, l, 0);
   for (int64_t c = 0; c < ql.padded / layout::kChunkChannels<kBits>; ++c) {
     // Chunk c of the four keys, one per 128-bit lane.
     auto chunk = [&](int k) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(key_rows[k] + kChunk * c)); };
@@ -146,7 +147,7 @@ void int_scores_block(const QueryLimbs& ql, int64_t r0, const uint8_t* const* ke
           kBits == 8 ? z : _mm512_and_si512(_mm512_srli_epi16(z, layout::plane_shift<kBits>(j)), mask);
       for (int i = 0; i < R; ++i)
         for (int l = 0; l < L; ++l)
-          acc[i][l] = _mm512_dpbusd_epi32(acc[i][l], plane, ql.block(r0 + i, l, c * kPlanes + j));
+          acc[i][l] = _mm512_dpbusd_epi32(acc[i][l], plane, _mm512_loadu_si512(limbs[i][l] + 64 * (c * kPlanes + j)));
     }
   }
   // Lane group k of acc[i][l] holds four partial sums of key k: add them up,

@@ -12,10 +12,12 @@
 //     scores = q . K for 4 query rows x 4 keys at a time, outliers corrected;
 //     causal mask, online softmax (float32); a NaN/Inf score marks its row NaN;
 //     values: per-token groups -> the scales folded into the softmax weights
-//       and the zeros summed per channel group, the codes widened to float in
-//       registers straight from the packed rows (AVX-512, 2/4/8 bits) or
-//       through a float tile; otherwise dequantized; acc += p . V, 4 query
-//       rows per value load.
+//       and the zeros summed per channel group; with AVX512-VNNI and 2/4/8
+//       bits p . V is integer dot products of the packed codes (four tokens
+//       interleaved in registers) with int8 limbs of the weights
+//       (attention_int_values.h), otherwise the codes go through a float
+//       tile; other groupings are dequantized; acc += p . V, 4 query rows
+//       per value load.
 // Layout and math of the compressed rows: nq_format.h; the code that reads
 // them: nq_layout.h.
 #include <cmath>
@@ -29,6 +31,7 @@
 
 #include "attention_blocks.h"
 #include "attention_int_keys.h"
+#include "attention_int_values.h"
 #include "isa.h"
 #include "isa_kernels.h"
 #include "nexuskv/core/attention.h"
@@ -152,13 +155,23 @@ struct TaskState {
   int64_t* pos;       // [rows] position of each query row
   int64_t window;     // sliding window (0: none)
   float softcap;      // logit soft-cap (0: none)
+#if defined(__AVX512VNNI__)
+  WeightLimbs wlimbs;  // folded value weights of four rows as int8 limbs (packed values)
+#endif
 
-  TaskState(int64_t rows_, int64_t D_, int64_t window_, float softcap_)
+  TaskState(int64_t rows_, int64_t D_, int64_t window_, float softcap_, int value_limbs)
       : rows(rows_), D(D_), q(rows_ * D_), qk(rows_ * D_), kbias(rows_), acc(rows_ * D_), zacc(rows_ * (D_ / 16)),
         m(rows_), l(rows_), scores(rows_ * kTileTokens), weights(rows_ * kTileTokens * (D_ / 16)),
         k_tile(kTileTokens * D_), v_tile(kTileTokens * D_), s_buf(D_), z_buf(D_), vs(kTileTokens * (D_ / 16)),
         vz(kTileTokens * (D_ / 16)), ks(D_), kz(D_), meta_tmp(2 * kTileTokens * (D_ / 16)), spare(4 * D_),
-        pos(new int64_t[size_t(rows_)]), window(window_), softcap(softcap_) {}
+        pos(new int64_t[size_t(rows_)]), window(window_), softcap(softcap_)
+#if defined(__AVX512VNNI__)
+        ,
+        wlimbs(D_ / 16, value_limbs)
+#endif
+  {
+    (void)value_limbs;
+  }
   ~TaskState() { delete[] pos; }
   TaskState(const TaskState&) = delete;
   TaskState& operator=(const TaskState&) = delete;
@@ -211,8 +224,7 @@ struct TaskState {
         vis_max = max_of(vis_max, visible[i]);
         if (softcap > 0.f)
           for (int64_t j = 0; j < visible[i]; ++j) sr[j] = softcap * tanh_f(sr[j] / softcap);
-        float tile_max = kNegInf;
-        for (int64_t j = hidden; j < visible[i]; ++j) tile_max = max_f(tile_max, sr[j]);
+        const float tile_max = max_range(sr + hidden, visible[i] - hidden);
         const bool finite = all_finite(sr + hidden, visible[i] - hidden);
         const float m_new = max_f(m.p[r], tile_max);
         const float alpha = m_new == kNegInf ? 1.f : exp_nonpos(m.p[r] - m_new);
@@ -237,15 +249,18 @@ struct TaskState {
             for (int64_t j = 0; j < n; ++j) w_b[j] = sr[j] * vs_b[j];
             za[b] += dot_f(sr, t.v_zero + b * kTileTokens, n);
           }
+#if defined(__AVX512VNNI__)
+          if (t.v_codes) wlimbs.set(i, w, nb, n);
+#endif
           w_rows[i] = w;
         } else {
           w_rows[i] = sr;
         }
       }
       if (vis_max == 0) continue;
-#if defined(__AVX512F__)
+#if defined(__AVX512VNNI__)
       if (t.v_codes) {
-        pv_codes_rows(R, t.v_bits, acc_rows, w_rows, kTileTokens, G, t.v_codes, t.v_row_bytes, vis_max, D);
+        pv_int_rows(R, t.v_bits, acc_rows, wlimbs, G, t.v_codes, t.v_row_bytes, vis_max, D);
         continue;
       }
 #endif
@@ -336,7 +351,8 @@ void attention_tasks(const CpuAttentionParams<Meta, Val>& p, int64_t splits, flo
   using Cache = CompressedKV<Meta, Val>;
   note_kernel_isa(kThisIsa);
   const int64_t D = p.head_dim, rows = p.rows_per_kv_head();
-  TaskState st(rows, D, p.window, p.softcap);
+  // Limbs of the value weights: two for bf16 queries, three for fp16 / fp32 (attention_int_values.h).
+  TaskState st(rows, D, p.window, p.softcap, p.query_mantissa_bits <= 8 ? 2 : 3);
   FloatBuf rotated(2 * kTileTokens * D);
   // Scales folded out of the inner loops: per-channel key scales into the
   // queries (once per group), per-token value scales into the weights.
@@ -350,7 +366,13 @@ void attention_tasks(const CpuAttentionParams<Meta, Val>& p, int64_t splits, flo
 #endif
   const bool fold_v = p.v.dims.axis == GroupAxis::kChannels && p.v.dims.group_size % 16 == 0;
   const int64_t k_rb = p.k.dims.packed_row_bytes(), v_rb = p.v.dims.packed_row_bytes();
-  const bool packed_v = kPackedValues && fold_v && p.v.dims.bits != 3;
+#if defined(__AVX512VNNI__)
+  // Per-token value groups of 2, 4 or 8 bits: integer p . V on the packed codes.
+  const bool packed_v = fold_v && p.v.dims.bits != 3;
+#else
+  const bool packed_v = false;
+#endif
+  note_value_product(packed_v ? ValueProduct::kInteger : fold_v ? ValueProduct::kFloat : ValueProduct::kNone);
   for (int64_t task = begin; task < end; ++task) {
     const int64_t s = task % splits, bh = task / splits, b = bh / p.kv_heads, h = bh % p.kv_heads;
     const int64_t L = p.seq_len(b), comp = p.compressed_len(b), sink = p.sink_len(b);

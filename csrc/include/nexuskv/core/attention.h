@@ -56,6 +56,15 @@ void attention_merge(const CpuAttentionParams<Meta, Val>& p, int64_t splits, con
 // "generic"): cpu_isa() of nexuskv/core/cpu_isa.h.
 const char* attention_isa();
 
+// How the last attention task multiplied the softmax weights by values grouped
+// per token (their scales folded into the weights): integer dot products on
+// the packed codes (AVX512-VNNI, 2/4/8 bits: attention_int_values.h) or float
+// FMAs on codes widened to float.  kNone: the values were grouped otherwise.
+// Noted by every task, so that a test can assert the path it meant to test.
+enum class ValueProduct : int { kNone = 0, kFloat = 1, kInteger = 2 };
+ValueProduct last_value_product();
+void note_value_product(ValueProduct path);
+
 // Randomized Hadamard rotation of rows of length n (a power of two):
 // y = H (signs * x) / sqrt(n); inverse: x = signs * H y / sqrt(n).  Finite
 // whenever sqrt(n) * max|x| is (a row near FLT_MAX is scaled before the
