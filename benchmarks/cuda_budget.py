@@ -37,6 +37,12 @@ tile's prefetch) and fails otherwise.  The count is static: every instruction of
 blocks once, so inner loops the compiler did not unroll count once (the table lists how many)
 and rarely taken paths count fully; it is an estimate of the per-tile work, not a trace.
 
+From the counts it predicts one decode step of today's kernel on an H200 (32 q / 8 kv heads,
+D 128, batch 1 and 64, 4K and 32K; predict()): the larger of an issue bound (4 warp-instructions
+per SM-cycle; the busiest SM's blocks x tiles x tile-loop instructions) and the bytes at the
+budget's fraction of HBM, against dense bf16 K/V read at the same fraction: the figures a GPU
+run will confirm or refute.
+
 The NQ element kernels (nq_decompress_kernel, nq_pack_kernel of csrc/cuda/nq_kernels.cu: one
 thread per element / per packed chunk) are listed too, with the number of 64-bit integer
 division routines in their SASS.  A GPU has no integer divider: `/` or `%` on 64-bit operands
@@ -309,6 +315,54 @@ def nq_kernels(cuobjdump: str, obj: str, archs) -> list:
     return sorted(rows, key=lambda r: (r["arch"], r["kernel"], r["type"], r["bits"] or 0))
 
 
+# The grid of attention_cuda.cpp (kept in step with it): one block per (batch, kv head, row
+# tile of kAttnRows query rows), the key range split so that about two waves of blocks exist,
+# never a split shorter than kMinSplitKeys.
+ATTN_ROWS, MIN_SPLIT_KEYS = 16, 256
+LAUNCH_US = 5.0  # the split kernel plus the merge kernel: two launches
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def grid(batch: int, q_heads: int, kv_heads: int, ctx: int, sms: int) -> tuple[int, int]:
+    """(blocks, tiles per block) of one decode step (q_len 1)."""
+    blocks = batch * kv_heads * cdiv(q_heads // kv_heads, ATTN_ROWS)
+    splits = min(max(cdiv(2 * sms, blocks), 1), max(1, ctx // MIN_SPLIT_KEYS))
+    return blocks * splits, cdiv(cdiv(ctx, splits), TILE)
+
+
+def predict(variant: Variant, batch: int, q_heads: int, kv_heads: int, ctx: int, args) -> dict:
+    """Microseconds of one decode step (one layer) of `variant` and of dense bf16 attention.
+
+    Issue bound: an SM issues at most 4 warp-instructions per cycle, so a block (4 warps of
+    loop_instructions per tile) costs at least loop_instructions cycles per tile of the SM's
+    issue, and the busiest SM holds ceil(blocks / SMs) blocks; bytes bound: every tile's bytes
+    at the budget's fraction of HBM.  Predicted = the larger + two launches.  Dense = the bf16
+    K and V at the same fraction + two launches (FlashAttention / SDPA decode reads them once).
+    """
+    blocks, tiles = grid(batch, q_heads, kv_heads, ctx, args.sms)
+    hz = args.clock_ghz * 1e9
+    issue_us = cdiv(blocks, args.sms) * tiles * variant.loop_instructions / hz * 1e6
+    bandwidth = args.fraction * args.hbm_tbps * 1e12
+    bytes_us = batch * kv_heads * cdiv(ctx, TILE) * variant.tile_bytes / bandwidth * 1e6
+    dense_us = batch * kv_heads * ctx * variant.head_dim * 2 * 2 / bandwidth * 1e6 + LAUNCH_US
+    predicted = max(issue_us, bytes_us) + LAUNCH_US
+    return {
+        "batch": batch,
+        "context": ctx,
+        "bits": variant.bits,
+        "blocks": blocks,
+        "tiles_per_block": tiles,
+        "issue_us": issue_us,
+        "bytes_us": bytes_us,
+        "predicted_us": predicted,
+        "dense_bf16_us": dense_us,
+        "speedup_vs_dense": dense_us / predicted,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", default="build/py", help="a CUDA build of nexuskv (its CMake binary dir)")
@@ -403,10 +457,33 @@ def main() -> None:
     for r in nq:
         name = r["kernel"] + (f"<{r['bits']}-bit>" if r["bits"] else "")
         print(f"{r['arch']:6} {name:26} {r['type']:5} {r['instructions']:6} instr  {r['div64']} div64")
+    # The prediction the GPU run will confirm or refute: llama-like decode (32 q / 8 kv heads, D 128).
+    predictions = []
+    for v in variants:
+        if v.arch == "sm_90" and v.dtype == "bf16" and v.head_dim == 128:
+            for batch in (1, 64):
+                for ctx in (4096, 32768):
+                    predictions.append(predict(v, batch, 32, 8, ctx, args))
+    if predictions:
+        print(
+            "\nPrediction, sm_90 bf16, 32 q / 8 kv heads, D 128, one decode step of one layer (us): "
+            f"max(issue bound, bytes at {args.fraction} x {args.hbm_tbps} TB/s) + {LAUNCH_US:.0f} launch"
+        )
+        print(
+            f"{'batch':>5} {'ctx':>6} {'bits':>4} {'blocks':>6} {'tiles':>5} {'issue':>8} {'bytes':>7} "
+            f"{'predicted':>9} {'dense':>7} {'speed-up':>8}"
+        )
+        for p in predictions:
+            print(
+                f"{p['batch']:>5} {p['context']:>6} {p['bits']:>4} {p['blocks']:>6} {p['tiles_per_block']:>5} "
+                f"{p['issue_us']:>8.1f} {p['bytes_us']:>7.1f} {p['predicted_us']:>9.1f} {p['dense_bf16_us']:>7.1f} "
+                f"{p['speedup_vs_dense']:>7.2f}x"
+            )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "variants": [asdict(v) for v in variants], "nq": nq}, f, indent=1)
+            out = {"args": vars(args), "variants": [asdict(v) for v in variants], "nq": nq, "prediction": predictions}
+            json.dump(out, f, indent=1)
         print(f"wrote {args.json}")
     dividing = [r for r in nq if r["div64"]]
     if args.check_nq_division and (dividing or not nq):

@@ -117,3 +117,24 @@ def test_nq_kernels_count_64_bit_division_sites(monkeypatch):
         ("nq_decompress_kernel", "fp32", None, 3, 1),
         ("nq_pack_kernel", "bf16", 4, 2, 0),
     ]
+
+
+def test_the_prediction_follows_the_grid_and_the_counts():
+    """The falsifiable prediction of RESULTS.md: the grid of attention_cuda.cpp (two waves of
+    blocks, splits of at least 256 keys), an issue bound linear in the loop's instructions, the
+    bytes of every tile at the budget's fraction of HBM, and dense bf16 K/V at the same fraction."""
+    assert cb.grid(1, 32, 8, 4096, 132) == (128, 4)  # 16 splits of 256 keys
+    assert cb.grid(1, 32, 8, 32768, 132) == (264, 16)  # 33 splits: two waves
+    assert cb.grid(64, 32, 8, 32768, 132) == (512, 512)  # no split: 1.3 waves of 3 blocks per SM
+
+    class Args:
+        sms, clock_ghz, fraction, hbm_tbps = 132, 1.98, 0.75, 4.8
+
+    v = cb.Variant("sm_90", "bf16", 4, 128, loop_instructions=1000, tile_bytes=cb.tile_bytes(4, 128))
+    p = cb.predict(v, 64, 32, 8, 32768, Args)
+    assert p["issue_us"] == pytest.approx(4 * 512 * 1000 / 1.98e9 * 1e6)  # ceil(512 / 132) blocks on the busiest SM
+    assert p["bytes_us"] == pytest.approx(64 * 8 * 512 * 9216 / (0.75 * 4.8e12) * 1e6)
+    assert p["dense_bf16_us"] == pytest.approx(64 * 8 * 32768 * 128 * 4 / (0.75 * 4.8e12) * 1e6 + cb.LAUNCH_US)
+    assert p["predicted_us"] == pytest.approx(max(p["issue_us"], p["bytes_us"]) + cb.LAUNCH_US)
+    v.loop_instructions = 2000
+    assert cb.predict(v, 64, 32, 8, 32768, Args)["issue_us"] == pytest.approx(2 * p["issue_us"])
