@@ -49,6 +49,7 @@ class Setting:
     dgq: bool = False
     sinks: int = 0  # first tokens of each sequence kept in the model's dtype
     meta: Optional[str] = None
+    window_residual: Optional[int] = None  # the tail of sliding-window layers (None: `residual` there too)
 
     @property
     def name(self) -> str:
@@ -62,7 +63,8 @@ class Setting:
         extra = "".join([f" K+{self.key_outliers}out" if self.key_outliers else "",
                          f" V+{self.value_outliers}out" if self.value_outliers else "",
                          " rot" if self.rotate else "", " DGQ" if self.dgq else "",
-                         f" sinks {self.sinks}" if self.sinks else ""])
+                         f" sinks {self.sinks}" if self.sinks else "",
+                         f" window tail {self.window_residual}" if self.window_residual is not None else ""])
         return f"nexuskv {self.bits}-bit tail {self.residual} {groups}{extra}{meta}"
 
     @property
@@ -109,8 +111,9 @@ def with_knobs(bits: int, knobs, residual: int = 128) -> Setting:
 
 def grid(bits=(8, 4, 3, 2), tails=(0, 128), ablation_bits=(4, 2),
          ablations=("outliers", "rotate", "dgq", "sinks"), combinations=COMBINATIONS, best_2bit: bool = True,
-         quanto_bits=(4, 2), equal_bits: bool = True) -> List[Setting]:
-    """The default comparison: every bit width at each tail; at `ablation_bits` (128-token
+         quanto_bits=(4, 2), equal_bits: bool = True, window_tails=()) -> List[Setting]:
+    """The default comparison: every bit width at each tail (and, for each of `window_tails`,
+    with that tail on the sliding-window layers instead); at `ablation_bits` (128-token
     tail) each knob alone ("alone"), all of them together ("all") and all but one
     ("leave-one-out": what each knob adds to the others); RECOMMENDED_2BIT; quanto at
     `quanto_bits` as transformers runs it and, with `equal_bits`,
@@ -122,6 +125,7 @@ def grid(bits=(8, 4, 3, 2), tails=(0, 128), ablation_bits=(4, 2),
     for a in ablations:
         with_knobs(4, [a])  # checks the name
     rows = [DENSE_SETTING] + [nexuskv(b, t) for b in bits for t in tails]
+    rows += [nexuskv(b, t, window_residual=w) for b in bits for t in tails for w in window_tails]
     for b in ablation_bits:
         rows.append(nexuskv(b, 128))
         if "alone" in combinations:
@@ -228,7 +232,8 @@ def make_cache(model, s: Setting, direct: bool = False, seed: int = 0):
     return hf.cache_for(model, bits=s.bits, group_size=s.group_size, value_group_size=s.value_group_size,
                         residual=s.residual, outliers=s.key_outliers, value_outliers=s.value_outliers,
                         dynamic_keys=s.dgq, rotate=s.rotate, seed=seed, sinks=s.sinks,
-                        meta_dtype=setting_meta_dtype(s, model.dtype), fused=False if direct else None)
+                        meta_dtype=setting_meta_dtype(s, model.dtype), fused=False if direct else None,
+                        window_residual=s.window_residual)
 
 
 def _element_bytes(dtype: torch.dtype) -> int:

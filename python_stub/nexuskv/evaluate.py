@@ -472,6 +472,7 @@ def settings_from_args(args, sixteen_bit_model: bool = False) -> List[ec.Setting
         return ec.grid(bits=(4,), tails=(0,), ablation_bits=(), best_2bit=False,
                        quanto_bits=() if args.no_quanto else (4,), equal_bits=equal)
     return ec.grid(bits=_ints(args.bits, "--bits"), tails=_ints(args.tails, "--tails"),
+                   window_tails=_ints(args.window_tails, "--window-tails") if args.window_tails else (),
                    ablation_bits=_ints(args.ablation_bits, "--ablation-bits"),
                    ablations=[a for a in args.ablations.split(",") if a],
                    combinations=[c for c in args.combinations.split(",") if c],
@@ -555,6 +556,8 @@ def add_arguments(p, text_default: Optional[str] = None) -> None:
                    help="model dtype for perplexity and greedy agreement")
     p.add_argument("--bits", default="8,4,3,2", help="bit widths of the base nexuskv rows")
     p.add_argument("--tails", default="0,128", help="full-precision tails of the base nexuskv rows")
+    p.add_argument("--window-tails", default="",
+                   help="also each base row with these tails on the sliding-window layers (default: none)")
     p.add_argument("--ablation-bits", default="4,2", help="bit widths at which the knobs are switched on")
     # DGQ is not a default knob: in this chunked evaluation every append compresses one group,
     # which leaves it no boundary to choose (it measured identical to fixed groups, RESULTS.md).

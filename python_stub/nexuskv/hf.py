@@ -562,13 +562,17 @@ def _check_kv_heads(kv_heads) -> None:
                          f"None, got {kv_heads!r}")
 
 
-def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size: int = 64, residual: int = 128,
+DEFAULT_RESIDUAL = 64  # the full-precision tail of full-attention layers when cache_for is given none
+
+
+def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size: int = 64,
+              residual: Optional[int] = None,
               outliers: int = 0, dynamic_keys: bool = False, rotate: bool = False, seed: int = 0, sinks: int = 0,
               compressor: Optional[KVCompressor] = None, value_compressor: Optional[KVCompressor] = None,
               value_group_size: Optional[int] = None, value_outliers: Optional[int] = None,
               meta_dtype: Optional[torch.dtype] = None, kv_heads: Optional[int | str] = None,
               fused: Optional[bool] = None, static: bool = False,
-              max_cache_len: Optional[int] = None) -> NexusKVCache:
+              max_cache_len: Optional[int] = None, window_residual: Optional[int] = None) -> NexusKVCache:
     """A compressed cache sized for `model`, one layer per decoder layer: keys per
     channel (groups of `group_size` tokens), values per token (groups of
     `value_group_size` channels, default `group_size`), the `residual` newest tokens
@@ -593,12 +597,28 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
     raise a ValueError here.  A DeepSpeed v1 InferenceEngine is taken as its module, with
     the KV heads its tensor-parallel rank holds (nexuskv.integrations.deepspeed).
 
+    The tails: ``residual`` on full-attention layers, ``window_residual`` on sliding-window
+    layers (default: ``residual`` when that is given).  Given neither, the byte policy of
+    benchmarks/RESULTS.md ("The tail against the 30 % byte target"): 64 tokens
+    (DEFAULT_RESIDUAL) on full-attention layers and none on sliding-window ones.  A sliding
+    layer's native cache holds only its window (512 tokens on Gemma 3), so a 128-token tail
+    there is a quarter of it in full precision; without it Gemma 3's 4-bit cache holds
+    28.9 % of its native size at 4096 tokens (36.4 % with 128 everywhere), SmolLM2's 29.2 %
+    (30.4 %), perplexity within the noise of the longer tails on both.
+
     ``static=True, max_cache_len=N``: the compileable cache (nexuskv.hf_static): fixed
     capacity, state in tensors, a decode step that torch.compile(fullgraph=True) and
     torch.export trace; no sinks, rotation, eviction, crop or beam search, CPU only, and
     attn_implementation="nexuskv" required."""
     register()
     _check_kv_heads(kv_heads)
+    for name, tail in (("residual", residual), ("window_residual", window_residual)):
+        if tail is not None and (isinstance(tail, bool) or not isinstance(tail, int) or tail < 0):
+            raise ValueError(f"nexuskv: {name} must be None or an int >= 0, got {tail!r}")
+    if window_residual is None:
+        window_residual = 0 if residual is None else residual
+    if residual is None:
+        residual = DEFAULT_RESIDUAL
     model, kv_heads = integrations.deepspeed.unwrap_for_cache(model, kv_heads)
     if not hasattr(model, "config"):
         raise TypeError(f"nexuskv: cache_for needs a transformers model (with a .config) or a DeepSpeed engine, "
@@ -631,17 +651,21 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
                                 outliers if value_outliers is None else value_outliers, dynamic_keys, rotate, seed,
                                 sinks, meta_dtype)
     config = hf_compat.text_config(model)
+
+    def tail(g: LayerGeometry) -> int:
+        return residual if g.window is None else window_residual
+
     if static:
         if not isinstance(max_cache_len, int) or max_cache_len < 1 or compressors is not None or fused is False:
             raise ValueError("nexuskv: cache_for(model, static=True) needs max_cache_len=N (a positive int: the "
                              "tokens each sequence may reach) and the fused path (no fused=False, no Python "
                              f"compressor), got max_cache_len={max_cache_len!r}")
         return NexusKVCache([hf_static.NexusKVStaticLayer(
-            hf_static.static_settings(dict(quant, residual=residual), g.window), max_cache_len, i, g, config)
+            hf_static.static_settings(dict(quant, residual=tail(g)), g.window), max_cache_len, i, g, config)
             for i, g in enumerate(geometries)])
     layers, probed = [], set()
     for i, g in enumerate(geometries):
-        settings = dict(quant, residual=residual, sinks=0 if g.window else sinks, window=g.window)
+        settings = dict(quant, residual=tail(g), sinks=0 if g.window else sinks, window=g.window)
         key = (g.key_dim, g.window)
         if key not in probed:
             probed.add(key)

@@ -130,3 +130,41 @@ def test_layer_windows_follow_the_config(arch):
     }.get(name, [None] * len(cache.layers))
     assert [layer.sliding_window for layer in cache.layers] == expected
     assert cache.is_sliding == [w is not None for w in expected]
+
+
+@torch.no_grad()
+def test_window_residual_sets_the_tail_of_the_sliding_layers_only():
+    """cache_for(window_residual=w): the sliding layers keep a w-token full-precision tail, the
+    full-attention layers `residual`; given neither, 64 and 0 (the byte policy that holds Gemma 3
+    and SmolLM2 at <= 30 % of their native cache, benchmarks/RESULTS.md); the output stays within
+    8-bit noise of the model's own."""
+    import nexuskv.hf as nhf
+    from hf_helpers import tiny_model
+
+    model = tiny_model("gemma3")
+    ids = torch.randint(3, 256, (1, 64), generator=torch.Generator().manual_seed(5))
+    ref = forward(model, ids).logits
+
+    def full_precision_bytes(cache):
+        return [layer.cache.nbytes() - layer.cache.compressed_nbytes() for layer in cache.layers]
+
+    plain = nhf.cache_for(model, bits=8, group_size=16, residual=32)
+    short = nhf.cache_for(model, bits=8, group_size=16, residual=32, window_residual=0)
+    out_plain, out_short = forward(model, ids, plain).logits, forward(model, ids, short).logits
+    a, b = full_precision_bytes(plain), full_precision_bytes(short)
+    assert b[1] == a[1] > 0  # the full-attention layer: the same 32-token tail
+    assert b[0] < a[0] and b[2] < a[2]  # the sliding layers: less in full precision
+    assert compressed(short) > compressed(plain)
+    assert _rel(out_short, ref) < 0.05 and _rel(out_plain, ref) < 0.05
+    # Given no tail at all: DEFAULT_RESIDUAL (64) on the full-attention layer, none on the sliding ones.
+    default = nhf.cache_for(model, bits=8, group_size=16)
+    forward(model, ids, default)
+    policy = nhf.cache_for(model, bits=8, group_size=16, residual=nhf.DEFAULT_RESIDUAL, window_residual=0)
+    forward(model, ids, policy)
+    assert full_precision_bytes(default) == full_precision_bytes(policy)
+    assert int(default.layers[1].cache.compressed_lengths()[0]) == 0  # 64 tokens: all in the 64-token tail
+    for bad in (-1, 1.5, True, "0"):
+        with pytest.raises(ValueError, match="window_residual"):
+            nhf.cache_for(model, window_residual=bad)
+        with pytest.raises(ValueError, match="residual"):
+            nhf.cache_for(model, residual=bad)
