@@ -79,11 +79,14 @@ struct WeightLimbs {
     auto first = [&](int64_t t) -> __mmask16 { return t >= n ? 0 : n - t >= 16 ? 0xffff : (1u << (n - t)) - 1; };
     for (int64_t b = 0; b < nb; ++b) {
       const float* wb = w + b * kTileTokens;
+      // The unit from max |w|: the weights are >= 0 for scales of the format (>= 0), and
+      // stay right (first limb in [-127, 127]) for a caller's negative ones.
+      const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
       __m512 vmax = _mm512_setzero_ps();
       __mmask16 bad = 0;  // lanes that saw a NaN or an Inf (fpclass: QNaN, +0x08 +Inf, 0x10 -Inf, SNaN)
       for (int64_t t = 0; t < n; t += 16) {
         const __m512 x = _mm512_maskz_loadu_ps(first(t), wb + t);
-        vmax = _mm512_max_ps(vmax, x), bad |= _mm512_fpclass_ps_mask(x, 0x99);
+        vmax = _mm512_max_ps(vmax, _mm512_and_ps(x, abs_mask)), bad |= _mm512_fpclass_ps_mask(x, 0x99);
       }
       const float wmax = _mm512_reduce_max_ps(vmax);
       if (bad) {
@@ -91,9 +94,10 @@ struct WeightLimbs {
         continue;
       }
       a[i * groups + b] = wmax / 127.f;
-      const __m512 inv = _mm512_set1_ps(wmax > 0.f ? 127.f / wmax : 0.f);
+      const float inv_max = wmax > 0.f ? 127.f / wmax : 0.f;  // inf below ~4e-37: clamped (limbs 0 then)
+      const __m512 inv = _mm512_set1_ps(inv_max <= kFloatMax ? inv_max : 0.f);
       for (int64_t t = 0; t < kTokens; t += 16) {
-        __m512 rest = _mm512_mul_ps(_mm512_maskz_loadu_ps(first(t), wb + t), inv);  // in [0, 127]
+        __m512 rest = _mm512_mul_ps(_mm512_maskz_loadu_ps(first(t), wb + t), inv);  // in [-127, 127]
         for (int64_t l = 0; l < limbs; ++l) {
           const __m512 lv = _mm512_roundscale_ps(rest, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
           _mm_storeu_si128(reinterpret_cast<__m128i*>(limb(i, l, b) + t), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(lv)));

@@ -250,7 +250,7 @@ struct TaskState {
             za[b] += dot_f(sr, t.v_zero + b * kTileTokens, n);
           }
 #if defined(__AVX512VNNI__)
-          if (t.v_codes) wlimbs.set(i, w, nb, n);
+          if (t.v_codes) wlimbs.set(i, w, nb, visible[i]);  // (tokens past the row's visible ones: zero limbs)
 #endif
           w_rows[i] = w;
         } else {

@@ -125,7 +125,7 @@ def grid(bits=(8, 4, 3, 2), tails=(0, 128), ablation_bits=(4, 2),
     for a in ablations:
         with_knobs(4, [a])  # checks the name
     rows = [DENSE_SETTING] + [nexuskv(b, t) for b in bits for t in tails]
-    rows += [nexuskv(b, t, window_residual=w) for b in bits for t in tails for w in window_tails]
+    rows += [nexuskv(b, t, window_residual=w) for b in bits for t in tails for w in window_tails if w != t]
     for b in ablation_bits:
         rows.append(nexuskv(b, 128))
         if "alone" in combinations:

@@ -234,7 +234,8 @@ def equal_bit_pairs(rows: List[Dict]) -> List[Dict]:
     for q in (r for r in rows if r["kind"] == ec.QUANTO):
         bits = q["effective_bits"]["kv"]
         cands = [r for r in rows if r["kind"] == ec.NEXUSKV and r["bits"] == q["bits"]
-                 and r["residual"] == q["residual"] and not r["knobs"] and r["group_size"] == 64
+                 and r["residual"] == q["residual"] and r.get("window_residual") is None and not r["knobs"]
+                 and r["group_size"] == 64
                  and abs(r["effective_bits"]["kv"] - bits) < 1e-9]
         if cands:
             n = cands[0]
@@ -425,7 +426,7 @@ def targets(rows: List[Dict]) -> List[str]:
                    f"({four['name']}, {four['effective_bits']['kv']:.3f} bits); target <= 0.5 %: "
                    f"{'met' if four['delta_ppl_pct'] <= 0.5 else 'NOT met'}")
     two = best(lambda r: r["kind"] == ec.NEXUSKV and r["bits"] == 2 and r["residual"] == 128
-               and r["effective_bits"]["kv"] <= 2.6)
+               and r.get("window_residual") is None and r["effective_bits"]["kv"] <= 2.6)
     if two:
         out.append(f"2-bit, 128-token tail, <= 2.6 effective bits: best ΔPPL {two['delta_ppl_pct']:+.2f} %"
                    f"{spread(two)} ({two['name']}, {two['effective_bits']['kv']:.3f} bits); target <= 5 %: "
@@ -437,7 +438,7 @@ def targets(rows: List[Dict]) -> List[str]:
         if r["kind"] != ec.QUANTO:
             continue
         ours = best(lambda x: x["kind"] == ec.NEXUSKV and x["bits"] == r["bits"] and x["residual"] == r["residual"]
-                    and x["effective_bits"]["kv"] <= r["effective_bits"]["kv"])
+                    and x.get("window_residual") is None and x["effective_bits"]["kv"] <= r["effective_bits"]["kv"])
         if ours:
             v = paired_verdict(ours, r)["verdict"]
             out.append(f"best nexuskv at <= quanto's bits: {ours['name']} ({ours['effective_bits']['kv']:.3f} bits) "

@@ -191,42 +191,51 @@ TEST_CASE("integer p.V on packed values runs and stays within its limb bound", "
   // each weight is off by at most a / (2 * 254^(L-1)), a = max over the tile / 127,
   // so a channel's output by at most sum_tiles n * qmax * a / (2 * 254^(L-1)) / T.
   const bool vnni = cpu_isa() == CpuIsa::kAvx512;
-  const int64_t T = 100, D = 64;
-  std::mt19937 rng(21);
-  const Cache k(1, T, D, 4, 32, GroupAxis::kTokens, 0, rng);
-  std::vector<float> q(size_t(D), 0.f);
-  const int64_t lens[1] = {T};
-  for (int bits : {2, 4, 8})
-    for (int mantissa : {8, 24}) {  // bf16 queries: two limbs; fp16 / fp32: three
-      const Cache v(1, T, D, bits, 32, GroupAxis::kChannels, 0, rng);
-      Params p;
-      p.batch = 1, p.q_heads = 1, p.kv_heads = 1, p.q_len = 1, p.head_dim = D, p.query_mantissa_bits = mantissa;
-      p.q = rows_of(q, 1, 1, D), p.k = k.view(), p.v = v.view(), p.compressed_lens.i64 = lens;
-      std::vector<float> partials(size_t(partial_floats(p))), out(static_cast<size_t>(D));
-      attention_tasks(p, 1, partials.data(), 0, 1);
-      attention_merge(p, 1, partials.data(), out.data(), 0, 1);
-      INFO("bits=" << bits << " mantissa=" << mantissa << " isa=" << attention_isa());
-      REQUIRE(last_value_product() == (vnni ? ValueProduct::kInteger : ValueProduct::kFloat));
-      const int limbs = mantissa <= 8 ? 2 : 3;
-      const double qmax = double((1 << bits) - 1), groups = double(D / 32);
-      double worst_excess = -1, vmax = 0;
-      for (int64_t c = 0; c < D; ++c) {
-        double mean = 0, bound = 0;
-        for (int64_t t = 0; t < T; ++t) mean += v.dense[size_t(t * D + c)] / double(T);
-        for (int64_t t0 = 0; t0 < T; t0 += kTileTokens) {
-          const int64_t n = std::min<int64_t>(kTileTokens, T - t0);
-          double wmax = 0;  // the tile's largest weight: the largest scale of c's group
-          for (int64_t t = t0; t < t0 + n; ++t)
-            wmax = std::max(wmax, double(v.scale[size_t(t * int64_t(groups) + c / 32)]));
-          bound += n * qmax * (wmax / 127) / (2 * std::pow(254.0, limbs - 1)) / double(T);
+  struct Shape {
+    int64_t T, D, rows;
+  };
+  // Whole blocks of four tokens, one row; then a partial block (102 = 3 * 32 + 6), a partial
+  // last chunk (D 96 at 2 bits: 64 + 32 channels) and four query rows of one kv head.
+  for (const Shape sh : {Shape{100, 64, 1}, Shape{102, 96, 4}}) {
+    const int64_t T = sh.T, D = sh.D;
+    std::mt19937 rng(21);
+    const Cache k(1, T, D, 4, 32, GroupAxis::kTokens, 0, rng);
+    std::vector<float> q(size_t(sh.rows * D), 0.f);
+    const int64_t lens[1] = {T};
+    for (int bits : {2, 4, 8})
+      for (int mantissa : {8, 24}) {  // bf16 queries: two limbs; fp16 / fp32: three
+        const Cache v(1, T, D, bits, 32, GroupAxis::kChannels, 0, rng);
+        Params p;
+        p.batch = 1, p.q_heads = sh.rows, p.kv_heads = 1, p.q_len = 1, p.head_dim = D;
+        p.query_mantissa_bits = mantissa;
+        p.q = rows_of(q, sh.rows, 1, D), p.k = k.view(), p.v = v.view(), p.compressed_lens.i64 = lens;
+        std::vector<float> partials(size_t(partial_floats(p))), out(static_cast<size_t>(sh.rows * D));
+        attention_tasks(p, 1, partials.data(), 0, 1);
+        attention_merge(p, 1, partials.data(), out.data(), 0, 1);
+        INFO("T=" << T << " D=" << D << " bits=" << bits << " mantissa=" << mantissa << " isa=" << attention_isa());
+        REQUIRE(last_value_product() == (vnni ? ValueProduct::kInteger : ValueProduct::kFloat));
+        const int limbs = mantissa <= 8 ? 2 : 3;
+        const double qmax = double((1 << bits) - 1);
+        const int64_t groups = D / 32;
+        double worst_excess = -1, vmax = 0;
+        for (int64_t c = 0; c < D; ++c) {
+          double mean = 0, bound = 0;
+          for (int64_t t = 0; t < T; ++t) mean += v.dense[size_t(t * D + c)] / double(T);
+          for (int64_t t0 = 0; t0 < T; t0 += kTileTokens) {
+            const int64_t n = std::min<int64_t>(kTileTokens, T - t0);
+            double wmax = 0;  // the tile's largest weight: the largest scale of c's group
+            for (int64_t t = t0; t < t0 + n; ++t) wmax = std::max(wmax, double(v.scale[size_t(t * groups + c / 32)]));
+            bound += n * qmax * (wmax / 127) / (2 * std::pow(254.0, limbs - 1)) / double(T);
+          }
+          for (int64_t t = 0; t < T; ++t) vmax = std::max(vmax, std::abs(double(v.dense[size_t(t * D + c)])));
+          // Every query row (q = 0: all alike); float32 rounding of the sums on top of the limb bound.
+          for (int64_t r = 0; r < sh.rows; ++r)
+            worst_excess = std::max(worst_excess, std::abs(out[size_t(r * D + c)] - mean) - bound - 1e-6 * vmax);
+          if (vnni) REQUIRE(bound < (limbs == 2 ? 2e-4 : 1e-6) * vmax);  // the bound means something
         }
-        for (int64_t t = 0; t < T; ++t) vmax = std::max(vmax, std::abs(double(v.dense[size_t(t * D + c)])));
-        // float32 rounding of the sums on top of the limb bound.
-        worst_excess = std::max(worst_excess, std::abs(out[size_t(c)] - mean) - bound - 1e-6 * vmax);
-        if (vnni) REQUIRE(bound < (limbs == 2 ? 2e-4 : 1e-6) * vmax);  // the bound means something
+        REQUIRE(worst_excess <= 0);
       }
-      REQUIRE(worst_excess <= 0);
-    }
+  }
 }
 
 TEST_CASE("AttentionParams accessors: lengths as given, DGQ segments, positions", "[attention]") {
