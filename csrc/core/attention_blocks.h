@@ -43,8 +43,10 @@ inline float exp_nonpos(float x) {
 }
 
 #if defined(__AVX512F__)
-// Lanes [0, m) of a 16-float vector (m >= 16: all).
-inline __mmask16 first_lanes(int64_t m) { return m >= 16 ? __mmask16(0xffff) : __mmask16((1u << m) - 1); }
+// Lanes [0, m) of a 16-float vector (m >= 16: all; m <= 0: none).
+inline __mmask16 first_lanes(int64_t m) {
+  return m >= 16 ? __mmask16(0xffff) : m <= 0 ? __mmask16(0) : __mmask16((1u << m) - 1);
+}
 
 // Sum of v[0..n): 16 lanes, then one reduction (a tile's rows are 32 floats:
 // two loads, instead of a 16-partial sum folded with 15 dependent scalar adds).

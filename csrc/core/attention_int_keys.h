@@ -51,6 +51,16 @@
 
 namespace nexuskv::core::NEXUSKV_ISA {
 
+// The next int8 limb of rest (in [-127, 127]), rounded to nearest, 16 at a
+// time; rest becomes the remainder times the radix 254, again in [-127, 127].
+// The one limb split of the integer kernels (query limbs here, value-weight
+// limbs in attention_int_values.h).
+NEXUSKV_INLINE __m128i take_limb(__m512& rest) {
+  const __m512 limb = _mm512_roundscale_ps(rest, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  rest = _mm512_mul_ps(_mm512_sub_ps(rest, limb), _mm512_set1_ps(254.f));
+  return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(limb));
+}
+
 // The most a bf16 query's two limbs may move a score (logits: the softmax
 // scale is in x) before a third limb is taken: 2^-9, i.e. each output element
 // within 0.4 % of max|v|.
@@ -101,16 +111,13 @@ struct QueryLimbs {
         continue;
       }
       a[r] = amax / 127.f;
-      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f), radix = _mm512_set1_ps(254.f);
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
       __m512 rest_after_two = _mm512_setzero_ps();  // sum of |x / a - (l0 + l1 / 254)| * 254^2
       for (int64_t c = 0; c < D; c += 16) {
         __m512 rest = _mm512_mul_ps(_mm512_loadu_ps(xr + c), inv);  // in [-127, 127]
         for (int64_t l = 0; l < kMaxLimbs; ++l) {
           if (l == 2) rest_after_two = _mm512_add_ps(rest_after_two, _mm512_and_ps(rest, abs_mask));
-          const __m512 limb = _mm512_roundscale_ps(rest, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          _mm512_storeu_si512(data + ((r * kMaxLimbs + l) * padded + c) * 4,
-                              _mm512_broadcast_i32x4(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(limb))));
-          rest = _mm512_mul_ps(_mm512_sub_ps(rest, limb), radix);  // the remainder, in [-127, 127]
+          _mm512_storeu_si512(data + ((r * kMaxLimbs + l) * padded + c) * 4, _mm512_broadcast_i32x4(take_limb(rest)));
         }
       }
       worst_two_limb_error =

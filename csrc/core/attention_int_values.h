@@ -39,6 +39,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "attention_blocks.h"
+#include "attention_int_keys.h"
 #include "isa.h"
 #include "nexuskv/core/attention.h"
 #include "nexuskv/core/nq_layout.h"
@@ -75,17 +77,15 @@ struct WeightLimbs {
   // Row i's weights w [nb, kTileTokens] (group b's at w + b * kTileTokens, n
   // tokens each, n <= kTileTokens) as limbs; tokens [n, kTokens) get zero.
   void set(int64_t i, const float* w, int64_t nb, int64_t n) {
-    const __m512 radix = _mm512_set1_ps(254.f);
-    auto first = [&](int64_t t) -> __mmask16 { return t >= n ? 0 : n - t >= 16 ? 0xffff : (1u << (n - t)) - 1; };
+    // The unit from max |w|: the weights are >= 0 for scales of the format (>= 0), and
+    // stay right (first limb in [-127, 127]) for a caller's negative ones.
+    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     for (int64_t b = 0; b < nb; ++b) {
       const float* wb = w + b * kTileTokens;
-      // The unit from max |w|: the weights are >= 0 for scales of the format (>= 0), and
-      // stay right (first limb in [-127, 127]) for a caller's negative ones.
-      const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
       __m512 vmax = _mm512_setzero_ps();
       __mmask16 bad = 0;  // lanes that saw a NaN or an Inf (fpclass: QNaN, +0x08 +Inf, 0x10 -Inf, SNaN)
       for (int64_t t = 0; t < n; t += 16) {
-        const __m512 x = _mm512_maskz_loadu_ps(first(t), wb + t);
+        const __m512 x = _mm512_maskz_loadu_ps(first_lanes(n - t), wb + t);
         vmax = _mm512_max_ps(vmax, _mm512_and_ps(x, abs_mask)), bad |= _mm512_fpclass_ps_mask(x, 0x99);
       }
       const float wmax = _mm512_reduce_max_ps(vmax);
@@ -97,12 +97,9 @@ struct WeightLimbs {
       const float inv_max = wmax > 0.f ? 127.f / wmax : 0.f;  // inf below ~4e-37: clamped (limbs 0 then)
       const __m512 inv = _mm512_set1_ps(inv_max <= kFloatMax ? inv_max : 0.f);
       for (int64_t t = 0; t < kTokens; t += 16) {
-        __m512 rest = _mm512_mul_ps(_mm512_maskz_loadu_ps(first(t), wb + t), inv);  // in [-127, 127]
-        for (int64_t l = 0; l < limbs; ++l) {
-          const __m512 lv = _mm512_roundscale_ps(rest, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(limb(i, l, b) + t), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(lv)));
-          rest = _mm512_mul_ps(_mm512_sub_ps(rest, lv), radix);  // the remainder, in [-127, 127]
-        }
+        __m512 rest = _mm512_mul_ps(_mm512_maskz_loadu_ps(first_lanes(n - t), wb + t), inv);  // in [-127, 127]
+        for (int64_t l = 0; l < limbs; ++l)
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(limb(i, l, b) + t), take_limb(rest));
       }
     }
   }
