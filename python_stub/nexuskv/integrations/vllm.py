@@ -33,6 +33,12 @@ process inherits them from the one started):
                                  size that is not a power of two is then refused), 0
     NEXUSKV_VLLM_ROTATION_SEED=0 seed of the rotation's signs (one sign vector, the
                                  same for every layer: nexuskv.rotation_signs)
+    NEXUSKV_VLLM_RECIPE=         a recipe file (python -m nexuskv calibrate): each
+                                 layer's key channel means are subtracted from the
+                                 keys before they are quantized (exact: softmax is
+                                 blind to it; nexuskv.recipe), which at 4 bits takes
+                                 about half the per-token keys' loss away.  Empty: none.
+                                 Refused on another model and with soft-capping.
 
 A setting or a model that the backend cannot serve stops the engine at start-up
 with a ValueError that names the layer and the reason: MLA, encoder / cross
@@ -45,8 +51,10 @@ to the kernel.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
+import re
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -65,6 +73,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 import nexuskv  # noqa: F401  (loads the native library: torch.ops.nexuskv)
 from nexuskv.compressors import rotation_signs
+from nexuskv.recipe import Recipe, model_facts
 
 __all__ = [
     "register",
@@ -97,6 +106,7 @@ class Settings:
     num_outliers: int = 0
     rotate: str = "auto"  # "auto", "1" or "0"
     rotation_seed: int = 0
+    recipe: str = ""  # a recipe file's path, "" = none
 
     def rotates(self, head_size: int) -> bool:
         return self.rotate == "1" or (self.rotate == "auto" and head_size & (head_size - 1) == 0)
@@ -157,7 +167,27 @@ def settings() -> Settings:
         num_outliers=_env_int("NEXUSKV_VLLM_OUTLIERS", 0, lo=0, hi=255),
         rotate=_env_choice("NEXUSKV_VLLM_ROTATE", "auto", ("auto", "1", "0")),
         rotation_seed=_env_int("NEXUSKV_VLLM_ROTATION_SEED", 0, lo=0, hi=2**63 - 1),
+        recipe=os.environ.get("NEXUSKV_VLLM_RECIPE", "").strip(),
     )
+
+
+@functools.lru_cache(maxsize=4)
+def _load_recipe(path: str) -> Recipe:
+    try:
+        return Recipe.load(path)
+    except ValueError as e:
+        raise SetupError(f"nexuskv (vLLM backend): NEXUSKV_VLLM_RECIPE: {e}") from None
+
+
+def _layer_index(layer_name: str) -> int:
+    """The decoder layer index in a vLLM attention layer's name ('model.layers.7.self_attn.attn')."""
+    m = re.search(r"(?:^|\.)layers\.(\d+)\.", layer_name)
+    if m is None:
+        raise SetupError(
+            f"nexuskv (vLLM backend): cannot tell the decoder layer of attention layer {layer_name!r} "
+            "(no 'layers.<i>.' in its name), so NEXUSKV_VLLM_RECIPE cannot be applied to it"
+        )
+    return int(m.group(1))
 
 
 def slot_bytes(s: Settings, head_size: int, dtype: torch.dtype) -> int:
@@ -369,6 +399,47 @@ class NexusKVAttentionImpl(AttentionImpl[NexusKVAttentionMetadata]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.group_size = s.group_for(head_size)
         self.signs = rotation_signs(head_size, s.rotation_seed) if s.rotates(head_size) else None
+        self.recipe = self._check_recipe(where) if s.recipe else None
+        self.key_center = None  # [kv_heads, head_size] in the key dtype, set at the first write
+
+    def _check_recipe(self, where: str) -> Recipe:
+        """The recipe, checked against the model vLLM serves and this layer (at start-up)."""
+        from vllm.config import get_current_vllm_config_or_none
+
+        recipe = _load_recipe(self.settings.recipe)
+        reasons = []
+        if self.logits_soft_cap is not None:
+            reasons.append(
+                f"logit soft-capping ({self.logits_soft_cap}) is not shift-invariant, so centering the keys "
+                "would change attention"
+            )
+        if (recipe.model["num_key_value_heads"], recipe.model["head_dim"]) != (self.num_kv_heads, self.head_size):
+            reasons.append(
+                f"the recipe has {recipe.model['num_key_value_heads']} kv heads of {recipe.model['head_dim']}, "
+                f"the layer {self.num_kv_heads} of {self.head_size}"
+            )
+        if reasons:
+            raise SetupError(f"nexuskv (vLLM backend): NEXUSKV_VLLM_RECIPE cannot serve {where}: " + "; ".join(reasons))
+        config = get_current_vllm_config_or_none()  # set while vLLM builds the model
+        model_config = config.model_config if config is not None else None
+        if model_config is not None:
+            try:
+                recipe.check_model(model_facts(model_config.hf_config), f"the model vLLM serves ({model_config.model})")
+            except ValueError as e:
+                raise SetupError(f"nexuskv (vLLM backend): NEXUSKV_VLLM_RECIPE: {e}") from None
+        return recipe
+
+    def _centered(self, layer: torch.nn.Module, key: torch.Tensor) -> torch.Tensor:
+        """key [tokens, kv_heads, head_size] minus the recipe's key mean of this layer."""
+        if self.key_center is None:
+            i = _layer_index(layer.layer_name)
+            if i >= self.recipe.key_center.shape[0]:
+                raise SetupError(
+                    f"nexuskv (vLLM backend): NEXUSKV_VLLM_RECIPE has {self.recipe.key_center.shape[0]} layers, "
+                    f"no layer {i} ({layer.layer_name})"
+                )
+            self.key_center = self.recipe.key_center[i].to(device=key.device, dtype=key.dtype)
+        return key - self.key_center
 
     def _pages(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """vLLM's per-layer cache as nexuskv's uint8 pages [num_blocks, kv_heads, block_size, C]."""
@@ -391,9 +462,10 @@ class NexusKVAttentionImpl(AttentionImpl[NexusKVAttentionMetadata]):
     ) -> None:
         n = slot_mapping.size(0)
         s = self.settings
+        key = key[:n] if self.recipe is None else self._centered(layer, key[:n])
         torch.ops.nexuskv.paged_kv_write_(
             self._pages(kv_cache),
-            key[:n],
+            key,
             value[:n],
             slot_mapping,
             s.key_bits,

@@ -1,0 +1,159 @@
+"""Calibration recipes: what a model's keys and values look like on average, measured
+once on a text (`python -m nexuskv calibrate`) and read where the cache is built.
+
+A recipe (version 1) holds, per layer and kv head, the channel means of the keys (after
+RoPE, as attention sees them).  Subtracting them from every key before quantization
+leaves attention unchanged: q . (k - m) = q . k - q . m, and q . m is one constant per
+query row, which softmax removes.  Exact for every query and any m (a mean measured on
+another text is as exact, only less helpful); not with logit soft-capping (tanh is not
+shift-invariant), where a recipe is refused.
+
+What it buys: a key quantized per token carries each channel's offset in every group's
+range, and post-RoPE keys have large, steady channel offsets (SmolLM2: |mean| 6-18 per
+head).  Centered, the range holds only what varies from token to token.  nexuskv's own
+cache quantizes keys per channel, whose zero points absorb the offsets already, so the
+centering is for per-token keys: the vLLM backend's pages (NEXUSKV_VLLM_RECIPE).
+(Centering the values the same way, adding the mean back to the output, was measured
+and did not help: values have small means.)
+
+File: one .safetensors file, tensor ``key_center`` (float32 [layers, kv_heads,
+head_dim]) and, as the header's metadata ``nexuskv_recipe``, a JSON object: format
+version, the model facts it was measured on (checked by every reader), and the text
+and token counts it was measured on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+import torch
+
+__all__ = ["Recipe", "model_facts", "calibrate", "FORMAT", "VERSION"]
+
+FORMAT = "nexuskv-recipe"
+VERSION = 1
+# What a recipe must match in a model's config: a recipe measured on another model would
+# still be exact (see above) but would not help, so it is refused rather than used.
+FACTS = (
+    "model_type",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_size",
+    "vocab_size",
+)
+
+
+def model_facts(config) -> Dict[str, object]:
+    """The facts a recipe is checked against, from a transformers config (a multimodal
+    config's text part when it has one)."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    facts = {}
+    for name in FACTS:
+        value = getattr(c, name, None)
+        if name == "head_dim" and value is None:
+            value = c.hidden_size // c.num_attention_heads
+        if name == "num_key_value_heads" and value is None:
+            value = c.num_attention_heads
+        facts[name] = value
+    return facts
+
+
+@dataclass
+class Recipe:
+    model: Dict[str, object]  # model_facts() of the model it was measured on
+    key_center: torch.Tensor  # float32 [layers, kv_heads, head_dim]
+    source: Dict[str, object] = field(default_factory=dict)  # text, tokens, windows, model name
+
+    def __post_init__(self) -> None:
+        shape = (self.model["num_hidden_layers"], self.model["num_key_value_heads"], self.model["head_dim"])
+        t = self.key_center
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != torch.float32:
+            got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+            want = f"float32 {list(shape)} (layers, kv heads, head_dim)"
+            raise ValueError(f"recipe: key_center must be {want}, got {got}")
+        if not torch.isfinite(t).all():
+            raise ValueError("recipe: key_center holds NaN or Inf")
+
+    def save(self, path: str) -> None:
+        from safetensors.torch import save_file
+
+        header = {"format": FORMAT, "version": VERSION, "model": self.model, "source": self.source}
+        tensors = {"key_center": self.key_center.contiguous()}
+        save_file(tensors, path, metadata={"nexuskv_recipe": json.dumps(header, sort_keys=True)})
+
+    @classmethod
+    def load(cls, path: str) -> "Recipe":
+        from safetensors import SafetensorError
+        from safetensors.torch import safe_open
+
+        if not os.path.isfile(path):
+            raise ValueError(f"recipe {path}: no such file (make one with python -m nexuskv calibrate)")
+        try:
+            with safe_open(path, framework="pt") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"recipe {path}: not a safetensors file ({e})") from None
+        try:
+            header = json.loads(meta["nexuskv_recipe"])
+        except (KeyError, json.JSONDecodeError):
+            raise ValueError(f"recipe {path}: no nexuskv_recipe header (not written by nexuskv calibrate)") from None
+        if header.get("format") != FORMAT or header.get("version") != VERSION:
+            raise ValueError(
+                f"recipe {path}: format {header.get('format')!r} version {header.get('version')!r}; this "
+                f"nexuskv reads {FORMAT!r} version {VERSION}"
+            )
+        if "key_center" not in tensors:
+            raise ValueError(f"recipe {path}: no key_center tensor")
+        try:
+            return cls(header["model"], tensors["key_center"], header.get("source", {}))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"recipe {path}: {e}") from None
+
+    def check_model(self, facts: Dict[str, object], where: str = "the model") -> None:
+        """Raises ValueError naming every fact in which `facts` (model_facts()) differ."""
+        diff = [f"{k} {facts.get(k)!r} (recipe: {v!r})" for k, v in self.model.items() if facts.get(k) != v]
+        if diff:
+            name = self.source.get("model", "another model")
+            raise ValueError(
+                f"recipe measured on {name} does not fit {where}: "
+                + ", ".join(diff)
+                + "; calibrate on this model (python -m nexuskv calibrate --model ...)"
+            )
+
+
+@torch.no_grad()
+def calibrate(model, windows, source: Optional[Dict[str, object]] = None) -> Tuple[Recipe, torch.Tensor]:
+    """Runs `model` (transformers, causal LM) over each window of input_ids [1, n] and
+    returns the channel means of every layer's keys (after RoPE) over all tokens seen,
+    and the keys' spread around them: (recipe, spread float32 [layers, kv_heads], the
+    root mean square of |k - mean| per head).  The keys are read where attention
+    receives them (nexuskv.models.capture_qkv: the model's own masks and windows)."""
+    from .models import capture_qkv
+
+    facts = model_facts(model.config)
+    shape = (facts["num_hidden_layers"], facts["num_key_value_heads"], facts["head_dim"])
+    sums = torch.zeros(shape, dtype=torch.float64)
+    squares = torch.zeros(shape[:2], dtype=torch.float64)
+    seen = 0
+    for ids in windows:
+        layers = capture_qkv(model, ids)
+        if len(layers) != shape[0]:
+            raise ValueError(f"calibrate: {len(layers)} attention layers ran, the config says {shape[0]}")
+        for i, layer in enumerate(layers):
+            k = layer.k.double()  # [batch, kv_heads, tokens, head_dim]
+            if k.shape[1:2] + k.shape[3:] != shape[1:]:
+                raise ValueError(f"calibrate: layer {i} keys {tuple(k.shape)} do not match the config {shape}")
+            sums[i] += k.sum((0, 2))
+            squares[i] += k.square().sum((0, 2, 3))
+        seen += k.shape[0] * k.shape[2]
+    if seen == 0:
+        raise ValueError("calibrate: no tokens")
+    means = sums / seen
+    spread = (squares / seen - means.square().sum(-1)).clamp_min(0).sqrt()
+    return Recipe(facts, means.float().contiguous(), dict(source or {})), spread.float()
