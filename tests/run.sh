@@ -9,6 +9,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 bash scripts/install.sh
+# vLLM's venv (pip: about 3 minutes of download and unpacking, mostly waiting on disk and
+# network; the model conversions) is prepared in the background while the suites below run;
+# its nexuskv build, which needs the cores, waits for the vLLM step.
+VLLM_PREP_LOG=build/install_vllm_prep.log
+VLLM_PREP=
+if [ "${NEXUSKV_SKIP_VLLM:-0}" != 1 ]; then
+  NEXUSKV_VLLM_SKIP_BUILD=1 bash scripts/install_vllm.sh > "$VLLM_PREP_LOG" 2>&1 &
+  VLLM_PREP=$!
+  trap '[ -z "$VLLM_PREP" ] || kill "$VLLM_PREP" 2>/dev/null || true' EXIT
+fi
 echo "== Catch2 tests (ctest)"
 ctest --test-dir build/py --output-on-failure
 # The CUDA decode kernel's static byte budget (benchmarks/cuda_budget.py), from the objects the
@@ -44,6 +54,11 @@ if [ "${NEXUSKV_SKIP_VLLM:-0}" = 1 ]; then
   echo "== vLLM tests skipped (NEXUSKV_SKIP_VLLM=1)"
 else
   echo "== vLLM backend tests (build/venv-vllm)"
+  prep=0
+  wait "$VLLM_PREP" || prep=$?
+  VLLM_PREP=
+  cat "$VLLM_PREP_LOG"
+  [ "$prep" = 0 ] || { echo "tests/run.sh: preparing vLLM's venv failed ($prep)" >&2; exit 1; }
   bash scripts/install_vllm.sh
   build/venv-vllm/bin/python -m pytest tests/python/test_vllm.py -q "$@"
 fi

@@ -1,4 +1,4 @@
-"""Calibration recipes: what a model's keys and values look like on average, measured
+"""Calibration recipes: what a model's keys look like on average, measured
 once on a text (`python -m nexuskv calibrate`) and read where the cache is built.
 
 A recipe (version 1) holds, per layer and kv head, the channel means of the keys (after
@@ -102,7 +102,9 @@ class Recipe:
         try:
             header = json.loads(meta["nexuskv_recipe"])
         except (KeyError, json.JSONDecodeError):
-            raise ValueError(f"recipe {path}: no nexuskv_recipe header (not written by nexuskv calibrate)") from None
+            header = None
+        if not isinstance(header, dict):
+            raise ValueError(f"recipe {path}: no nexuskv_recipe header (not written by nexuskv calibrate)")
         if header.get("format") != FORMAT or header.get("version") != VERSION:
             raise ValueError(
                 f"recipe {path}: format {header.get('format')!r} version {header.get('version')!r}; this "
@@ -112,7 +114,9 @@ class Recipe:
             raise ValueError(f"recipe {path}: no key_center tensor")
         try:
             return cls(header["model"], tensors["key_center"], header.get("source", {}))
-        except (KeyError, TypeError, ValueError) as e:
+        except KeyError as e:
+            raise ValueError(f"recipe {path}: the header's model facts lack {e}") from None
+        except (TypeError, ValueError) as e:
             raise ValueError(f"recipe {path}: {e}") from None
 
     def check_model(self, facts: Dict[str, object], where: str = "the model") -> None:

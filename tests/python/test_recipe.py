@@ -115,6 +115,8 @@ def _header(path):
         ("missing", "no such file"),
         ("garbage", "not a safetensors file"),
         ("no_header", "no nexuskv_recipe header"),
+        ("list_header", "no nexuskv_recipe header"),
+        ("no_fact", "the header's model facts lack 'head_dim'"),
         ("version", "version 2; this nexuskv reads 'nexuskv-recipe' version 1"),
         ("no_tensor", "no key_center tensor"),
         ("shape", r"key_center must be float32 \[2, 2, 16\]"),
@@ -137,6 +139,10 @@ def test_bad_files_fail_clearly(tmp_path, damage, message):
     elif damage != "missing":
         if damage == "version":
             header["version"] = 2
+        elif damage == "list_header":
+            header = [header]
+        elif damage == "no_fact":
+            del header["model"]["head_dim"]
         elif damage == "no_tensor":
             tensors = {"other": tensors["key_center"]}
         elif damage == "shape":
