@@ -15,9 +15,11 @@ bash scripts/install.sh
 VLLM_PREP_LOG=build/install_vllm_prep.log
 VLLM_PREP=
 if [ "${NEXUSKV_SKIP_VLLM:-0}" != 1 ]; then
-  NEXUSKV_VLLM_SKIP_BUILD=1 bash scripts/install_vllm.sh > "$VLLM_PREP_LOG" 2>&1 &
+  # A session (process group) of its own, so that a failing step before the vLLM one stops
+  # all of it (pip, the conversions), not only its shell.
+  NEXUSKV_VLLM_SKIP_BUILD=1 setsid bash scripts/install_vllm.sh > "$VLLM_PREP_LOG" 2>&1 &
   VLLM_PREP=$!
-  trap '[ -z "$VLLM_PREP" ] || kill "$VLLM_PREP" 2>/dev/null || true' EXIT
+  trap '[ -z "$VLLM_PREP" ] || kill -- -"$VLLM_PREP" 2>/dev/null || true' EXIT
 fi
 echo "== Catch2 tests (ctest)"
 ctest --test-dir build/py --output-on-failure

@@ -70,6 +70,10 @@ class Recipe:
     source: Dict[str, object] = field(default_factory=dict)  # text, tokens, windows, model name
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, dict):
+            raise ValueError(f"recipe: the header's model facts must be an object, got {self.model!r}")
+        if not isinstance(self.source, dict):
+            raise ValueError(f"recipe: the header's source must be an object, got {self.source!r}")
         shape = (self.model["num_hidden_layers"], self.model["num_key_value_heads"], self.model["head_dim"])
         t = self.key_center
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != torch.float32:
@@ -144,18 +148,21 @@ def calibrate(model, windows, source: Optional[Dict[str, object]] = None) -> Tup
     shape = (facts["num_hidden_layers"], facts["num_key_value_heads"], facts["head_dim"])
     sums = torch.zeros(shape, dtype=torch.float64)
     squares = torch.zeros(shape[:2], dtype=torch.float64)
-    seen = 0
+    seen = 0  # tokens: every layer sees each window's tokens once (no cache, one forward)
     for ids in windows:
         layers = capture_qkv(model, ids)
         if len(layers) != shape[0]:
             raise ValueError(f"calibrate: {len(layers)} attention layers ran, the config says {shape[0]}")
         for i, layer in enumerate(layers):
             k = layer.k.double()  # [batch, kv_heads, tokens, head_dim]
-            if k.shape[1:2] + k.shape[3:] != shape[1:]:
-                raise ValueError(f"calibrate: layer {i} keys {tuple(k.shape)} do not match the config {shape}")
+            if k.shape[1:2] + k.shape[3:] != shape[1:] or k.shape[0] * k.shape[2] != ids.numel():
+                raise ValueError(
+                    f"calibrate: layer {i} keys {tuple(k.shape)} do not match the config {shape} and the "
+                    f"{ids.numel()} tokens run"
+                )
             sums[i] += k.sum((0, 2))
             squares[i] += k.square().sum((0, 2, 3))
-        seen += k.shape[0] * k.shape[2]
+        seen += ids.numel()
     if seen == 0:
         raise ValueError("calibrate: no tokens")
     means = sums / seen

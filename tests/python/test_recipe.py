@@ -122,6 +122,8 @@ def _header(path):
         ("shape", r"key_center must be float32 \[2, 2, 16\]"),
         ("nan", "key_center holds NaN or Inf"),
         ("dtype", "key_center must be float32"),
+        ("source", "the header's source must be an object"),
+        ("model_str", "the header's model facts must be an object"),
     ],
 )
 def test_bad_files_fail_clearly(tmp_path, damage, message):
@@ -143,6 +145,10 @@ def test_bad_files_fail_clearly(tmp_path, damage, message):
             header = [header]
         elif damage == "no_fact":
             del header["model"]["head_dim"]
+        elif damage == "source":
+            header["source"] = "poems"
+        elif damage == "model_str":
+            header["model"] = "llama"
         elif damage == "no_tensor":
             tensors = {"other": tensors["key_center"]}
         elif damage == "shape":
@@ -156,9 +162,16 @@ def test_bad_files_fail_clearly(tmp_path, damage, message):
         Recipe.load(path)
 
 
-def test_calibrate_cli_needs_out_and_checks_its_folder(capsys):
+def test_calibrate_cli_needs_out_and_checks_its_folder(capsys, monkeypatch):
+    from nexuskv import models
     from nexuskv.__main__ import main
 
+    def never(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(models, "load_model", never)
+    monkeypatch.setattr(models, "check_model_path", lambda path: None)
+    monkeypatch.setattr(models, "check_text_path", lambda path: None)
     with pytest.raises(SystemExit) as e:
         main(["calibrate"])
     assert e.value.code == 2 and "--out" in capsys.readouterr().err

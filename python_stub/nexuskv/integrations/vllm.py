@@ -199,9 +199,9 @@ def slot_bytes(s: Settings, head_size: int, dtype: torch.dtype) -> int:
     )
 
 
-def _layer_being_built() -> str:
+def _layer_name_being_built() -> str | None:
     """Best effort: the name (vLLM's `prefix`) of the attention layer whose __init__ is on
-    the stack, for error messages; vLLM hands a backend no layer name at selection."""
+    the stack; vLLM hands a backend no layer name at selection."""
     frame = inspect.currentframe()
     try:
         for _ in range(16):
@@ -211,10 +211,16 @@ def _layer_being_built() -> str:
             name = frame.f_locals.get("prefix") if frame.f_code.co_name == "__init__" else None
             name = name or frame.f_locals.get("layer_name")
             if isinstance(name, str) and name:
-                return f"layer {name!r}"
+                return name
     finally:
         del frame
-    return "an attention layer"
+    return None
+
+
+def _layer_being_built() -> str:
+    """The layer being built, for error messages."""
+    name = _layer_name_being_built()
+    return f"layer {name!r}" if name else "an attention layer"
 
 
 class NexusKVAttentionBackend(AttentionBackend):
@@ -401,6 +407,10 @@ class NexusKVAttentionImpl(AttentionImpl[NexusKVAttentionMetadata]):
         self.signs = rotation_signs(head_size, s.rotation_seed) if s.rotates(head_size) else None
         self.recipe = self._check_recipe(where) if s.recipe else None
         self.key_center = None  # [kv_heads, head_size] in the key dtype, set at the first write
+        self.recipe_layer = None  # the recipe's layer index, from the layer's name
+        name = _layer_name_being_built() if self.recipe is not None else None
+        if name is not None:  # known at start-up: refuse a name or an index the recipe cannot serve now
+            self.recipe_layer = self._recipe_layer(name)
 
     def _check_recipe(self, where: str) -> Recipe:
         """The recipe, checked against the model vLLM serves and this layer (at start-up)."""
@@ -429,14 +439,24 @@ class NexusKVAttentionImpl(AttentionImpl[NexusKVAttentionMetadata]):
                 raise SetupError(f"nexuskv (vLLM backend): NEXUSKV_VLLM_RECIPE: {e}") from None
         return recipe
 
+    def _recipe_layer(self, layer_name: str) -> int:
+        i = _layer_index(layer_name)
+        if i >= self.recipe.key_center.shape[0]:
+            raise SetupError(
+                f"nexuskv (vLLM backend): NEXUSKV_VLLM_RECIPE has {self.recipe.key_center.shape[0]} layers, "
+                f"no layer {i} ({layer_name})"
+            )
+        return i
+
     def _centered(self, layer: torch.nn.Module, key: torch.Tensor) -> torch.Tensor:
         """key [tokens, kv_heads, head_size] minus the recipe's key mean of this layer."""
         if self.key_center is None:
-            i = _layer_index(layer.layer_name)
-            if i >= self.recipe.key_center.shape[0]:
-                raise SetupError(
-                    f"nexuskv (vLLM backend): NEXUSKV_VLLM_RECIPE has {self.recipe.key_center.shape[0]} layers, "
-                    f"no layer {i} ({layer.layer_name})"
+            # The layer's own name (the one found at start-up came off the stack, best effort).
+            i = self._recipe_layer(layer.layer_name)
+            if self.recipe_layer is not None and i != self.recipe_layer:
+                raise RuntimeError(
+                    f"nexuskv (vLLM backend): attention layer {layer.layer_name!r} was built as recipe layer "
+                    f"{self.recipe_layer}"
                 )
             self.key_center = self.recipe.key_center[i].to(device=key.device, dtype=key.dtype)
         return key - self.key_center
