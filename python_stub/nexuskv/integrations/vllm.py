@@ -39,6 +39,8 @@ process inherits them from the one started):
                                  blind to it; nexuskv.recipe), which at 4 bits takes
                                  about half the per-token keys' loss away.  Empty: none.
                                  Refused on another model and with soft-capping.
+                                 Under tensor parallelism each rank takes its
+                                 kv heads' means (recipe_heads).
 
 A setting or a model that the backend cannot serve stops the engine at start-up
 with a ValueError that names the layer and the reason: MLA, encoder / cross
@@ -83,6 +85,7 @@ __all__ = [
     "NexusKVAttentionMetadata",
     "Settings",
     "settings",
+    "recipe_heads",
     "BACKEND_PATH",
 ]
 
@@ -188,6 +191,31 @@ def _layer_index(layer_name: str) -> int:
             "(no 'layers.<i>.' in its name), so NEXUSKV_VLLM_RECIPE cannot be applied to it"
         )
     return int(m.group(1))
+
+
+def _tensor_parallel() -> tuple[int, int]:
+    """(rank, world size) of this process's tensor-parallel group; (0, 1) outside one."""
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def recipe_heads(total: int, local: int, rank: int, world: int) -> slice | None:
+    """The kv heads of a recipe of `total` heads that tensor-parallel rank `rank` of `world`
+    holds when it holds `local`, as vLLM's QKVParallelLinear splits them: `total / world`
+    consecutive heads per rank, or, with fewer heads than ranks, one head shared by `world /
+    total` consecutive ranks.  None if `local` is not what that split gives."""
+    if world >= total:
+        if world % total or local != 1:
+            return None
+        first = rank // (world // total)
+    else:
+        if total % world or local != total // world:
+            return None
+        first = rank * local
+    return slice(first, first + local)
 
 
 def slot_bytes(s: Settings, head_size: int, dtype: torch.dtype) -> int:
@@ -405,6 +433,7 @@ class NexusKVAttentionImpl(AttentionImpl[NexusKVAttentionMetadata]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.group_size = s.group_for(head_size)
         self.signs = rotation_signs(head_size, s.rotation_seed) if s.rotates(head_size) else None
+        self.recipe_heads = None  # the recipe's kv heads this rank holds (tensor parallelism)
         self.recipe = self._check_recipe(where) if s.recipe else None
         self.key_center = None  # [kv_heads, head_size] in the key dtype, set at the first write
         self.recipe_layer = None  # the recipe's layer index, from the layer's name
@@ -423,10 +452,13 @@ class NexusKVAttentionImpl(AttentionImpl[NexusKVAttentionMetadata]):
                 f"logit soft-capping ({self.logits_soft_cap}) is not shift-invariant, so centering the keys "
                 "would change attention"
             )
-        if (recipe.model["num_key_value_heads"], recipe.model["head_dim"]) != (self.num_kv_heads, self.head_size):
+        total, rank, world = recipe.model["num_key_value_heads"], *_tensor_parallel()
+        self.recipe_heads = recipe_heads(total, self.num_kv_heads, rank, world)
+        if recipe.model["head_dim"] != self.head_size or self.recipe_heads is None:
+            held = f" on tensor-parallel rank {rank} of {world}" if world > 1 else ""
             reasons.append(
-                f"the recipe has {recipe.model['num_key_value_heads']} kv heads of {recipe.model['head_dim']}, "
-                f"the layer {self.num_kv_heads} of {self.head_size}"
+                f"the recipe has {total} kv heads of {recipe.model['head_dim']}, "
+                f"the layer {self.num_kv_heads} of {self.head_size}{held}"
             )
         if reasons:
             raise SetupError(f"nexuskv (vLLM backend): NEXUSKV_VLLM_RECIPE cannot serve {where}: " + "; ".join(reasons))
@@ -458,7 +490,8 @@ class NexusKVAttentionImpl(AttentionImpl[NexusKVAttentionMetadata]):
                     f"nexuskv (vLLM backend): attention layer {layer.layer_name!r} was built as recipe layer "
                     f"{self.recipe_layer}"
                 )
-            self.key_center = self.recipe.key_center[i].to(device=key.device, dtype=key.dtype)
+            center = self.recipe.key_center[i, self.recipe_heads]  # the kv heads this rank holds
+            self.key_center = center.to(device=key.device, dtype=key.dtype)
         return key - self.key_center
 
     def _pages(self, kv_cache: torch.Tensor) -> torch.Tensor:
