@@ -50,6 +50,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from nexuskv import hadamard_rotate, models, nq_compress, nq_decompress, paged
+from nexuskv.calibrate import text_windows
 from nexuskv.compressors import rotation_signs
 from nexuskv.eval_caches import head_dim_of
 from nexuskv.recipe import calibrate
@@ -70,6 +71,10 @@ class Row:
     center: bool = False  # subtract the recipe's key means first
     per_channel_keys: bool = False
     window: int = 0  # each query's newest W keys / values exact
+
+    @property
+    def kv_bits(self) -> tuple[int, int]:
+        return self.key_bits or self.bits, self.value_bits or self.bits
 
 
 ROWS = [
@@ -95,7 +100,7 @@ def row_bytes(row: Row, head_dim: int, group: int) -> float | None:
     if not (row.keys and row.values):
         return None
     group = min(row.group or group, head_dim)
-    kb, vb = row.key_bits or row.bits, row.value_bits or row.bits
+    kb, vb = row.kv_bits
     b = paged.slot_bytes(head_dim, torch.bfloat16, kb, vb, group, 0)
     if row.per_channel_keys:  # per-channel key codes and metadata instead of per-token ones
         per_token_keys = head_dim * kb / 8 + 4 * math.ceil(head_dim / group)
@@ -136,7 +141,7 @@ class Study:
         if row.center:  # exact under softmax: q.(k - m) = q.k - q.m
             k = k - self.center[module.layer_idx][None, :, None, :].bfloat16()
         kq, vq = k.float(), v.float()
-        kb, vb = row.key_bits or row.bits, row.value_bits or row.bits
+        kb, vb = row.kv_bits
         if row.keys:
             kq = self.per_channel(k, kb) if row.per_channel_keys else self.per_token(k, kb)
         if row.values:
@@ -160,14 +165,6 @@ class Study:
         w = torch.softmax(scores.masked_fill(~causal, -math.inf), -1)
         out = (w * exact) @ ve + (w * ~exact) @ vq
         return out.transpose(1, 2).contiguous(), None
-
-
-def segments(tokenizer, path, n, length):
-    """n segments of `length` consecutive tokens of the text, each after the tokenizer's
-    sequence start (python -m nexuskv calibrate's windows)."""
-    body = models.text_tokens(tokenizer, models.load_text(path), n * length)
-    prefix = models.sequence_prefix(tokenizer)
-    return [models.as_sequence(prefix, body[:, i * length : (i + 1) * length]) for i in range(n)]
 
 
 @torch.no_grad()
@@ -200,8 +197,8 @@ def main():
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load_before = os.getloadavg()
     model, tok = models.load_model(dtype=torch.float32, attn_implementation="sdpa", path=a.model)
-    evals = segments(tok, a.text, a.windows, a.tokens)
-    recipe, _ = calibrate(model, segments(tok, a.calib_text, a.windows, a.tokens))
+    evals = text_windows(tok, a.text, a.windows, a.tokens)
+    recipe, _ = calibrate(model, text_windows(tok, a.calib_text, a.windows, a.tokens))
     study = Study(a.group, recipe.key_center)
     AttentionInterface.register("nexuskv_study", study)
     # SDPA's masks for it (sliding windows included), as nexuskv.models.capture_qkv does:

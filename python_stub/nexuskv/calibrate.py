@@ -31,16 +31,24 @@ def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="recipe file to write (.safetensors): NEXUSKV_VLLM_RECIPE reads it")
 
 
+def text_windows(tokenizer, text: str | None, n: int, length: int) -> list:
+    """n windows of `length` consecutive tokens from the start of the text (a path, None: the
+    Debian manual), each after the tokenizer's start of a sequence: input_ids [1, ...] each."""
+    from .models import as_sequence, load_text, sequence_prefix, text_tokens
+
+    body = text_tokens(tokenizer, load_text(text), n * length)
+    prefix = sequence_prefix(tokenizer)
+    return [as_sequence(prefix, body[:, i * length : (i + 1) * length]) for i in range(n)]
+
+
 def main(args) -> int:
-    from .models import as_sequence, load_model, load_text, model_name, sequence_prefix, text_tokens
+    from .models import load_model, model_name
     from .recipe import calibrate
 
     name = model_name(args.model)
     print(f"loading {name} ({args.dtype}) and text ...", flush=True)
     model, tokenizer = load_model(getattr(torch, args.dtype), path=args.model)
-    body = text_tokens(tokenizer, load_text(args.text), args.tokens * args.windows)
-    prefix = sequence_prefix(tokenizer)
-    windows = [as_sequence(prefix, body[:, i * args.tokens : (i + 1) * args.tokens]) for i in range(args.windows)]
+    windows = text_windows(tokenizer, args.text, args.windows, args.tokens)
     source = {
         "model": name,
         "text": args.text or "debian-reference-en",
