@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(e)
     add_model_argument(e)
     c = sub.add_parser(
-        "calibrate", help="measure a model's recipe (its keys' channel means) on a text", formatter_class=fmt
+        "calibrate",
+        help="measure a model's recipe (its keys' channel means; with --bits-budget a bit map) on a text",
+        formatter_class=fmt,
     )
     from .calibrate import add_arguments as calibrate_arguments
 
@@ -99,6 +101,15 @@ def check(args) -> None:
             models.check_text_path(args.text)
     except models.MissingResource as e:
         raise UsageError(str(e)) from None
+    if args.command == "calibrate":
+        from .calibrate import bit_choices
+
+        try:
+            bit_choices(args.bits_choices)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if args.bits_budget is not None and not args.bits_budget > 0:
+            raise UsageError(f"--bits-budget must be > 0, got {args.bits_budget}")
     for name in ("json", "markdown", "png", "out"):
         path = getattr(args, name, None)
         if path:

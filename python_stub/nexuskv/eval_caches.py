@@ -12,6 +12,8 @@ that they follow the model's layers (windows) as a user's would."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
@@ -50,6 +52,7 @@ class Setting:
     sinks: int = 0  # first tokens of each sequence kept in the model's dtype
     meta: Optional[str] = None
     window_residual: Optional[int] = None  # the tail of sliding-window layers (None: `residual` there too)
+    recipe: Optional[str] = None  # a recipe file with a bit map: each layer's K/V bits (`bits` is then 0)
 
     @property
     def name(self) -> str:
@@ -65,7 +68,8 @@ class Setting:
                          " rot" if self.rotate else "", " DGQ" if self.dgq else "",
                          f" sinks {self.sinks}" if self.sinks else "",
                          f" window tail {self.window_residual}" if self.window_residual is not None else ""])
-        return f"nexuskv {self.bits}-bit tail {self.residual} {groups}{extra}{meta}"
+        width = f"recipe {os.path.basename(self.recipe)}" if self.recipe else f"{self.bits}-bit"
+        return f"nexuskv {width} tail {self.residual} {groups}{extra}{meta}"
 
     @property
     def knobs(self) -> tuple:
@@ -78,6 +82,25 @@ class Setting:
 
 def nexuskv(bits: int, residual: int = 128, **kw) -> Setting:
     return Setting(NEXUSKV, bits=bits, residual=residual, **kw)
+
+
+def from_recipe(path: str) -> Setting:
+    """The nexuskv row of a recipe's bit map, with the groups, tail and sinks it was
+    allocated for (its `bits` header)."""
+    recipe = _recipe(path)
+    if recipe.bit_map is None:
+        raise ValueError(f"eval: recipe {path} has no bit map (python -m nexuskv calibrate --bits-budget B makes one)")
+    b = recipe.bits
+    return Setting(NEXUSKV, bits=0, residual=int(b.get("residual", 128)), group_size=int(b.get("group_size", 64)),
+                   value_group_size=int(b.get("value_group_size", b.get("group_size", 64))),
+                   sinks=int(b.get("sinks", 0)), recipe=path)
+
+
+@functools.lru_cache(maxsize=None)
+def _recipe(path: str):
+    from .recipe import Recipe
+
+    return Recipe.load(path)
 
 
 def quanto(bits: int, meta: Optional[str] = None) -> Setting:
@@ -229,11 +252,13 @@ def make_cache(model, s: Setting, direct: bool = False, seed: int = 0):
         return quanto_cache(model, s)
     from . import hf
 
-    return hf.cache_for(model, bits=s.bits, group_size=s.group_size, value_group_size=s.value_group_size,
+    # a recipe's bit map replaces `bits` (0 in its Setting) layer by layer
+    return hf.cache_for(model, bits=s.bits if not s.recipe else 4, group_size=s.group_size,
+                        value_group_size=s.value_group_size,
                         residual=s.residual, outliers=s.key_outliers, value_outliers=s.value_outliers,
                         dynamic_keys=s.dgq, rotate=s.rotate, seed=seed, sinks=s.sinks,
                         meta_dtype=setting_meta_dtype(s, model.dtype), fused=False if direct else None,
-                        window_residual=s.window_residual)
+                        window_residual=s.window_residual, recipe=_recipe(s.recipe) if s.recipe else None)
 
 
 def _element_bytes(dtype: torch.dtype) -> int:
@@ -260,10 +285,13 @@ def effective_bits(s: Setting, head_dim: int, model_dtype: torch.dtype) -> Dict[
         # in the input dtype (measured against its tensors by cache_bytes below).
         b = s.bits + 2 * 8 * _element_bytes(meta) / 64
         return {"keys": b, "values": b, "kv": b}
-    k = _nq_bits(s.bits, s.group_size, head_dim, s.key_outliers, meta, model_dtype)
+    # a recipe: each layer's bits, every layer's K/V weighted alike (per token written)
+    bit_map = _recipe(s.recipe).bit_map.tolist() if s.recipe else [[s.bits, s.bits]]
+    k = sum(_nq_bits(kb, s.group_size, head_dim, s.key_outliers, meta, model_dtype) for kb, _ in bit_map)
+    v = sum(_nq_bits(vb, s.value_group_size, head_dim, s.value_outliers, meta, model_dtype) for _, vb in bit_map)
+    k, v = k / len(bit_map), v / len(bit_map)
     if s.dgq:  # + segment_starts: one int32 per token group and row of head_dim channels
         k += 32 / (s.group_size * head_dim)
-    v = _nq_bits(s.bits, s.value_group_size, head_dim, s.value_outliers, meta, model_dtype)
     return {"keys": k, "values": v, "kv": (k + v) / 2}
 
 

@@ -210,7 +210,8 @@ def knob_effects(rows: List[Dict]) -> List[Dict]:
     against all but this one), with the bits of each side."""
     out = []
     measured = {(r["bits"], tuple(r["knobs"])) for r in rows if r["kind"] == ec.NEXUSKV and r.get("meta") is None
-                and r["residual"] == 128 and r["group_size"] == 64 and r["value_group_size"] == 64}
+                and not r.get("recipe") and r["residual"] == 128 and r["group_size"] == 64
+                and r["value_group_size"] == 64}
     for bits in sorted({b for b, _ in measured}, reverse=True):
         combos = [k for b, k in measured if b == bits]
         full = max(combos, key=len)
@@ -224,6 +225,20 @@ def knob_effects(rows: List[Dict]) -> List[Dict]:
                     out.append(dict(paired_verdict(a, b), bits=bits, knob=knob, how=how, with_setting=a["name"],
                                     without_setting=b["name"], with_bits=a["effective_bits"]["kv"],
                                     without_bits=b["effective_bits"]["kv"]))
+    return out
+
+
+def recipe_effects(rows: List[Dict]) -> List[Dict]:
+    """Each recipe row (a bit map) against every uniform nexuskv row of the same tail, sinks
+    and groups and no other knob: is mixed precision lower than one width everywhere?"""
+    out = []
+    for m in (r for r in rows if r["kind"] == ec.NEXUSKV and r.get("recipe")):
+        same = ("residual", "sinks", "group_size", "value_group_size", "window_residual", "meta")
+        for u in rows:
+            if u["kind"] == ec.NEXUSKV and not u.get("recipe") and all(u.get(f) == m.get(f) for f in same) and \
+                    set(u["knobs"]) <= {"sinks"}:
+                out.append(dict(paired_verdict(m, u), recipe=m["name"], recipe_bits=m["effective_bits"]["kv"],
+                                uniform=u["name"], uniform_bits=u["effective_bits"]["kv"]))
     return out
 
 
@@ -296,6 +311,14 @@ def markdown(rows: List[Dict], extra: Optional[Dict] = None) -> str:
             lines.append(f"| {e['bits']} | {e['knob']} | {e['how']} | {e['with_setting']} ({e['with_bits']:.3f}) | "
                          f"{e['without_setting']} ({e['without_bits']:.3f}) | {e['diff_pct']:+.2f} | {per} | "
                          f"{e['verdict']} |")
+    mixed = recipe_effects(rows)
+    if mixed:
+        lines += ["", "Mixed precision (a recipe's bit map) against one width everywhere, same tail, sinks and groups:",
+                  "", "| recipe (bits) | uniform (bits) | Δ points | per repeat | verdict |", "|---|---|---|---|---|"]
+        for e in mixed:
+            per = ", ".join(f"{x:+.2f}" for x in e["diff_pct_repeats"])
+            lines.append(f"| {e['recipe']} ({e['recipe_bits']:.3f}) | {e['uniform']} ({e['uniform_bits']:.3f}) | "
+                         f"{e['diff_pct']:+.2f} | {per} | {e['verdict']} |")
     pairs = equal_bit_pairs(rows)
     if pairs:
         lines += ["", "nexuskv against quanto at equal effective bits (same code bits, same 128-token tail):", "",
@@ -409,6 +432,11 @@ def run(model, segments: List[Sequences], settings: List[ec.Setting], chunk: int
     return [rows[s] for s in settings]
 
 
+# The quality targets of issue 21, by effective bits (every scale and zero counted): the best
+# nexuskv row on a 128-token tail at or under each budget, any bit map or knob.
+QUALITY_TARGETS = ((4.6, 0.5, "4-bit class"), (3.25, 0.75, "3-bit class"), (2.6, 3.0, "2-bit class"))
+
+
 def targets(rows: List[Dict]) -> List[str]:
     """The design's targets, read off the measured rows (best row of each kind), both
     sides' effective bits beside every comparison."""
@@ -420,17 +448,13 @@ def targets(rows: List[Dict]) -> List[str]:
         return "" if len(r["repeats"]) < 2 else f" [{r['delta_ppl_pct_min']:+.2f} .. {r['delta_ppl_pct_max']:+.2f}]"
 
     out = []
-    four = best(lambda r: r["kind"] == ec.NEXUSKV and r["bits"] == 4 and r["effective_bits"]["kv"] <= 4.6)
-    if four:
-        out.append(f"4-bit, <= 4.6 effective bits: best ΔPPL {four['delta_ppl_pct']:+.2f} %{spread(four)} "
-                   f"({four['name']}, {four['effective_bits']['kv']:.3f} bits); target <= 0.5 %: "
-                   f"{'met' if four['delta_ppl_pct'] <= 0.5 else 'NOT met'}")
-    two = best(lambda r: r["kind"] == ec.NEXUSKV and r["bits"] == 2 and r["residual"] == 128
-               and r.get("window_residual") is None and r["effective_bits"]["kv"] <= 2.6)
-    if two:
-        out.append(f"2-bit, 128-token tail, <= 2.6 effective bits: best ΔPPL {two['delta_ppl_pct']:+.2f} %"
-                   f"{spread(two)} ({two['name']}, {two['effective_bits']['kv']:.3f} bits); target <= 5 %: "
-                   f"{'met' if two['delta_ppl_pct'] <= 5 else 'NOT met'}")
+    for budget, target, what in QUALITY_TARGETS:
+        row = best(lambda r: r["kind"] == ec.NEXUSKV and r["residual"] == 128 and r.get("window_residual") is None
+                   and r["effective_bits"]["kv"] <= budget + 1e-9)
+        if row:
+            out.append(f"{what}, 128-token tail, <= {budget} effective bits: best ΔPPL {row['delta_ppl_pct']:+.2f} %"
+                       f"{spread(row)} ({row['name']}, {row['effective_bits']['kv']:.3f} bits); target <= {target} %: "
+                       f"{'met' if row['delta_ppl_pct'] <= target else 'NOT met'}")
     for p in equal_bit_pairs(rows):
         out.append(f"equal bits: {p['nexuskv']} ({p['nexuskv_bits']:.3f} bits) ΔPPL {p['nexuskv_delta']:+.2f} % vs "
                    f"{p['quanto']} ({p['quanto_bits']:.3f} bits) {p['quanto_delta']:+.2f} %: nexuskv {p['verdict']}")
@@ -469,16 +493,17 @@ def settings_from_args(args, sixteen_bit_model: bool = False) -> List[ec.Setting
     and nexuskv's metadata is the model's dtype, so the equal-bit variants coincide
     with the plain rows and are left out."""
     equal = not args.no_equal_bits and not sixteen_bit_model
+    recipes = [ec.from_recipe(path) for path in args.recipes.split(",") if path]
     if args.quick:
         return ec.grid(bits=(4,), tails=(0,), ablation_bits=(), best_2bit=False,
-                       quanto_bits=() if args.no_quanto else (4,), equal_bits=equal)
+                       quanto_bits=() if args.no_quanto else (4,), equal_bits=equal) + recipes
     return ec.grid(bits=_ints(args.bits, "--bits"), tails=_ints(args.tails, "--tails"),
                    window_tails=_ints(args.window_tails, "--window-tails") if args.window_tails else (),
                    ablation_bits=_ints(args.ablation_bits, "--ablation-bits"),
                    ablations=[a for a in args.ablations.split(",") if a],
                    combinations=[c for c in args.combinations.split(",") if c],
                    best_2bit=not args.no_best_2bit, quanto_bits=() if args.no_quanto else
-                   _ints(args.quanto_bits, "--quanto-bits"), equal_bits=equal)
+                   _ints(args.quanto_bits, "--quanto-bits"), equal_bits=equal) + recipes
 
 
 def main(args) -> int:
@@ -528,7 +553,8 @@ def main(args) -> int:
            "transformers": __import__("transformers").__version__, "load_average_at_start": load_at_start,
            "load_average_at_end": os.getloadavg(),
            "skipped": extra["skipped"], "every_token_dense_bytes": extra.get("every_token"),
-           "knob_effects": knob_effects(rows), "equal_bits": equal_bit_pairs(rows), "noise": noise_summary(rows),
+           "knob_effects": knob_effects(rows), "recipe_effects": recipe_effects(rows),
+           "equal_bits": equal_bit_pairs(rows), "noise": noise_summary(rows),
            "targets": verdicts, "rows": rows}
     for path, write in ((args.json, lambda p: json.dump(doc, open(p, "w"), indent=1)),
                         (args.markdown, lambda p: open(p, "w").write(header + "\n\n" + table + "\n\n" + "\n".join(
@@ -567,6 +593,9 @@ def add_arguments(p, text_default: Optional[str] = None) -> None:
                    help="knob rows: alone (each knob), all (every knob), leave-one-out (all but each)")
     p.add_argument("--no-best-2bit", action="store_true",
                    help="leave out the recommended 2-bit setting (eval_caches.RECOMMENDED_2BIT)")
+    p.add_argument("--recipes", default="",
+                   help="comma-separated recipe files with a bit map (calibrate --bits-budget): one row each, with "
+                   "the groups, tail and sinks it was allocated for")
     p.add_argument("--quanto-bits", default="4,2", help="transformers QuantizedCache (optimum-quanto) rows")
     p.add_argument("--no-quanto", action="store_true", help="leave out the quanto rows")
     p.add_argument("--no-equal-bits", action="store_true",

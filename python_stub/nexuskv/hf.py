@@ -36,6 +36,7 @@ model's attention implementation again."""
 from __future__ import annotations
 
 import copy
+import os
 import pickle
 import threading
 import warnings
@@ -572,7 +573,8 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
               value_group_size: Optional[int] = None, value_outliers: Optional[int] = None,
               meta_dtype: Optional[torch.dtype] = None, kv_heads: Optional[int | str] = None,
               fused: Optional[bool] = None, static: bool = False,
-              max_cache_len: Optional[int] = None, window_residual: Optional[int] = None) -> NexusKVCache:
+              max_cache_len: Optional[int] = None, window_residual: Optional[int] = None,
+              bit_map: Optional[list] = None, recipe=None) -> NexusKVCache:
     """A compressed cache sized for `model`, one layer per decoder layer: keys per
     channel (groups of `group_size` tokens), values per token (groups of
     `value_group_size` channels, default `group_size`), the `residual` newest tokens
@@ -609,9 +611,17 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
     ``static=True, max_cache_len=N``: the compileable cache (nexuskv.hf_static): fixed
     capacity, state in tensors, a decode step that torch.compile(fullgraph=True) and
     torch.export trace; no sinks, rotation, eviction, crop or beam search, CPU only, and
-    attn_implementation="nexuskv" required."""
+    attn_implementation="nexuskv" required.
+
+    Mixed precision: ``bit_map`` = [[key bits, value bits] per layer] replaces ``bits`` and
+    ``value_bits`` layer by layer; ``recipe`` (a nexuskv.recipe.Recipe or its file, from
+    ``python -m nexuskv calibrate --bits-budget B``) gives the bit map it allocated for this
+    model under that budget (it is refused for another model, or without a bit map).  The
+    other settings stay the caller's: use the group sizes, tail and sinks the recipe was
+    allocated with (its ``bits`` header) to get what it measured."""
     register()
     _check_kv_heads(kv_heads)
+    bit_map = _bit_map(model, bit_map, recipe)
     for name, tail in (("residual", residual), ("window_residual", window_residual)):
         if tail is not None and (isinstance(tail, bool) or not isinstance(tail, int) or tail < 0):
             raise ValueError(f"nexuskv: {name} must be None or an int >= 0, got {tail!r}")
@@ -655,18 +665,30 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
     def tail(g: LayerGeometry) -> int:
         return residual if g.window is None else window_residual
 
+    if bit_map is not None:
+        if compressors is not None or compressor is not None:
+            raise ValueError("nexuskv: bit_map / recipe set the bits of NQ layers; they do not combine with "
+                             "compressor= / value_compressor=")
+        if len(bit_map) != len(geometries):
+            raise ValueError(f"nexuskv: bit_map has {len(bit_map)} layers, the model {len(geometries)}")
+
+    def layer_quant(i: int) -> dict:
+        if bit_map is None:
+            return quant
+        return dict(quant, key_bits=bit_map[i][0], value_bits=bit_map[i][1])
+
     if static:
         if not isinstance(max_cache_len, int) or max_cache_len < 1 or compressors is not None or fused is False:
             raise ValueError("nexuskv: cache_for(model, static=True) needs max_cache_len=N (a positive int: the "
                              "tokens each sequence may reach) and the fused path (no fused=False, no Python "
                              f"compressor), got max_cache_len={max_cache_len!r}")
         return NexusKVCache([hf_static.NexusKVStaticLayer(
-            hf_static.static_settings(dict(quant, residual=tail(g)), g.window), max_cache_len, i, g, config)
+            hf_static.static_settings(dict(layer_quant(i), residual=tail(g)), g.window), max_cache_len, i, g, config)
             for i, g in enumerate(geometries)])
     layers, probed = [], set()
     for i, g in enumerate(geometries):
-        settings = dict(quant, residual=tail(g), sinks=0 if g.window else sinks, window=g.window)
-        key = (g.key_dim, g.window)
+        settings = dict(layer_quant(i), residual=tail(g), sinks=0 if g.window else sinks, window=g.window)
+        key = (g.key_dim, g.window, settings.get("key_bits"), settings.get("value_bits"))
         if key not in probed:
             probed.add(key)
             can_fuse = compressors is None and fused is not False
@@ -674,6 +696,42 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
         layers.append(NexusKVLayer(settings, fused=fused, compressors=compressors, geometry=g, layer_idx=i,
                                    config=config, learn_heads=kv_heads == "auto"))
     return NexusKVCache(layers)
+
+
+def _bit_map(model, bit_map, recipe) -> Optional[list]:
+    """cache_for's bit map: the one given, or the recipe's (checked against the model), as
+    [[key bits, value bits], ...] of ints; None for neither."""
+    if recipe is not None:
+        from .recipe import Recipe, model_facts
+
+        if bit_map is not None:
+            raise ValueError("nexuskv: give cache_for a bit_map or a recipe, not both")
+        if isinstance(recipe, (str, os.PathLike)):
+            recipe = Recipe.load(os.fspath(recipe))
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"nexuskv: recipe must be a nexuskv.recipe.Recipe or a path to one, got "
+                            f"{type(recipe).__name__}")
+        module, _ = integrations.deepspeed.unwrap_for_cache(model, None)
+        recipe.check_model(model_facts(module.config), "this model")
+        if recipe.bit_map is None:
+            raise ValueError("nexuskv: this recipe has no bit map (it holds key means for the vLLM backend); make "
+                             "one with python -m nexuskv calibrate --bits-budget B")
+        bit_map = recipe.bit_map.tolist()
+    if bit_map is None:
+        return None
+    try:
+        rows = [[int(b) for b in row] for row in bit_map]
+        ok = all(len(row) == 2 for row in rows) and all(not isinstance(b, bool) and int(b) == b
+                                                        for row in bit_map for b in row)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or not rows:
+        raise ValueError(f"nexuskv: bit_map must be [[key bits, value bits], ...] with one pair per layer, got "
+                         f"{bit_map!r}")
+    for i, row in enumerate(rows):
+        if any(b not in (2, 3, 4, 8) for b in row):
+            raise ValueError(f"nexuskv: bit_map[{i}] = {row}: key and value bits must be among 2, 3, 4, 8")
+    return rows
 
 
 def enable(model, **cache_kwargs):

@@ -1,8 +1,14 @@
-"""Calibration recipes: what a model's keys look like on average, measured
-once on a text (`python -m nexuskv calibrate`) and read where the cache is built.
+"""Calibration recipes: what a model's keys look like on average, and how many bits
+each layer's keys and values need, measured once on a text (`python -m nexuskv
+calibrate`) and read where the cache is built.
 
-A recipe (version 1) holds, per layer and kv head, the channel means of the keys (after
-RoPE, as attention sees them).  Subtracting them from every key before quantization
+A recipe holds, per layer and kv head, the channel means of the keys (after RoPE, as
+attention sees them), and (version 2, when calibrated with a bit budget) a bit map: the
+code bits of each layer's keys and values, allocated under an average-bits budget from
+each tensor's measured sensitivity (nexuskv.bit_allocation).  Version 1 files (means
+only) still load.
+
+Key means.  Subtracting them from every key before quantization
 leaves attention unchanged: q . (k - m) = q . k - q . m, and q . m is one constant per
 query row, which softmax removes.  Exact for every query and any m (a mean measured on
 another text is as exact, only less helpful); not with logit soft-capping (tanh is not
@@ -13,13 +19,18 @@ range, and post-RoPE keys have large, steady channel offsets (SmolLM2: |mean| 6-
 head).  Centered, the range holds only what varies from token to token.  nexuskv's own
 cache quantizes keys per channel, whose zero points absorb the offsets already, so the
 centering is for per-token keys: the vLLM backend's pages (NEXUSKV_VLLM_RECIPE).
+The bit map is for nexuskv's own cache (``cache_for(model, recipe=...)``); the vLLM backend
+refuses a recipe that has one (its pages are one size for every layer).
 (Centering the values the same way, adding the mean back to the output, was measured
 and did not help: values have small means.)
 
-File: one .safetensors file, tensor ``key_center`` (float32 [layers, kv_heads,
-head_dim]) and, as the header's metadata ``nexuskv_recipe``, a JSON object: format
-version, the model facts it was measured on (checked by every reader), and the text
-and token counts it was measured on.
+File: one .safetensors file, tensors ``key_center`` (float32 [layers, kv_heads,
+head_dim]) and, in version 2, optionally ``bit_map`` (int32 [layers, 2]: key bits, value
+bits) and ``sensitivity`` (float32 [layers, 2, choices]: what the allocation was made
+from); as the header's metadata ``nexuskv_recipe``, a JSON object: format version, the
+model facts it was measured on (checked by every reader), the text and token counts it
+was measured on, and with a bit map the settings it was allocated for (``bits``: budget,
+choices, group sizes, tail, sinks, the effective bits reached).
 """
 
 from __future__ import annotations
@@ -34,7 +45,9 @@ import torch
 __all__ = ["Recipe", "model_facts", "calibrate", "FORMAT", "VERSION"]
 
 FORMAT = "nexuskv-recipe"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: key means only
+BIT_CHOICES = (2, 3, 4, 8)  # the code bits a bit map may hold (the cache's)
 # What a recipe must match in a model's config: a recipe measured on another model would
 # still be exact (see above) but would not help, so it is refused rather than used.
 FACTS = (
@@ -68,6 +81,9 @@ class Recipe:
     model: Dict[str, object]  # model_facts() of the model it was measured on
     key_center: torch.Tensor  # float32 [layers, kv_heads, head_dim]
     source: Dict[str, object] = field(default_factory=dict)  # text, tokens, windows, model name
+    bit_map: Optional[torch.Tensor] = None  # int32 [layers, 2]: key bits, value bits of each layer
+    sensitivity: Optional[torch.Tensor] = None  # float32 [layers, 2, len(bits["choices"])]
+    bits: Dict[str, object] = field(default_factory=dict)  # what the bit map was allocated for
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, dict):
@@ -82,12 +98,33 @@ class Recipe:
             raise ValueError(f"recipe: key_center must be {want}, got {got}")
         if not torch.isfinite(t).all():
             raise ValueError("recipe: key_center holds NaN or Inf")
+        if self.bit_map is not None:
+            m = self.bit_map
+            if not isinstance(m, torch.Tensor) or tuple(m.shape) != (shape[0], 2) or m.dtype != torch.int32:
+                got = (tuple(m.shape), m.dtype) if isinstance(m, torch.Tensor) else type(m).__name__
+                raise ValueError(
+                    f"recipe: bit_map must be int32 [{shape[0]}, 2] (layers; key bits, value bits), got {got}"
+                )
+            bad = sorted({int(b) for b in m.flatten().tolist()} - set(BIT_CHOICES))
+            if bad:
+                raise ValueError(f"recipe: bit_map holds {bad}; code bits must be among {list(BIT_CHOICES)}")
+            if not isinstance(self.bits, dict):
+                raise ValueError(f"recipe: the header's bits must be an object, got {self.bits!r}")
+        if self.sensitivity is not None and (
+            self.bit_map is None or self.sensitivity.dim() != 3 or tuple(self.sensitivity.shape[:2]) != (shape[0], 2)
+        ):
+            raise ValueError("recipe: sensitivity must be [layers, 2, choices] beside a bit_map")
 
     def save(self, path: str) -> None:
         from safetensors.torch import save_file
 
         header = {"format": FORMAT, "version": VERSION, "model": self.model, "source": self.source}
         tensors = {"key_center": self.key_center.contiguous()}
+        if self.bit_map is not None:
+            header["bits"] = self.bits
+            tensors["bit_map"] = self.bit_map.contiguous()
+            if self.sensitivity is not None:
+                tensors["sensitivity"] = self.sensitivity.float().contiguous()
         save_file(tensors, path, metadata={"nexuskv_recipe": json.dumps(header, sort_keys=True)})
 
     @classmethod
@@ -109,15 +146,22 @@ class Recipe:
             header = None
         if not isinstance(header, dict):
             raise ValueError(f"recipe {path}: no nexuskv_recipe header (not written by nexuskv calibrate)")
-        if header.get("format") != FORMAT or header.get("version") != VERSION:
+        if header.get("format") != FORMAT or header.get("version") not in READABLE_VERSIONS:
             raise ValueError(
                 f"recipe {path}: format {header.get('format')!r} version {header.get('version')!r}; this "
-                f"nexuskv reads {FORMAT!r} version {VERSION}"
+                f"nexuskv reads {FORMAT!r} versions {', '.join(map(str, READABLE_VERSIONS))}"
             )
         if "key_center" not in tensors:
             raise ValueError(f"recipe {path}: no key_center tensor")
         try:
-            return cls(header["model"], tensors["key_center"], header.get("source", {}))
+            return cls(
+                header["model"],
+                tensors["key_center"],
+                header.get("source", {}),
+                tensors.get("bit_map"),
+                tensors.get("sensitivity"),
+                header.get("bits", {}),
+            )
         except KeyError as e:
             raise ValueError(f"recipe {path}: the header's model facts lack {e}") from None
         except (TypeError, ValueError) as e:

@@ -117,7 +117,7 @@ def _header(path):
         ("no_header", "no nexuskv_recipe header"),
         ("list_header", "no nexuskv_recipe header"),
         ("no_fact", "the header's model facts lack 'head_dim'"),
-        ("version", "version 2; this nexuskv reads 'nexuskv-recipe' version 1"),
+        ("version", "version 3; this nexuskv reads 'nexuskv-recipe' versions 1, 2"),
         ("no_tensor", "no key_center tensor"),
         ("shape", r"key_center must be float32 \[2, 2, 16\]"),
         ("nan", "key_center holds NaN or Inf"),
@@ -140,7 +140,7 @@ def test_bad_files_fail_clearly(tmp_path, damage, message):
         save_file(tensors, path)
     elif damage != "missing":
         if damage == "version":
-            header["version"] = 2
+            header["version"] = 3
         elif damage == "list_header":
             header = [header]
         elif damage == "no_fact":

@@ -358,6 +358,14 @@ def test_recipe_refused_with_softcap_or_other_heads(tmp_path, monkeypatch):
         nexuskv_vllm.NexusKVAttentionImpl(4, 64, 0.125, 2, logits_soft_cap=30.0)
     with pytest.raises(ValueError, match="the recipe has 2 kv heads of 64, the layer 4 of 64"):
         nexuskv_vllm.NexusKVAttentionImpl(4, 64, 0.125, 4)
+    from nexuskv.recipe import Recipe
+
+    mixed = Recipe.load(path)
+    mixed.bit_map, mixed.bits = torch.tensor([[2, 4]] * 3, dtype=torch.int32), {"budget": 3.5}
+    mixed.save(str(tmp_path / "mixed.safetensors"))
+    monkeypatch.setenv("NEXUSKV_VLLM_RECIPE", str(tmp_path / "mixed.safetensors"))
+    with pytest.raises(ValueError, match="the recipe holds a bit map .* vLLM's pages are one size for every layer"):
+        nexuskv_vllm.NexusKVAttentionImpl(4, 64, 0.125, 2)
     monkeypatch.setenv("NEXUSKV_VLLM_RECIPE", str(tmp_path / "none.safetensors"))
     with pytest.raises(ValueError, match="NEXUSKV_VLLM_RECIPE: recipe .*none.safetensors: no such file"):
         nexuskv_vllm.NexusKVAttentionImpl(4, 64, 0.125, 2)

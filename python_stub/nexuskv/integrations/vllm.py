@@ -452,6 +452,11 @@ class NexusKVAttentionImpl(AttentionImpl[NexusKVAttentionMetadata]):
                 f"logit soft-capping ({self.logits_soft_cap}) is not shift-invariant, so centering the keys "
                 "would change attention"
             )
+        if recipe.bit_map is not None:
+            reasons.append(
+                "the recipe holds a bit map (per-layer bits for nexuskv's own cache; vLLM's pages are one size "
+                "for every layer): calibrate without --bits-budget for vLLM"
+            )
         total, rank, world = recipe.model["num_key_value_heads"], *_tensor_parallel()
         self.recipe_heads = recipe_heads(total, self.num_kv_heads, rank, world)
         if recipe.model["head_dim"] != self.head_size or self.recipe_heads is None:

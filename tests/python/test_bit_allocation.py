@@ -1,0 +1,358 @@
+"""Mixed precision across layers (nexuskv.bit_allocation, cache_for(bit_map= / recipe=),
+calibrate --bits-budget, eval --recipes): the greedy allocation against a brute-force
+optimum, the bits each layer's C++ cache really holds and what its bytes and error say,
+the sensitivity measurement's zero point, recipes with bit maps, and every bad input."""
+
+import itertools
+import json
+import pathlib
+
+import pytest
+import torch
+
+from hf_helpers import requires_model, tiny_model
+from nexuskv import bit_allocation as ba
+from nexuskv import eval_caches as ec
+from nexuskv import evaluate
+from nexuskv.hf import cache_for
+from nexuskv.recipe import Recipe, calibrate
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _cost(bits):
+    return (bits + 0.5, bits + 0.5)  # a format with 16-bit scale and zero per group of 64
+
+
+def test_allocation_stays_in_budget_and_is_greedy_optimal_on_small_cases():
+    """Every budget: the average bits stay within it; with convex per-tensor scores (each
+    extra bit buys less than the one before, as measured) greedy reaches the brute-force
+    minimum of the summed scores whenever whole steps fill the budget."""
+    g = torch.Generator().manual_seed(0)
+    choices = [2, 3, 4]
+    for trial in range(20):
+        drop1 = torch.rand(3, 2, generator=g) * 10  # 2 -> 3 bits
+        drop2 = drop1 * torch.rand(3, 2, generator=g)  # 3 -> 4 bits: buys less
+        scores = torch.stack([drop1 + drop2, drop2, torch.zeros(3, 2)], -1)
+        for budget in (2.5, 3.0, 3.5, 4.0, 4.5):
+            bit_map = ba.allocate(scores, choices, _cost, budget)
+            assert ba.average_bits(bit_map, _cost) <= budget + 1e-9
+            total = sum(float(scores[i, t, choices.index(bit_map[i][t])]) for i in range(3) for t in range(2))
+            best = min(
+                sum(float(scores[i, t, choices.index(b[2 * i + t])]) for i in range(3) for t in range(2))
+                for b in itertools.product(choices, repeat=6)
+                if sum(x + 0.5 for x in b) / 6 <= budget + 1e-9
+            )
+            assert total == pytest.approx(best, abs=1e-5), (trial, budget, bit_map)
+
+
+def test_allocation_upgrades_the_most_sensitive_tensor_first_and_refuses_an_impossible_budget():
+    scores = torch.tensor([[[3.0, 2.0, 1.0], [5.0, 1.0, 0.0]], [[9.0, 8.0, 0.0], [1.0, 1.0, 1.0]]])
+    assert ba.allocate(scores, [2, 3, 4], _cost, 2.5) == [[2, 2], [2, 2]]
+    assert ba.allocate(scores, [2, 3, 4], _cost, 3.0) == [[2, 2], [4, 2]]  # 9 -> 0 for two bits: 4.5 per bit
+    assert ba.allocate(scores, [2, 3, 4], _cost, 3.5) == [[3, 3], [4, 2]]
+    assert ba.allocate(scores, [2, 3, 4], _cost, 8.5) == [[4, 4], [4, 2]]  # no gain, no bits spent
+    with pytest.raises(ValueError, match="2 bits everywhere take 2.500 effective bits, over the budget of 2.4"):
+        ba.allocate(scores, [2, 3, 4], _cost, 2.4)
+    with pytest.raises(ValueError, match="choices must be ascending"):
+        ba.allocate(scores, [4, 3, 2], _cost, 3.0)
+
+
+def _config(layer, name):
+    return int(layer.cache.state_dict()[f"config.{name}"])
+
+
+def _bits(cache):
+    return [(_config(layer, "key_bits"), _config(layer, "value_bits")) for layer in cache.layers]
+
+
+def _filled(cache, model, tokens=160, seed=0):
+    """Appends the same random K/V to every layer of `cache` (through update, the dense path)."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    d = cfg.hidden_size // cfg.num_attention_heads
+    k = torch.randn(1, cfg.num_key_value_heads, tokens, d, generator=g)
+    v = torch.randn(1, cfg.num_key_value_heads, tokens, d, generator=g)
+    outs = [cache.update(k, v, i) for i in range(len(cache.layers))]
+    return k, v, outs
+
+
+def test_each_layer_holds_the_bits_of_its_map_and_its_error_follows_them():
+    """Layer 0 keys at 2 bits, values at 8; layer 1 the other way round: each layer's C++
+    cache is configured so, and the dequantized K/V each returns are as far from the input
+    as those bits allow (round to nearest: at most half a step of the group's range), the
+    2-bit tensors far more than the 8-bit ones: the map reaches the stored codes."""
+    model = tiny_model("llama")
+    cache = cache_for(model, bit_map=[[2, 8], [8, 2]], residual=0, fused=False)
+    assert _bits(cache) == [(2, 8), (8, 2)]
+    k, v, outs = _filled(cache, model, tokens=128)
+    err = [((ko - k).abs().max().item(), (vo - v).abs().max().item()) for ko, vo in outs]
+    span = max(k.max() - k.min(), v.max() - v.min()).item()
+    assert err[0][0] <= span / 3 / 2 * 1.01 and err[1][1] <= span / 3 / 2 * 1.01  # 2 bits: 3 steps
+    assert err[0][1] <= span / 255 / 2 * 1.05 and err[1][0] <= span / 255 / 2 * 1.05  # 8 bits: 255 steps
+    assert err[0][0] > 10 * err[0][1] and err[1][1] > 10 * err[1][0]
+    uniform = cache_for(model, bits=2, value_bits=8, residual=0, fused=False)
+    _, _, same = _filled(uniform, model, tokens=128)
+    torch.testing.assert_close(outs[0][0], same[0][0], rtol=0, atol=0)  # layer 0 == a uniform 2/8 cache
+
+
+def test_the_fused_path_reads_each_layers_own_bits():
+    """Through the model with attention "nexuskv" (fused over the compressed cache): a map of
+    2 bits everywhere gives exactly the logits of bits=2, and a map with layer 1 at 8 bits
+    gives logits unlike both all-2 and all-8 (each layer's kernel reads its own codes)."""
+    from nexuskv.hf import ATTN_IMPLEMENTATION, cache_argument
+
+    model = tiny_model("llama")
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    ids = torch.randint(3, 200, (1, 96), generator=torch.Generator().manual_seed(2))
+
+    def logits(**kw):
+        cache = cache_for(model, residual=16, group_size=16, **kw)
+        with torch.no_grad():
+            out = [model(ids[:, s : s + 16], **{cache_argument(model): cache}).logits for s in range(0, 96, 16)]
+        assert all(layer.cache.state_dict()["lengths.compressed"].item() > 0 for layer in cache.layers)
+        return torch.cat(out, 1)
+
+    torch.testing.assert_close(logits(bit_map=[[2, 2], [2, 2]]), logits(bits=2), rtol=0, atol=0)
+    mixed, two, eight = logits(bit_map=[[2, 2], [8, 8]]), logits(bits=2), logits(bits=8)
+    assert (mixed - two).abs().max() > 1e-4 and (mixed - eight).abs().max() > 1e-4
+
+
+def test_the_recipe_bit_map_reaches_the_cache_and_the_static_cache(tmp_path):
+    model = tiny_model("llama")
+    recipe, _ = calibrate(model, [torch.randint(3, 200, (1, 40))], {"model": "tiny llama"})
+    recipe.bit_map = torch.tensor([[3, 4], [4, 2]], dtype=torch.int32)
+    recipe.sensitivity = torch.rand(2, 2, 3)
+    recipe.bits = {"budget": 3.25, "choices": [2, 3, 4], "group_size": 64, "residual": 128, "sinks": 0}
+    path = str(tmp_path / "r.safetensors")
+    recipe.save(path)
+    back = Recipe.load(path)
+    assert torch.equal(back.bit_map, recipe.bit_map) and torch.equal(back.sensitivity, recipe.sensitivity)
+    assert back.bits == recipe.bits
+    for r in (path, back):
+        cache = cache_for(model, recipe=r)
+        assert _bits(cache) == [(3, 4), (4, 2)]
+    static = cache_for(model, recipe=path, static=True, max_cache_len=64)
+    assert [(layer.settings["bits"], layer.settings["value_bits"]) for layer in static.layers] == [(3, 4), (4, 2)]
+
+
+def test_bad_bit_maps_and_recipes_fail_clearly(tmp_path):
+    model, qwen3 = tiny_model("llama"), tiny_model("qwen3")
+    for bad, message in [
+        ([[2, 4]], "bit_map has 1 layers, the model 2"),
+        ([[2, 4], [5, 4]], r"bit_map\[1\] = \[5, 4\]: key and value bits must be among 2, 3, 4, 8"),
+        ([[2, 4], [4]], "one pair per layer"),
+        ([[2, 4], [4.5, 4]], "one pair per layer"),
+        ([], "one pair per layer"),
+        ("2424", "one pair per layer"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            cache_for(model, bit_map=bad)
+    from nexuskv.compressors import NQ
+
+    with pytest.raises(ValueError, match="do not combine with compressor="):
+        cache_for(model, bit_map=[[2, 2], [4, 4]], compressor=NQ(bits=4))
+    recipe, _ = calibrate(model, [torch.randint(3, 200, (1, 40))], {"model": "tiny llama"})
+    with pytest.raises(ValueError, match="this recipe has no bit map"):
+        cache_for(model, recipe=recipe)
+    recipe.bit_map = torch.tensor([[2, 2], [4, 4]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="a bit_map or a recipe, not both"):
+        cache_for(model, recipe=recipe, bit_map=[[2, 2], [4, 4]])
+    with pytest.raises(ValueError, match="recipe measured on tiny llama does not fit this model"):
+        cache_for(qwen3, recipe=recipe)
+    with pytest.raises(TypeError, match="recipe must be a nexuskv.recipe.Recipe or a path"):
+        cache_for(model, recipe=3)
+    for tensor, message in [
+        (torch.tensor([[2, 2], [5, 4]], dtype=torch.int32), r"bit_map holds \[5\]"),
+        (torch.tensor([[2, 2]], dtype=torch.int32), r"bit_map must be int32 \[2, 2\]"),
+        (torch.tensor([[2, 2], [4, 4]], dtype=torch.int64), r"bit_map must be int32"),
+    ]:
+        from safetensors.torch import load_file, save_file
+
+        good = str(tmp_path / "good.safetensors")
+        recipe.save(good)
+        tensors = load_file(good)
+        tensors["bit_map"] = tensor
+        from safetensors import safe_open
+
+        with safe_open(good, framework="pt") as f:
+            meta = f.metadata()
+        bad = str(tmp_path / "bad.safetensors")
+        save_file(tensors, bad, metadata=meta)
+        with pytest.raises(ValueError, match=message):
+            Recipe.load(bad)
+
+
+def test_a_version_1_recipe_still_loads_without_a_bit_map(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model = tiny_model("llama")
+    recipe, _ = calibrate(model, [torch.randint(3, 200, (1, 40))], {"model": "tiny llama"})
+    path = str(tmp_path / "v1.safetensors")
+    recipe.save(path)
+    with safe_open(path, framework="pt") as f:
+        header = json.loads(f.metadata()["nexuskv_recipe"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    header["version"] = 1
+    save_file(tensors, path, metadata={"nexuskv_recipe": json.dumps(header)})
+    back = Recipe.load(path)
+    assert back.bit_map is None and torch.equal(back.key_center, recipe.key_center)
+
+
+def test_sensitivity_is_zero_at_the_reference_bits_and_positive_below():
+    """At the reference's own bits the cache is the reference's, so the KL is exactly 0
+    (the measurement compares like with like); at 2 bits it is > 0 for every tensor."""
+    model = tiny_model("llama")
+    windows = [torch.randint(3, 200, (1, 96), generator=torch.Generator().manual_seed(1))]
+    scores = ba.sensitivity(model, windows, [2, 8], residual=16, group_size=16)
+    assert scores.shape == (2, 2, 2)
+    assert torch.equal(scores[..., 1], torch.zeros(2, 2))
+    assert (scores[..., 0] > 0).all(), scores
+    assert model.config._attn_implementation != "nexuskv"  # the model is left as it was
+
+
+def test_eval_row_of_a_recipe_counts_each_layers_bits_and_meets_targets_by_budget(tmp_path):
+    model = tiny_model("llama")
+    recipe, _ = calibrate(model, [torch.randint(3, 200, (1, 40))], {"model": "tiny llama"})
+    recipe.bit_map = torch.tensor([[2, 4], [4, 2]], dtype=torch.int32)
+    recipe.bits = {"budget": 3.25, "choices": [2, 3, 4], "group_size": 64, "residual": 128, "sinks": 4}
+    path = str(tmp_path / "mixed.safetensors")
+    recipe.save(path)
+    s = ec.from_recipe(path)
+    assert s.name == "nexuskv recipe mixed.safetensors tail 128 K g64 sinks 4" and s.sinks == 4
+    bits = ec.effective_bits(s, 64, torch.float32)  # d64: 2-bit 2.5, 4-bit 4.5 (bf16 scale + zero per 64)
+    assert bits == {"keys": 3.5, "values": 3.5, "kv": 3.5}
+    cache = ec.make_cache(model, s)
+    assert [_config(layer, "key_bits") for layer in cache.layers] == [2, 4]
+    rows = [
+        dict(
+            s.as_dict(),
+            kind=ec.NEXUSKV,
+            effective_bits={"kv": 3.2},
+            delta_ppl_pct=0.7,
+            repeats=[{}, {}],
+            delta_ppl_pct_min=0.5,
+            delta_ppl_pct_max=0.9,
+        )
+    ]
+    lines = evaluate.targets(rows)
+    assert any(
+        line.startswith("3-bit class, 128-token tail, <= 3.25 effective bits: best ΔPPL +0.70 %")
+        and line.endswith("target <= 0.75 %: met")
+        for line in lines
+    ), lines
+    assert not any(line.startswith("2-bit class") for line in lines)
+    # against one width everywhere with the same tail and sinks (not against another tail)
+    uniform = [ec.nexuskv(3, 128, sinks=4), ec.nexuskv(3, 128), ec.nexuskv(3, 64, sinks=4)]
+    rows += [
+        dict(
+            u.as_dict(),
+            knobs=list(u.knobs),
+            effective_bits={"kv": 3.5},
+            delta_ppl_pct=1.1,
+            repeats=[{"delta_ppl_pct": 1.2}, {"delta_ppl_pct": 1.0}],
+        )
+        for u in uniform
+    ]
+    rows[0]["repeats"] = [{"delta_ppl_pct": 0.6}, {"delta_ppl_pct": 0.8}]
+    effects = evaluate.recipe_effects(rows)
+    assert [(e["uniform"], e["verdict"]) for e in effects] == [(uniform[0].name, "lower")]
+
+
+def test_calibrate_cli_allocates_a_bit_map_and_reuses_its_sensitivity(tmp_path, capsys):
+    """`calibrate --bits-budget` on a tiny Llama (head_dim 64, two layers) saved as a model
+    directory: the map meets the budget and spends it; a second budget, and other choices
+    (8 bits is the reference: score 0), are allocated from the first file's sensitivity;
+    settings or choices it was not measured with are refused."""
+    import transformers as tf
+    from test_eval_protocol import SENTENCES, bos_tokenizer
+
+    from nexuskv.__main__ import main
+
+    model_dir, text = tmp_path / "tiny", tmp_path / "text.txt"
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=300,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+    )
+    tf.LlamaForCausalLM(config).save_pretrained(model_dir)
+    bos_tokenizer().save_pretrained(model_dir)
+    text.write_text(SENTENCES * 40)
+    first, second = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
+    args = ["calibrate", "--model", str(model_dir), "--text", str(text), "--tokens", "160", "--windows", "1"]
+    settings = ["--group-size", "16", "--residual", "16"]
+    # groups of 16 with bf16 scale and zero: 2 bits cost 4.0, 4 bits 6.0
+    assert main(args + settings + ["--bits-choices", "2,4", "--bits-budget", "5.0", "--out", first]) == 0
+    assert "bit map (5.000 effective bits, budget 5.0)" in capsys.readouterr().out
+    a = Recipe.load(first)
+    assert a.bit_map.shape == (2, 2) and a.bits["effective_bits"] == 5.0 and (a.bit_map == 4).sum() == 2
+    assert (a.sensitivity[..., 0] > a.sensitivity[..., 1]).all()  # 2 bits move the model more than 4
+    reuse = settings + ["--sensitivity-from", first, "--out", second]
+    assert main(args + reuse + ["--bits-choices", "2,4", "--bits-budget", "6.0"]) == 0
+    b = Recipe.load(second)
+    assert torch.equal(b.sensitivity, a.sensitivity) and (b.bit_map == 4).all()
+    assert main(args + reuse + ["--bits-choices", "4,8", "--bits-budget", "8.0"]) == 0
+    c = Recipe.load(second)
+    assert torch.equal(c.sensitivity[..., 0], a.sensitivity[..., 1])
+    assert torch.equal(c.sensitivity[..., 1], torch.zeros(2, 2))
+    assert (c.bit_map == 8).sum() == 2 and c.bits["effective_bits"] == 8.0
+    capsys.readouterr()
+    assert main(args + reuse + ["--bits-choices", "3,4", "--bits-budget", "6.0"]) == 1
+    assert "measured at [2, 4] bits, not at [3]" in capsys.readouterr().err
+    other = ["--group-size", "16", "--residual", "32"] + reuse[4:]
+    assert main(args + other + ["--bits-choices", "2,4", "--bits-budget", "6.0"]) == 1
+    assert "measured with other settings: residual 16 (now 32)" in capsys.readouterr().err
+
+
+@requires_model[0]
+@requires_model[1]
+def test_the_committed_smollm2_recipes_fit_smollm2():
+    from nexuskv.models import load_model
+
+    model, _ = load_model(torch.float32)
+    for path in sorted((BENCHMARKS / "recipes").glob("mp-smol-*.safetensors")):
+        recipe = Recipe.load(str(path))
+        assert _bits(cache_for(model, recipe=str(path))) == [tuple(row) for row in recipe.bit_map.tolist()]
+
+
+def test_calibrate_cli_checks_the_bit_arguments_before_loading(capsys, monkeypatch):
+    from nexuskv import models
+    from nexuskv.__main__ import main
+
+    def never(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(models, "load_model", never)
+    monkeypatch.setattr(models, "check_model_path", lambda path: None)
+    monkeypatch.setattr(models, "check_text_path", lambda path: None)
+    assert main(["calibrate", "--out", "/tmp/r.safetensors", "--bits-choices", "2,5"]) == 2
+    assert "--bits-choices must be a comma-separated list among [2, 3, 4, 8], got '2,5'" in capsys.readouterr().err
+    assert main(["calibrate", "--out", "/tmp/r.safetensors", "--bits-budget", "0"]) == 2
+    assert "--bits-budget must be > 0" in capsys.readouterr().err
+
+
+def test_committed_recipes_and_runs_agree_with_their_budgets():
+    """benchmarks/recipes (the maps RESULTS.md measures): each within its budget, its header's
+    effective bits recomputed from its map, and each mixed-*.json run's recipe row at those bits."""
+    recipes = {p.name: Recipe.load(str(p)) for p in sorted((BENCHMARKS / "recipes").glob("*.safetensors"))}
+    assert len(recipes) >= 2
+    for name, r in recipes.items():
+        head_dim = r.model["head_dim"]
+        bits = ba.average_bits(
+            r.bit_map.tolist(), lambda b: ba.tensor_bits(b, head_dim, 64, 64, torch.bfloat16, torch.float32)
+        )
+        assert bits == pytest.approx(r.bits["effective_bits"], abs=1e-4) and bits <= r.bits["budget"] + 1e-9, name
+        assert r.bits["sinks"] == 4 and r.bits["residual"] == 128 and r.sensitivity is not None
+    runs = sorted(BENCHMARKS.glob("mixed-*.json"))
+    assert runs
+    for path in runs:
+        for row in json.loads(path.read_text())["rows"]:
+            if row.get("recipe"):
+                r = recipes[pathlib.Path(row["recipe"]).name]
+                assert row["effective_bits"]["kv"] == pytest.approx(r.bits["effective_bits"], abs=1e-4), path.name
