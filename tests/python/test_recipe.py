@@ -177,6 +177,11 @@ def test_calibrate_cli_needs_out_and_checks_its_folder(capsys, monkeypatch):
     assert e.value.code == 2 and "--out" in capsys.readouterr().err
     assert main(["calibrate", "--out", "/nonexistent/dir/r.safetensors"]) == 2
     assert "--out /nonexistent/dir/r.safetensors: no such directory" in capsys.readouterr().err
+    # the bit map's arguments (calibrate --bits-budget), also before the model is loaded
+    assert main(["calibrate", "--out", "/tmp/r.safetensors", "--bits-choices", "2,5"]) == 2
+    assert "--bits-choices must be a comma-separated list among [2, 3, 4, 8], got '2,5'" in capsys.readouterr().err
+    assert main(["calibrate", "--out", "/tmp/r.safetensors", "--bits-budget", "0"]) == 2
+    assert "--bits-budget must be > 0" in capsys.readouterr().err
 
 
 @requires_model[0]
