@@ -106,7 +106,7 @@ def sensitivity(
     windows,
     choices: Sequence[int],
     chunk: int = 64,
-    reference_bits: int = 8,
+    reference_bits: int = REFERENCE_BITS,
     progress: Callable[[str], None] = lambda line: None,
     **cache_kwargs,
 ) -> torch.Tensor:
