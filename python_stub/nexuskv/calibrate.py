@@ -160,10 +160,10 @@ def add_bit_map(recipe, model, windows, choices, args) -> None:
     settings = dict(group_size=args.group_size, residual=args.residual, sinks=args.sinks)
     meta = meta_dtype_for(model.dtype)
 
-    def cost(bits):
-        return ba.tensor_bits(
-            bits, head_dim_of(text_config(model)), args.group_size, args.group_size, meta, model.dtype
-        )
+    head_dim = head_dim_of(text_config(model))
+    # each choice's (key, value) effective bits, once: allocate asks for them at every step
+    costs = {b: ba.tensor_bits(b, head_dim, args.group_size, args.group_size, meta, model.dtype) for b in choices}
+    cost = costs.__getitem__
 
     allocated_for = dict(choices=choices, group_size=args.group_size, residual=args.residual, sinks=args.sinks)
     if args.sensitivity_from:
