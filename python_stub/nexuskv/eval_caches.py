@@ -12,6 +12,7 @@ that they follow the model's layers (windows) as a user's would."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 from dataclasses import asdict, dataclass
@@ -123,40 +124,49 @@ COMBINATIONS = ("alone", "all", "leave-one-out")
 RECOMMENDED_2BIT = nexuskv(2, 128, sinks=4)
 
 
-def with_knobs(bits: int, knobs, residual: int = 128) -> Setting:
+def with_knobs(bits: int, knobs, residual: int = 128, group_size: int = 64) -> Setting:
+    """The nexuskv setting at `bits` with `knobs` switched on; keys in groups of
+    `group_size` tokens and values in groups of `group_size` channels."""
     kw = {}
     for k in knobs:
         if k not in KNOBS:
             raise ValueError(f"eval: ablations must be among {sorted(KNOBS)}, got {k!r}")
         kw.update(KNOBS[k])
-    return nexuskv(bits, residual, **kw)
+    return nexuskv(bits, residual, group_size=group_size, value_group_size=group_size, **kw)
 
 
 def grid(bits=(8, 4, 3, 2), tails=(0, 128), ablation_bits=(4, 2),
          ablations=("outliers", "rotate", "dgq", "sinks"), combinations=COMBINATIONS, best_2bit: bool = True,
-         quanto_bits=(4, 2), equal_bits: bool = True, window_tails=()) -> List[Setting]:
+         quanto_bits=(4, 2), equal_bits: bool = True, window_tails=(), group_sizes=(64,)) -> List[Setting]:
     """The default comparison: every bit width at each tail (and, for each of `window_tails`,
     with that tail on the sliding-window layers instead); at `ablation_bits` (128-token
     tail) each knob alone ("alone"), all of them together ("all") and all but one
     ("leave-one-out": what each knob adds to the others); RECOMMENDED_2BIT; quanto at
     `quanto_bits` as transformers runs it and, with `equal_bits`,
     quanto with 16-bit scales and nexuskv with scales in the model's dtype, so that each
-    side is also measured at the other's effective bits."""
+    side is also measured at the other's effective bits.  The bit-width and ablation rows
+    are repeated for each of `group_sizes` (key groups of that many tokens, value groups
+    of that many channels): larger groups spend fewer bits on scales and zeros."""
     for c in combinations:
         if c not in COMBINATIONS:
             raise ValueError(f"eval: combinations must be among {list(COMBINATIONS)}, got {c!r}")
     for a in ablations:
         with_knobs(4, [a])  # checks the name
-    rows = [DENSE_SETTING] + [nexuskv(b, t) for b in bits for t in tails]
-    rows += [nexuskv(b, t, window_residual=w) for b in bits for t in tails for w in window_tails if w != t]
-    for b in ablation_bits:
-        rows.append(nexuskv(b, 128))
-        if "alone" in combinations:
-            rows += [with_knobs(b, [a]) for a in ablations]
-        if "all" in combinations and len(ablations) > 1:
-            rows.append(with_knobs(b, ablations))
-        if "leave-one-out" in combinations and len(ablations) > 2:
-            rows += [with_knobs(b, [x for x in ablations if x != a]) for a in ablations]
+    if not group_sizes or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in group_sizes):
+        raise ValueError(f"eval: group sizes must be positive ints, got {list(group_sizes)}")
+    rows = [DENSE_SETTING]
+    for g in group_sizes:
+        rows += [with_knobs(b, (), t, g) for b in bits for t in tails]
+        rows += [dataclasses.replace(with_knobs(b, (), t, g), window_residual=w)
+                 for b in bits for t in tails for w in window_tails if w != t]
+        for b in ablation_bits:
+            rows.append(with_knobs(b, (), 128, g))
+            if "alone" in combinations:
+                rows += [with_knobs(b, [a], 128, g) for a in ablations]
+            if "all" in combinations and len(ablations) > 1:
+                rows.append(with_knobs(b, ablations, 128, g))
+            if "leave-one-out" in combinations and len(ablations) > 2:
+                rows += [with_knobs(b, [x for x in ablations if x != a], 128, g) for a in ablations]
     if best_2bit:
         rows.append(RECOMMENDED_2BIT)
     for b in quanto_bits:
@@ -265,12 +275,18 @@ def _element_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _nq_bits(bits: int, group_size: int, head_dim: int, outliers: int, meta_dtype, x_dtype) -> float:
+def _nq_bits(bits: int, group_size: int, head_dim: int, outliers: int, meta_dtype, x_dtype,
+             channel_groups: bool = False) -> float:
     """Bits per element of one NQ tensor, from the format (nq_format.h, mirrored in _format):
-    packed codes + per group two meta values and `outliers` (index byte + value)."""
+    packed codes + per group two meta values and `outliers` (index byte + value).  Key
+    groups run over tokens (one group per `group_size` tokens of a channel); value groups
+    (`channel_groups`) over the head_dim channels of one token, ceil(head_dim / group_size)
+    of them: a group longer than head_dim still costs one per token (SmolLM2's 64 channels
+    in "groups of 128" pay for groups of 64)."""
     code_bits = 8 * _format.row_bytes(bits, head_dim) / head_dim
     meta_bits = 8 * (2 * _element_bytes(meta_dtype) + outliers * (1 + _element_bytes(x_dtype)))
-    return code_bits + meta_bits / group_size
+    per_element = -(-head_dim // group_size) / head_dim if channel_groups else 1 / group_size
+    return code_bits + meta_bits * per_element
 
 
 def effective_bits(s: Setting, head_dim: int, model_dtype: torch.dtype) -> Dict[str, float]:
@@ -288,7 +304,8 @@ def effective_bits(s: Setting, head_dim: int, model_dtype: torch.dtype) -> Dict[
     # a recipe: each layer's bits, every layer's K/V weighted alike (per token written)
     bit_map = _recipe(s.recipe).bit_map.tolist() if s.recipe else [[s.bits, s.bits]]
     k = sum(_nq_bits(kb, s.group_size, head_dim, s.key_outliers, meta, model_dtype) for kb, _ in bit_map)
-    v = sum(_nq_bits(vb, s.value_group_size, head_dim, s.value_outliers, meta, model_dtype) for _, vb in bit_map)
+    v = sum(_nq_bits(vb, s.value_group_size, head_dim, s.value_outliers, meta, model_dtype, channel_groups=True)
+            for _, vb in bit_map)
     k, v = k / len(bit_map), v / len(bit_map)
     if s.dgq:  # + segment_starts: one int32 per token group and row of head_dim channels
         k += 32 / (s.group_size * head_dim)

@@ -25,6 +25,7 @@ measurements per cache setting (settings: nexuskv.eval_caches):
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
@@ -209,22 +210,40 @@ def knob_effects(rows: List[Dict]) -> List[Dict]:
     the plain setting with a 128-token tail) and in combination (all measured knobs
     against all but this one), with the bits of each side."""
     out = []
-    measured = {(r["bits"], tuple(r["knobs"])) for r in rows if r["kind"] == ec.NEXUSKV and r.get("meta") is None
-                and not r.get("recipe") and r["residual"] == 128 and r["group_size"] == 64
-                and r["value_group_size"] == 64}
-    for bits in sorted({b for b, _ in measured}, reverse=True):
-        combos = [k for b, k in measured if b == bits]
+    measured = {(r["bits"], r["group_size"], tuple(r["knobs"])) for r in rows if r["kind"] == ec.NEXUSKV
+                and r.get("meta") is None and not r.get("recipe") and r["residual"] == 128
+                and r.get("window_residual") is None and r["value_group_size"] == r["group_size"]}
+    for bits, group in sorted({(b, g) for b, g, _ in measured}, key=lambda bg: (-bg[0], bg[1])):
+        combos = [k for b, g, k in measured if (b, g) == (bits, group)]
         full = max(combos, key=len)
         for knob in ec.KNOBS:
             pairs = {"alone": ((knob,), ())}
             if knob in full and len(full) > 1:
                 pairs["in combination"] = (full, tuple(k for k in full if k != knob))
             for how, (on, off) in pairs.items():
-                a, b = _find(rows, ec.with_knobs(bits, on)), _find(rows, ec.with_knobs(bits, off))
+                a = _find(rows, ec.with_knobs(bits, on, group_size=group))
+                b = _find(rows, ec.with_knobs(bits, off, group_size=group))
                 if a and b:
-                    out.append(dict(paired_verdict(a, b), bits=bits, knob=knob, how=how, with_setting=a["name"],
-                                    without_setting=b["name"], with_bits=a["effective_bits"]["kv"],
-                                    without_bits=b["effective_bits"]["kv"]))
+                    out.append(dict(paired_verdict(a, b), bits=bits, group_size=group, knob=knob, how=how,
+                                    with_setting=a["name"], without_setting=b["name"],
+                                    with_bits=a["effective_bits"]["kv"], without_bits=b["effective_bits"]["kv"]))
+    return out
+
+
+def group_effects(rows: List[Dict]) -> List[Dict]:
+    """Each nexuskv row with groups other than 64 (keys and values alike) against the same
+    setting with groups of 64: what the scale and zero bits it saves cost in ΔPPL."""
+    same = [f.name for f in dataclasses.fields(ec.Setting) if f.name not in ("group_size", "value_group_size")]
+    out = []
+    for r in rows:
+        if r["kind"] != ec.NEXUSKV or r.get("recipe") or r["group_size"] in (64, None) or \
+                r["value_group_size"] != r["group_size"]:
+            continue
+        base = next((u for u in rows if u["group_size"] == u["value_group_size"] == 64
+                     and all(u[f] == r[f] for f in same)), None)
+        if base:
+            out.append(dict(paired_verdict(r, base), setting=r["name"], bits=r["effective_bits"]["kv"],
+                            g64_setting=base["name"], g64_bits=base["effective_bits"]["kv"]))
     return out
 
 
@@ -311,13 +330,18 @@ def markdown(rows: List[Dict], extra: Optional[Dict] = None) -> str:
             lines.append(f"| {e['bits']} | {e['knob']} | {e['how']} | {e['with_setting']} ({e['with_bits']:.3f}) | "
                          f"{e['without_setting']} ({e['without_bits']:.3f}) | {e['diff_pct']:+.2f} | {per} | "
                          f"{e['verdict']} |")
-    mixed = recipe_effects(rows)
-    if mixed:
-        lines += ["", "Mixed precision (a recipe's bit map) against one width everywhere, same tail, sinks and groups:",
-                  "", "| recipe (bits) | uniform (bits) | Δ points | per repeat | verdict |", "|---|---|---|---|---|"]
-        for e in mixed:
+    for title, effects, a, b in (
+            ("Larger groups against groups of 64, the rest of the setting equal:", group_effects(rows),
+             ("setting", "bits"), ("g64_setting", "g64_bits")),
+            ("Mixed precision (a recipe's bit map) against one width everywhere, same tail, sinks and groups:",
+             recipe_effects(rows), ("recipe", "recipe_bits"), ("uniform", "uniform_bits"))):
+        if not effects:
+            continue
+        lines += ["", title, "", "| setting (bits) | against (bits) | Δ points | per repeat | verdict |",
+                  "|---|---|---|---|---|"]
+        for e in effects:
             per = ", ".join(f"{x:+.2f}" for x in e["diff_pct_repeats"])
-            lines.append(f"| {e['recipe']} ({e['recipe_bits']:.3f}) | {e['uniform']} ({e['uniform_bits']:.3f}) | "
+            lines.append(f"| {e[a[0]]} ({e[a[1]]:.3f}) | {e[b[0]]} ({e[b[1]]:.3f}) | "
                          f"{e['diff_pct']:+.2f} | {per} | {e['verdict']} |")
     pairs = equal_bit_pairs(rows)
     if pairs:
@@ -502,6 +526,7 @@ def settings_from_args(args, sixteen_bit_model: bool = False) -> List[ec.Setting
                    ablation_bits=_ints(args.ablation_bits, "--ablation-bits"),
                    ablations=[a for a in args.ablations.split(",") if a],
                    combinations=[c for c in args.combinations.split(",") if c],
+                   group_sizes=_ints(args.group_sizes, "--group-sizes"),
                    best_2bit=not args.no_best_2bit, quanto_bits=() if args.no_quanto else
                    _ints(args.quanto_bits, "--quanto-bits"), equal_bits=equal) + recipes
 
@@ -553,7 +578,8 @@ def main(args) -> int:
            "transformers": __import__("transformers").__version__, "load_average_at_start": load_at_start,
            "load_average_at_end": os.getloadavg(),
            "skipped": extra["skipped"], "every_token_dense_bytes": extra.get("every_token"),
-           "knob_effects": knob_effects(rows), "recipe_effects": recipe_effects(rows),
+           "knob_effects": knob_effects(rows), "group_effects": group_effects(rows),
+           "recipe_effects": recipe_effects(rows),
            "equal_bits": equal_bit_pairs(rows), "noise": noise_summary(rows),
            "targets": verdicts, "rows": rows}
     for path, write in ((args.json, lambda p: json.dump(doc, open(p, "w"), indent=1)),
@@ -586,6 +612,9 @@ def add_arguments(p, text_default: Optional[str] = None) -> None:
     p.add_argument("--window-tails", default="",
                    help="also each base row with these tails on the sliding-window layers (default: none)")
     p.add_argument("--ablation-bits", default="4,2", help="bit widths at which the knobs are switched on")
+    p.add_argument("--group-sizes", default="64",
+                   help="group sizes of the base and ablation nexuskv rows (key groups of that many tokens, value "
+                        "groups of that many channels, at most one per head_dim: fewer scale and zero bits)")
     # DGQ is not a default knob: in this chunked evaluation every append compresses one group,
     # which leaves it no boundary to choose (it measured identical to fixed groups, RESULTS.md).
     p.add_argument("--ablations", default="outliers,rotate,sinks", help="knobs: outliers, rotate, dgq, sinks")

@@ -30,7 +30,8 @@ bits) and ``sensitivity`` (float32 [layers, 2, choices]: what the allocation was
 from); as the header's metadata ``nexuskv_recipe``, a JSON object: format version, the
 model facts it was measured on (checked by every reader), the text and token counts it
 was measured on, and with a bit map the settings it was allocated for (``bits``: budget,
-choices, group sizes, tail, sinks, the effective bits reached).
+choices, group sizes, tail, sinks, the effective bits reached and, from calibrate, the
+candidate maps measured whole with their KL divergence: bit_allocation.choose).
 """
 
 from __future__ import annotations

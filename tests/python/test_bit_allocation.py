@@ -52,10 +52,47 @@ def test_allocation_upgrades_the_most_sensitive_tensor_first_and_refuses_an_impo
     assert ba.allocate(scores, [2, 3, 4], _cost, 3.0) == [[2, 2], [4, 2]]  # 9 -> 0 for two bits: 4.5 per bit
     assert ba.allocate(scores, [2, 3, 4], _cost, 3.5) == [[3, 3], [4, 2]]
     assert ba.allocate(scores, [2, 3, 4], _cost, 8.5) == [[4, 4], [4, 2]]  # no gain, no bits spent
-    with pytest.raises(ValueError, match="2 bits everywhere take 2.500 effective bits, over the budget of 2.4"):
+    with pytest.raises(
+        ValueError, match="keys at 2 and values at 2 bits everywhere take 2.500 effective bits, over the budget of 2.4"
+    ):
         ba.allocate(scores, [2, 3, 4], _cost, 2.4)
     with pytest.raises(ValueError, match="choices must be ascending"):
         ba.allocate(scores, [4, 3, 2], _cost, 3.0)
+
+
+def test_allocation_from_a_floor():
+    """Values start at 3 bits: the two bits left go to the tensor that gains most per bit."""
+    scores = torch.tensor([[[3.0, 2.0, 1.0], [5.0, 1.0, 0.0]], [[9.0, 8.0, 0.0], [1.0, 1.0, 1.0]]])
+    assert ba.allocate(scores, [2, 3, 4], _cost, 3.0, floor=(2, 3)) == [[2, 3], [2, 3]]
+    assert ba.allocate(scores, [2, 3, 4], _cost, 3.5, floor=(2, 3)) == [[2, 3], [4, 3]]
+    assert ba.allocate(scores, [2, 3, 4], _cost, 4.5, floor=(4, 4)) == [[4, 4], [4, 4]]
+    with pytest.raises(ValueError, match="keys at 4 and values at 4 bits everywhere take 4.500 effective bits"):
+        ba.allocate(scores, [2, 3, 4], _cost, 3.5, floor=(4, 4))
+    with pytest.raises(ValueError, match=r"floor \(2, 8\) must be among the choices \[2, 3, 4\]"):
+        ba.allocate(scores, [2, 3, 4], _cost, 3.5, floor=(2, 8))
+
+
+def test_choose_measures_each_floors_map_whole_and_overrules_misleading_scores():
+    """Scores that say values never matter and keys do: from the lowest floor the greedy
+    allocation leaves values at 2 bits; from the 4-bit floor the same budget gives 4 bits
+    everywhere.  Measured whole on the window, the 4-bit map is closer to the reference,
+    and choose returns it; every candidate fits the budget and has a KL > 0."""
+    model = tiny_model("llama")
+    windows = [torch.randint(3, 200, (1, 96), generator=torch.Generator().manual_seed(1))]
+    scores = torch.tensor([[[1.0, 0.0], [0.0, 0.0]], [[1.0, 0.0], [0.0, 0.0]]])  # [layers, K/V, (2, 4) bits]
+    cost = {2: (4.0, 4.0), 4: (6.0, 6.0)}.__getitem__  # groups of 16, bf16 scale and zero, head_dim 64
+    lines = []
+    bit_map, candidates = ba.choose(
+        model, windows, scores, [2, 4], cost, 6.0, progress=lines.append, residual=16, group_size=16
+    )
+    assert [c["bit_map"] for c in candidates] == [[[4, 2], [4, 2]], [[4, 4], [4, 4]]]
+    assert [c["floor"] for c in candidates] == [[2, 2], [2, 4]]  # (4, 2), (4, 4) repeat those maps
+    assert [c["effective_bits"] for c in candidates] == [5.0, 6.0]
+    assert all(c["kl"] > 0 for c in candidates) and len(lines) == 2
+    assert candidates[1]["kl"] < candidates[0]["kl"] and bit_map == [[4, 4], [4, 4]]
+    assert model.config._attn_implementation != "nexuskv"  # the model is left as it was
+    with pytest.raises(ValueError, match="2 bits everywhere are over the budget of 3.0"):
+        ba.choose(model, windows, scores, [2, 4], cost, 3.0)
 
 
 def _config(layer, name):
@@ -292,6 +329,14 @@ def test_calibrate_cli_allocates_a_bit_map_and_reuses_its_sensitivity(tmp_path, 
     assert "bit map (5.000 effective bits, budget 5.0)" in capsys.readouterr().out
     a = Recipe.load(first)
     assert a.bit_map.shape == (2, 2) and a.bits["effective_bits"] == 5.0 and (a.bit_map == 4).sum() == 2
+    # the distinct maps it measured whole (floors 2/2, 2/4 and 4/2 fit 5.0 bits; keys at 4 and values
+    # at 4 differ), the chosen one of least KL
+    candidates = a.bits["candidates"]
+    maps = [c["bit_map"] for c in candidates]
+    assert len(maps) >= 2 and all(maps.count(m) == 1 for m in maps) and [[4, 2], [4, 2]] in maps
+    chosen = [c for c in candidates if c["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["bit_map"] == a.bit_map.tolist()
+    assert chosen[0]["kl"] == min(c["kl"] for c in candidates)
     assert (a.sensitivity[..., 0] > a.sensitivity[..., 1]).all()  # 2 bits move the model more than 4
     reuse = settings + ["--sensitivity-from", first, "--out", second]
     assert main(args + reuse + ["--bits-choices", "2,4", "--bits-budget", "6.0"]) == 0
@@ -319,3 +364,28 @@ def test_the_committed_smollm2_recipes_fit_smollm2():
     for path in sorted((BENCHMARKS / "recipes").glob("mp-smol-*.safetensors")):
         recipe = Recipe.load(str(path))
         assert _bits(cache_for(model, recipe=str(path))) == [tuple(row) for row in recipe.bit_map.tolist()]
+
+
+def test_the_committed_recipes_fit_their_budgets_and_runs():
+    """Every committed recipe (benchmarks/recipes): its map's effective bits, recomputed from
+    the format with the groups it was allocated for, are what its header says and within its
+    budget; where it holds candidates (bit_allocation.choose), the map is the one of least KL;
+    every committed run of it (benchmarks/mixed-*.json) reports those bits."""
+    recipes = {p.name: Recipe.load(str(p)) for p in sorted((BENCHMARKS / "recipes").glob("*.safetensors"))}
+    assert recipes
+    runs = [json.loads(p.read_text()) for p in sorted(BENCHMARKS.glob("mixed-*.json"))]
+    for name, r in recipes.items():
+        b = r.bits
+        head_dim = r.key_center.shape[-1]
+        costs = {
+            x: ba.tensor_bits(x, head_dim, b["group_size"], b["value_group_size"], torch.bfloat16, torch.float32)
+            for x in (2, 3, 4, 8)
+        }
+        reached = ba.average_bits(r.bit_map.tolist(), costs.__getitem__)
+        assert reached == pytest.approx(b["effective_bits"], abs=1e-4) and reached <= b["budget"] + 1e-9, name
+        if "candidates" in b:
+            chosen = min(b["candidates"], key=lambda c: c["kl"])
+            assert chosen["bit_map"] == r.bit_map.tolist() and chosen["chosen"], name
+            assert all(c["effective_bits"] <= b["budget"] + 1e-9 for c in b["candidates"]), name
+        rows = [row for d in runs for row in d["rows"] if row.get("recipe") == name]
+        assert all(row["effective_bits"]["kv"] == pytest.approx(reached, abs=1e-9) for row in rows), name

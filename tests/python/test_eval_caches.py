@@ -30,7 +30,11 @@ def _nexuskv_cache(s: ec.Setting, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("s", [ec.nexuskv(4, 0), ec.nexuskv(2, 0), ec.nexuskv(8, 0, key_outliers=1, value_outliers=1),
                                ec.nexuskv(3, 0, dgq=True), ec.nexuskv(2, 0, group_size=128, key_outliers=2),
-                               ec.nexuskv(2, 0, group_size=128, value_group_size=32, rotate=True)],
+                               ec.nexuskv(2, 0, group_size=128, value_group_size=32, rotate=True),
+                               # value groups longer than head_dim (one per token) or not dividing it
+                               # (a partial last group): they pay per group, not per group_size
+                               ec.nexuskv(3, 0, group_size=128, value_group_size=128),
+                               ec.nexuskv(2, 0, value_group_size=48)],
                          ids=lambda s: s.name)
 def test_nexuskv_effective_bits_are_the_real_bytes(s, dtype):
     """Filled in one append of whole groups with no tail, the cache's compressed part is

@@ -284,6 +284,51 @@ def test_grid_has_each_knob_alone_all_and_all_but_one():
         ec.grid(combinations=["pairs"])
 
 
+def test_grid_repeats_the_rows_per_group_size_and_pairs_each_with_groups_of_64():
+    """--group-sizes 64,128: every base and ablation row at both group sizes (keys over 128
+    tokens and values over 128 channels: fewer scale and zero bits, what the row's bits say);
+    knob effects pair rows of the same groups; group_effects pairs each g128 row with its g64
+    twin."""
+    rows = ec.grid(
+        bits=(3,),
+        tails=(128,),
+        ablation_bits=(2,),
+        ablations=["sinks"],
+        combinations=["alone"],
+        quanto_bits=(),
+        best_2bit=False,
+        group_sizes=(64, 128),
+    )
+    names = [r.name for r in rows if r.kind == ec.NEXUSKV]
+    assert names == [
+        "nexuskv 3-bit tail 128 K g64",
+        "nexuskv 2-bit tail 128 K g64",
+        "nexuskv 2-bit tail 128 K g64 sinks 4",
+        "nexuskv 3-bit tail 128 K g128",
+        "nexuskv 2-bit tail 128 K g128",
+        "nexuskv 2-bit tail 128 K g128 sinks 4",
+    ]
+    bits = {r.name: ec.effective_bits(r, 256, torch.float32)["kv"] for r in rows if r.kind == ec.NEXUSKV}
+    assert bits["nexuskv 3-bit tail 128 K g128"] == 3.25 and bits["nexuskv 2-bit tail 128 K g64 sinks 4"] == 2.5
+    assert ec.effective_bits(rows[-1], 64, torch.float32) == {"keys": 2.25, "values": 2.5, "kv": 2.375}  # d64
+    deltas = {64: ([4.0, 5.0, 6.0], [2.0, 2.5, 3.0]), 128: ([5.0, 6.0, 7.0], [2.0, 2.6, 3.1])}
+    measured = [_eval_row(ec.DENSE_SETTING, [0.0] * 3)]
+    for g, (plain, sinks) in deltas.items():
+        measured += [
+            _eval_row(ec.with_knobs(2, (), group_size=g), plain),
+            _eval_row(ec.with_knobs(2, ["sinks"], group_size=g), sinks),
+        ]
+    effects = {(e["group_size"], e["knob"]): e["verdict"] for e in evaluate.knob_effects(measured)}
+    assert effects == {(64, "sinks"): "lower", (128, "sinks"): "lower"}
+    groups = {e["setting"]: (e["g64_setting"], e["verdict"]) for e in evaluate.group_effects(measured)}
+    assert groups == {
+        "nexuskv 2-bit tail 128 K g128": ("nexuskv 2-bit tail 128 K g64", "higher"),
+        "nexuskv 2-bit tail 128 K g128 sinks 4": ("nexuskv 2-bit tail 128 K g64 sinks 4", "within noise"),
+    }
+    with pytest.raises(ValueError, match=r"group sizes must be positive ints, got \[64, 0\]"):
+        ec.grid(group_sizes=(64, 0))
+
+
 def _row(name, deltas):
     return {"name": name, "delta_ppl_pct": sum(deltas) / len(deltas), "repeats": [{"delta_ppl_pct": d} for d in deltas]}
 
