@@ -232,15 +232,15 @@ def knob_effects(rows: List[Dict]) -> List[Dict]:
 
 def group_effects(rows: List[Dict]) -> List[Dict]:
     """Each nexuskv row with groups other than 64 (keys and values alike) against the same
-    setting with groups of 64: what the scale and zero bits it saves cost in ΔPPL."""
+    setting with groups of 64: what fewer (or more) scale and zero bits cost (or buy) in ΔPPL."""
     same = [f.name for f in dataclasses.fields(ec.Setting) if f.name not in ("group_size", "value_group_size")]
     out = []
     for r in rows:
-        if r["kind"] != ec.NEXUSKV or r.get("recipe") or r["group_size"] in (64, None) or \
+        if r["kind"] != ec.NEXUSKV or r.get("recipe") or r["group_size"] == 64 or \
                 r["value_group_size"] != r["group_size"]:
             continue
-        base = next((u for u in rows if u["group_size"] == u["value_group_size"] == 64
-                     and all(u[f] == r[f] for f in same)), None)
+        base = next((u for u in rows if u.get("group_size") == u.get("value_group_size") == 64
+                     and all(u.get(f) == r.get(f) for f in same)), None)
         if base:
             out.append(dict(paired_verdict(r, base), setting=r["name"], bits=r["effective_bits"]["kv"],
                             g64_setting=base["name"], g64_bits=base["effective_bits"]["kv"]))
@@ -331,7 +331,7 @@ def markdown(rows: List[Dict], extra: Optional[Dict] = None) -> str:
                          f"{e['without_setting']} ({e['without_bits']:.3f}) | {e['diff_pct']:+.2f} | {per} | "
                          f"{e['verdict']} |")
     for title, effects, a, b in (
-            ("Larger groups against groups of 64, the rest of the setting equal:", group_effects(rows),
+            ("Other group sizes against groups of 64, the rest of the setting equal:", group_effects(rows),
              ("setting", "bits"), ("g64_setting", "g64_bits")),
             ("Mixed precision (a recipe's bit map) against one width everywhere, same tail, sinks and groups:",
              recipe_effects(rows), ("recipe", "recipe_bits"), ("uniform", "uniform_bits"))):
