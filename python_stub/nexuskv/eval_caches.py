@@ -285,7 +285,7 @@ def _nq_bits(bits: int, group_size: int, head_dim: int, outliers: int, meta_dtyp
     in "groups of 128" pay for groups of 64)."""
     code_bits = 8 * _format.row_bytes(bits, head_dim) / head_dim
     meta_bits = 8 * (2 * _element_bytes(meta_dtype) + outliers * (1 + _element_bytes(x_dtype)))
-    per_element = -(-head_dim // group_size) / head_dim if channel_groups else 1 / group_size
+    per_element = _format.ceil_div(head_dim, group_size) / head_dim if channel_groups else 1 / group_size
     return code_bits + meta_bits * per_element
 
 
