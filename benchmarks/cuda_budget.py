@@ -49,11 +49,15 @@ division routines in their SASS.  A GPU has no integer divider: `/` or `%` on 64
 compiles to an inline routine that starts by converting the divisor to a float and taking its
 reciprocal (I2F.U64.RP then MUFU.RCP), so each I2F.U64.RP is one such division site.  The
 kernels take their indices from nq_index.h (32-bit multiply-shift divisions by host-computed
-constants) and must show none: --check-nq-division fails otherwise.
+constants) and must show none: --check-nq-division fails otherwise.  In the decode kernel the
+routine is a subroutine, so the table counts the tile loop's CALLs whose target starts it
+(div64; --check-loop-division fails on any): the loop takes its sizes from MmaIndex
+(attention_mma.cuh), 32-bit with host-computed divisors.
 
-    python benchmarks/cuda_budget.py                      # build/py, sm_90 and sm_80
-    python benchmarks/cuda_budget.py --check-spills       # exit 1 on any spill (stack or local)
-    python benchmarks/cuda_budget.py --check-nq-division  # exit 1 on a 64-bit division per NQ element
+    python benchmarks/cuda_budget.py                        # build/py, sm_90 and sm_80
+    python benchmarks/cuda_budget.py --check-spills         # exit 1 on any spill (stack or local)
+    python benchmarks/cuda_budget.py --check-loop-division  # exit 1 on a 64-bit division call in a tile loop
+    python benchmarks/cuda_budget.py --check-nq-division    # exit 1 on a 64-bit division per NQ element
     python benchmarks/cuda_budget.py --json results/cuda_budget.json
 """
 
@@ -69,7 +73,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 
-KERNEL = re.compile(r"attention_mma_kernel.*?(bf16_t|half_t).*?ELi(\d+)ELi(\d+)EEEvT_")
+KERNEL = re.compile(r"attention_mma_kernel.*?(bf16_t|half_t).*?ELi(\d+)ELi(\d+)EEEv")
 NQ_KERNEL = re.compile(r"(nq_decompress_kernel|nq_pack_kernel)I(\w+?)(?:Li(\d+)E)?EEv")
 DIV64 = "I2F.U64.RP"  # first instruction of the inline 64-bit integer division routine
 INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -273,6 +277,25 @@ def tile_loop(code):
     return body, blocks, inner
 
 
+def division_calls(code, body, blocks) -> int:
+    """CALLs of the loop into a 64-bit integer division routine: the routine's first
+    instructions (before any branch or return) hold the I2F.U64.RP that starts it."""
+    addr = {a: i for i, (a, *_rest) in enumerate(code)}
+    found = 0
+    for k in body:
+        for i in range(blocks[k][0], blocks[k][1] + 1):
+            _, op, rest, _ = code[i]
+            m = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("CALL") else None
+            j = addr.get(int(m.group(1), 16)) if m else None
+            for jj in range(j, min(j + 16, len(code))) if j is not None else ():
+                if code[jj][1] == DIV64:
+                    found += 1
+                    break
+                if code[jj][1].split(".")[0] in ("BRA", "RET", "EXIT", "CALL"):
+                    break
+    return found
+
+
 def analyse(variant: Variant, code) -> None:
     body, blocks, inner = tile_loop(code)
     ops = [code[i][1] for k in sorted(body) for i in range(blocks[k][0], blocks[k][1] + 1)]
@@ -282,7 +305,8 @@ def analyse(variant: Variant, code) -> None:
         "LDGSTS": sum(op.startswith("LDGSTS") for op in ops),
         "LDS": sum(op.startswith("LDS") for op in ops),
         "SHFL": sum(op.startswith("SHFL") for op in ops),
-        "CALL": sum(op.startswith("CALL") for op in ops),  # e.g. the 64-bit division routine
+        "CALL": sum(op.startswith("CALL") for op in ops),  # subroutines: float division's slow path, ...
+        "DIV64": division_calls(code, body, blocks),  # ... or the 64-bit integer division (must be 0)
         "IMAD": sum(op.startswith("IMAD") for op in ops),
     }
     if counts["BAR"] == 0 or counts["LDGSTS"] == 0:
@@ -373,6 +397,11 @@ def main() -> None:
     ap.add_argument("--clock-ghz", type=float, default=1.98)
     ap.add_argument("--check-spills", action="store_true", help="exit 1 if any decode kernel spills")
     ap.add_argument(
+        "--check-loop-division",
+        action="store_true",
+        help="exit 1 if a decode kernel's tile loop calls the 64-bit division routine",
+    )
+    ap.add_argument(
         "--check-nq-division", action="store_true", help="exit 1 if an NQ element kernel divides in 64 bits"
     )
     ap.add_argument("--json", default=None)
@@ -426,8 +455,9 @@ def main() -> None:
         "BAR",
         "SHFL",
         "CALL",
+        "div64",
     )
-    fmt = "{:6} {:5} {:>4} {:>4} {:>5} {:>5} {:>6} {:>6} {:>7} {:>10} {:>6} {:>5} {:>5} {:>4} {:>5} {:>4}"
+    fmt = "{:6} {:5} {:>4} {:>4} {:>5} {:>5} {:>6} {:>6} {:>7} {:>10} {:>6} {:>5} {:>5} {:>4} {:>5} {:>4} {:>5}"
     print(fmt.format(*head))
     for v in variants:
         c = v.loop_counts
@@ -449,6 +479,7 @@ def main() -> None:
                 c["BAR"],
                 c["SHFL"],
                 c["CALL"],
+                c["DIV64"],
             )
         )
     nq_obj = os.path.join(args.build, "CMakeFiles/nexuskv.dir/csrc/cuda/nq_kernels.cu.o")
@@ -499,6 +530,12 @@ def main() -> None:
     if args.check_spills and spilling:
         sys.exit(
             "cuda_budget: spills in " + ", ".join(f"{v.arch} {v.dtype} {v.bits}-bit D{v.head_dim}" for v in spilling)
+        )
+    looping = [v for v in variants if v.loop_counts["DIV64"]]
+    if args.check_loop_division and looping:
+        sys.exit(
+            "cuda_budget: 64-bit division calls in the tile loop of "
+            + ", ".join(f"{v.arch} {v.dtype} {v.bits}-bit D{v.head_dim}" for v in looping)
         )
 
 

@@ -23,18 +23,26 @@
 //     folded in (Q' = q * scale, once per key group), written as two fp16
 //     terms hi + lo after an exact power-of-two normalization per row, so
 //     that the product carries ~22 significant bits (the tests bound it);
-//     the zeros fold into one bias per row and group (q . zero).  Keys are
-//     the M side, so the 8-wide N side holds query rows: GQA 4 at q_len 1
-//     fills half of it, and nothing is wasted on M.
+//     the zeros fold into one bias per row and group (q . zero).  The block
+//     folds Q' once per key group into shared memory in the B fragments'
+//     order (fold_queries), and every warp reads it there.  Keys are the M
+//     side, so the 8-wide N side holds query rows: GQA 4 at q_len 1 fills
+//     half of it, and nothing is wasted on M.
 //   P . V on tensor cores as O^T = V^T . W^T: A = 16 channels x 16 keys of
 //     value codes (bytes of two token rows per register, by PRMT), B = the
 //     softmax weights with the values' per-token scale folded in (W = p *
 //     scale, normalized per tile and channel group, hi + lo in fp16); the
-//     values' zeros are summed per row and channel group (sum p * zero) and
-//     added once at the end, as the CPU kernel does.
+//     values' zeros are summed per row and channel group (sum p * zero, in
+//     the softmax pass) and added once at the end, as the CPU kernel does.
 //   Softmax, masks, soft-cap, outlier corrections (q * (exact - approx) for
 //     key outliers, p * (exact - approx) for value outliers) and the
 //     full-precision tiles run on the SIMT units in float32.
+//
+// What the tile loop may not do (benchmarks/cuda_budget.py counts its SASS
+// against the tile's byte budget): divide by a run-time size (32-bit sizes
+// and host-computed divisors in MmaIndex; --check-loop-division), spill
+// (--check-spills), or leave one thread serially looping over the tile while
+// the others wait.
 //
 // It takes the common formats only (launch_attention_mma says which; else
 // the caller runs the reference kernel, attention_simple.cuh, which the tests
@@ -47,10 +55,13 @@
 
 namespace nexuskv::cuda {
 
-constexpr int kMmaTile = 64;         // keys per compressed tile (4 warps x 16)
-constexpr int kMmaThreads = 128;     // 4 warps
-constexpr int kMmaGroupsInSmem = 4;  // key groups per tile whose meta rows are copied ahead
-constexpr int kFpTile = 16;          // keys per full-precision (sink / tail) tile
+constexpr int kMmaTile = 64;      // keys per compressed tile (4 warps x 16)
+constexpr int kMmaThreads = 128;  // 4 warps
+// Key groups whose meta rows a stage holds: every group of a tile when groups
+// have >= 32 tokens (NQ's 64 / 128, DGQ with a granule of 32); past them
+// (groups of 16, short DGQ segments) tile_scores reloads the slots in rounds.
+constexpr int kMmaGroupsInSmem = 4;
+constexpr int kFpTile = 16;  // keys per full-precision (sink / tail) tile
 // Blocks per SM the register budget must allow (128 registers a thread): with
 // about 40-70 KB of shared memory a block, 3-4 blocks keep enough tiles in
 // flight to cover the memory latency.
@@ -63,11 +74,10 @@ struct alignas(16) MmaSmem {
   struct alignas(16) Stage {              // 16-byte aligned: the cp.async targets
     uint8_t k_codes[kMmaTile][kRB];       // packed K rows of the tile
     uint8_t v_codes[kMmaTile][kRB];       // packed V rows
-    Meta k_scale[kMmaGroupsInSmem][kD], k_zero[kMmaGroupsInSmem][kD];  // meta rows of the first key groups
+    Meta k_scale[kMmaGroupsInSmem][kD], k_zero[kMmaGroupsInSmem][kD];  // meta rows of the tile's key groups
     float v_scale[kMmaTile][kBmMax], v_zero[kMmaTile][kBmMax];         // per token and channel group
-    int32_t key_group[kMmaTile];                                       // key group of each key of the tile
-    int32_t groups[kMmaTile];                                          // the distinct key groups of the tile, ascending
-    int32_t n_groups;
+    int32_t key_group[kMmaTile];  // key group of each key of the tile (of the last key past n)
+    int32_t v_max[kBmMax];        // bits of the largest value scale per channel group (>= 0 floats order as ints)
   };
   union {
     Stage stage[2];
@@ -79,8 +89,11 @@ struct alignas(16) MmaSmem {
   float oacc[kAttnRows][kD];      // SIMT part of the output: full-precision values, value outliers
   float zacc[kAttnRows][kBmMax];  // sum of p * value zero per channel group
   float sc[kAttnRows][kMmaTile];  // scores, then softmax weights
+  uint4 qfrag[2][kD / 16]
+             [kWarp];  // queries folded with a key group's scales: {hi, hi, lo, lo} per n-tile, k-step, lane
+  float qdown[kAttnRows], qbias[kAttnRows];  // per row: 1 / the fold's normalizer, q . zero
   float m[kAttnRows], l[kAttnRows], alpha[kAttnRows];
-  float v_shift[kBmMax];  // 2^-e of the tile's value weights per channel group
+  int64_t qpos[kAttnRows];  // position of each query row
   uint32_t flag;
 };
 
@@ -107,6 +120,10 @@ NKV_DEVICE float pow2_normalizer(float max_abs) {
   return bits_float(uint32_t(s + 127) << 23);
 }
 
+// 1 / x for x = pow2_normalizer(...) (a power of two in [2^-100, 2^100]):
+// exact, without the division routine.
+NKV_DEVICE float pow2_inverse(float x) { return bits_float((254u << 23) - float_bits(x)); }
+
 // x0, x1 as two fp16 pairs hi + lo (hi the nearest fp16, lo the nearest fp16 to
 // the rest): ~22 significant bits for values normalized by pow2_normalizer.
 NKV_DEVICE void split_half2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
@@ -115,6 +132,26 @@ NKV_DEVICE void split_half2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
 }
 
 // ---- the kernel ---------------------------------------------------------------------------------
+
+// The sizes the tile loop indexes with, as 32-bit numbers and host-computed
+// divisors (launch_attention_mma), so that the loop divides by none of them:
+// a GPU has no integer divider, and a 64-bit `/` or `%` is a subroutine of
+// about 70 instructions (benchmarks/cuda_budget.py counts what is left).  The
+// host falls back to the reference kernel when a size does not fit 31 bits.
+struct MmaIndex {
+  core::FastDivmod key_group;                // tokens per key group (NQ keys; unused for DGQ)
+  core::FastDivmod value_group;              // channels per value group
+  core::FastDivmod value_meta;               // value groups per token (Bm)
+  int32_t key_groups = 0;                    // token groups of one key row (A; DGQ: segments)
+  int32_t key_tokens = 0, value_tokens = 0;  // capacities of K and V (T)
+};
+
+// The tensor-core kernel's argument: the launch and its index sizes.
+template <typename Launch>
+struct MmaLaunch {
+  Launch L;
+  MmaIndex ix;
+};
 
 template <typename Launch, int kBits, int kD>
 struct MmaKernel {
@@ -130,57 +167,85 @@ struct MmaKernel {
 
   const Launch& L;
   const Params& p;
+  const MmaIndex& ix;
   Smem& sm;
   const BlockSetup& s;
   const int warp, lane, g, t;
   const int ntiles;  // n-tiles (8 query rows) with real rows: 1 or 2
+  const int bh;      // kv row b * Hkv + h
+  const int rows;    // the block's query rows (s.rows)
 
-  NKV_DEVICE MmaKernel(const Launch& l, Smem& smem, const BlockSetup& setup)
-      : L(l), p(l.p), sm(smem), s(setup), warp(int(threadIdx.x) / kWarp), lane(int(threadIdx.x) % kWarp), g(lane / 4),
-        t(lane % 4), ntiles(setup.rows > 8 ? 2 : 1) {}
+  NKV_DEVICE MmaKernel(const MmaLaunch<Launch>& a, Smem& smem, const BlockSetup& setup)
+      : L(a.L), p(a.L.p), ix(a.ix), sm(smem), s(setup), warp(int(threadIdx.x) / kWarp), lane(int(threadIdx.x) % kWarp),
+        g(lane / 4), t(lane % 4), ntiles(setup.rows > 8 ? 2 : 1), bh(int(setup.bh)), rows(int(setup.rows)) {}
+
+  // Row bh's part of the cache, from 32-bit positions (one wide multiply each).
+  NKV_DEVICE const uint8_t* key_codes(int tk) const { return p.k.codes + (int64_t(bh) * ix.key_tokens + tk) * kRB; }
+  NKV_DEVICE const uint8_t* value_codes(int tk) const { return p.v.codes + (int64_t(bh) * ix.value_tokens + tk) * kRB; }
+  // Meta index of channel 0 of key group a (keys: one [D] row per group).
+  NKV_DEVICE int64_t key_meta(int a) const { return (int64_t(bh) * ix.key_groups + a) * kD; }
+  // Meta index of channel group 0 of value token tk.
+  NKV_DEVICE int64_t value_meta(int tk) const { return (int64_t(bh) * ix.value_tokens + tk) * ix.value_meta.divisor; }
+  // Key group of token tk: a multiply-shift for NQ groups, a binary search over the row's DGQ starts.
+  NKV_DEVICE int key_group(int tk) const {
+    const int32_t* starts = p.k.dims.segment_starts;
+    if (starts == nullptr) return int(ix.key_group.div(uint32_t(tk)));
+    return core::find_segment(starts + int64_t(bh) * ix.key_groups, ix.key_groups, tk);
+  }
+  // Tokens [begin, end) of key group a.
+  NKV_DEVICE void key_group_tokens(int a, int& begin, int& end) const {
+    const int32_t* starts = p.k.dims.segment_starts;
+    if (starts == nullptr) {
+      const int G = int(ix.key_group.divisor);
+      begin = a * G, end = begin + G < ix.key_tokens ? begin + G : ix.key_tokens;
+      return;
+    }
+    starts += int64_t(bh) * ix.key_groups;
+    begin = starts[a], end = a + 1 < ix.key_groups ? starts[a + 1] : ix.key_tokens;
+  }
+  // The key groups a stage's tile touches: [first, first + count), ascending
+  // (an empty DGQ segment among them matches no key and costs one pass).
+  NKV_DEVICE static int first_group(const typename Smem::Stage& S) { return S.key_group[0]; }
+  NKV_DEVICE static int group_count(const typename Smem::Stage& S, int n) {
+    return S.key_group[n - 1] - S.key_group[0] + 1;
+  }
 
   // Issues the copies of compressed tile [t0, t0 + n) into stage st: codes and
   // the first key groups' meta rows by cp.async (committed as one group), the
   // V meta into the caller's registers vm (stored by store_value_meta).
-  NKV_DEVICE void prefetch(int64_t t0, int64_t n, int st, float* vm) {
+  NKV_DEVICE void prefetch(int t0, int n, int st, float* vm) {
     typename Smem::Stage& S = sm.buf.stage[st];
     const int tid = int(threadIdx.x);
-    const int64_t bh = s.bh;
-    for (int j = tid; j < kMmaTile; j += kMmaThreads)
-      S.key_group[j] = int32_t(p.k.token_group(bh, t0 + (j < n ? j : n - 1)));
-    const uint8_t* kc = p.k.code_row(bh, t0);
-    const uint8_t* vc = p.v.code_row(bh, t0);
-    for (int64_t o = int64_t(tid) * 16; o < n * kRB; o += kMmaThreads * 16) {
+    for (int j = tid; j < kMmaTile; j += kMmaThreads) S.key_group[j] = key_group(t0 + (j < n ? j : n - 1));
+    if (tid < Smem::kBmMax) S.v_max[tid] = 0;  // (store_value_meta, after the barrier below)
+    const uint8_t* kc = key_codes(t0);
+    const uint8_t* vc = value_codes(t0);
+    for (int o = tid * 16; o < n * kRB; o += kMmaThreads * 16) {
       cp_async16(&S.k_codes[0][0] + o, kc + o);
       cp_async16(&S.v_codes[0][0] + o, vc + o);
     }
     NKV_SYNC();  // key_group written
-    if (tid == 0) {
-      int c = 0;
-      for (int j = 0; j < n; ++j)
-        if (j == 0 || S.key_group[j] != S.key_group[j - 1]) S.groups[c++] = S.key_group[j];
-      S.n_groups = c;
-    }
-    NKV_SYNC();
-    const int ng = S.n_groups < kMmaGroupsInSmem ? S.n_groups : kMmaGroupsInSmem;
+    const int g0 = first_group(S), gn = group_count(S, n);
+    const int ng = gn < kMmaGroupsInSmem ? gn : kMmaGroupsInSmem;
     constexpr int kPerRow = kD * int(sizeof(Meta)) / 16;  // 16-byte pieces of one meta row
     for (int e = tid; e < ng * kPerRow; e += kMmaThreads) {
       const int gi = e / kPerRow, piece = e % kPerRow;
-      const int64_t m0 = p.k.meta_index(bh, S.groups[gi], 0);
+      const int64_t m0 = key_meta(g0 + gi);
       cp_async16(reinterpret_cast<uint8_t*>(&S.k_scale[gi][0]) + 16 * piece,
                  reinterpret_cast<const uint8_t*>(p.k.scale + m0) + 16 * piece);
       cp_async16(reinterpret_cast<uint8_t*>(&S.k_zero[gi][0]) + 16 * piece,
                  reinterpret_cast<const uint8_t*>(p.k.zero + m0) + 16 * piece);
     }
     cp_async_commit();
-    const int64_t Bm = p.v.dims.meta_b();
+    const int Bm = int(ix.value_meta.divisor);
 #pragma unroll
     for (int i = 0; i < kVmPerThread; ++i) {
       const int e = tid + i * kMmaThreads;  // e = (j * Bm + b) over the tile's tokens
-      const int64_t j = e / Bm;
+      uint32_t j, b;
+      ix.value_meta.divmod(uint32_t(e), j, b);
       float sc = 0.f, zr = 0.f;
-      if (e < kMmaTile * Bm && j < n) {
-        const int64_t m = p.v.meta_index(bh, t0 + j, e % Bm);
+      if (e < kMmaTile * Bm && int(j) < n) {
+        const int64_t m = value_meta(t0 + int(j)) + b;
         sc = fast_float(p.v.scale[m]), zr = fast_float(p.v.zero[m]);
       }
       vm[2 * i] = sc, vm[2 * i + 1] = zr;
@@ -190,20 +255,31 @@ struct MmaKernel {
 
   NKV_DEVICE void store_value_meta(int st, const float* vm) {
     typename Smem::Stage& S = sm.buf.stage[st];
-    const int64_t Bm = p.v.dims.meta_b();
+    const int Bm = int(ix.value_meta.divisor);
 #pragma unroll
     for (int i = 0; i < kVmPerThread; ++i) {
       const int e = int(threadIdx.x) + i * kMmaThreads;
-      if (e < kMmaTile * Bm) S.v_scale[e / Bm][e % Bm] = vm[2 * i], S.v_zero[e / Bm][e % Bm] = vm[2 * i + 1];
+      uint32_t j, b;
+      ix.value_meta.divmod(uint32_t(e), j, b);
+      if (e < kMmaTile * Bm) {
+        S.v_scale[j][b] = vm[2 * i], S.v_zero[j][b] = vm[2 * i + 1];
+        atomic_max(&S.v_max[b], int32_t(float_bits(vm[2 * i])));  // negative (and -NaN) scales do not count
+      }
     }
   }
 
-  // Meta row of the tile's gi-th key group: from the stage, or from global memory past the first few.
-  NKV_DEVICE const Meta* key_scale_row(const typename Smem::Stage& S, int gi) const {
-    return gi < kMmaGroupsInSmem ? &S.k_scale[gi][0] : p.k.scale + p.k.meta_index(s.bh, S.groups[gi], 0);
-  }
-  NKV_DEVICE const Meta* key_zero_row(const typename Smem::Stage& S, int gi) const {
-    return gi < kMmaGroupsInSmem ? &S.k_zero[gi][0] : p.k.zero + p.k.meta_index(s.bh, S.groups[gi], 0);
+  // Past the first kMmaGroupsInSmem key groups of a tile: the meta rows of
+  // groups [a, a + count) into the stage's slots, by all threads, once every
+  // warp is done with the slots' previous rows (the caller synchronizes);
+  // ends with a barrier.
+  NKV_DEVICE void reload_key_meta(typename Smem::Stage& S, int a, int count) {
+    count = count < kMmaGroupsInSmem ? count : kMmaGroupsInSmem;
+    for (int e = int(threadIdx.x); e < count * kD; e += kMmaThreads) {
+      const int gi = e / kD, ch = e % kD;
+      const int64_t m = key_meta(a + gi) + ch;
+      S.k_scale[gi][ch] = p.k.scale[m], S.k_zero[gi][ch] = p.k.zero[m];
+    }
+    NKV_SYNC();
   }
 
   // A fragment of the warp's 16 keys for k-step ks (channels 16 ks ..): exact fp16 codes.
@@ -217,96 +293,131 @@ struct MmaKernel {
     a[3] = codes_half2<kBits>(r1[2 * t + 8], r1[2 * t + 9], plane);
   }
 
-  // Channel of element e (0..3) of this lane's B fragment at k-step ks.
-  NKV_DEVICE int b_channel(int ks, int e) const { return 16 * ks + 2 * t + (e % 2) + 8 * (e / 2); }
+  // Channel of element e (0..3) of the B fragment of lane 4 g + lt at k-step ks.
+  NKV_DEVICE static int b_channel(int ks, int lt, int e) { return 16 * ks + 2 * lt + (e % 2) + 8 * (e / 2); }
 
   // Scores of the compressed tile (n keys) into sm.sc, every key group of the
-  // tile in turn (the same loop on every warp: all lanes of the block take
-  // part in its shuffles and tensor-core instructions).
-  NKV_DEVICE void tile_scores(const typename Smem::Stage& S, int64_t n) {
+  // tile in turn: the block folds the queries with the group's scales once
+  // (fold_queries), then each warp multiplies its 16 keys' codes with them (the
+  // same loop on every warp: all lanes of the block take part in its barriers
+  // and tensor-core instructions).
+  NKV_DEVICE void tile_scores(typename Smem::Stage& S, int n) {
     const int key_a = 16 * warp + g, key_b = key_a + 8;  // the warp's keys of c0/c1 and c2/c3
-    for (int gi = 0; gi < S.n_groups; ++gi) {
-      const Meta* ksr = key_scale_row(S, gi);
-      const Meta* kzr = key_zero_row(S, gi);
-      const int32_t grp = S.groups[gi];
+    const int g0 = first_group(S), ng = group_count(S, n);
+    for (int gi = 0; gi < ng; ++gi) {
+      const int slot = gi % kMmaGroupsInSmem;
+      if (gi > 0) {  // (ng is the same on every thread)
+        NKV_SYNC();  // every warp is done with the previous group's folded queries
+        if (slot == 0) reload_key_meta(S, g0 + gi, ng - gi);
+      }
+      fold_queries(&S.k_scale[slot][0], &S.k_zero[slot][0]);
+      const int32_t grp = g0 + gi;
+      float c[2][4] = {};
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        uint32_t a[4];
+        key_fragment(S, ks, a);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          if (nt >= ntiles) break;
+          const uint4 f = sm.qfrag[nt][ks][lane];  // {hi, lo} of this lane's B fragment
+          const uint32_t hi[2] = {f.x, f.y}, lo[2] = {f.z, f.w};
+          mma_16816(c[nt], a, hi);
+          mma_16816(c[nt], a, lo);
+        }
+      }
+      // c[nt][i]: key (i < 2 ? key_a : key_b), row 8 nt + 2t + i % 2.
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         if (nt >= ntiles) break;
-        const int row = 8 * nt + g;  // B column of this lane
-        // First pass: the row's max |q * scale| (its normalizer) and q . zero.
-        float mx = 0.f, bias = 0.f;
-#pragma unroll
-        for (int ks = 0; ks < kKSteps; ++ks)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int ch = b_channel(ks, e);
-            const float q = sm.q[row][ch];
-            mx = fmaxf(mx, fabsf(q * fast_float(ksr[ch])));
-            bias += q * fast_float(kzr[ch]);
-          }
-        mx = fmaxf(mx, shfl_xor(mx, 1)), mx = fmaxf(mx, shfl_xor(mx, 2));
-        bias += shfl_xor(bias, 1), bias += shfl_xor(bias, 2);
-        const float up = pow2_normalizer(mx), down = 1.f / up;
-        // Second pass: Q' = q * scale * 2^e as fp16 hi + lo, against the codes.
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int ks = 0; ks < kKSteps; ++ks) {
-          uint32_t a[4], hi[2], lo[2];
-          key_fragment(S, ks, a);
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const int c0 = b_channel(ks, 2 * j), c1 = c0 + 1;
-            const float x0 = sm.q[row][c0] * fast_float(ksr[c0]) * up;
-            const float x1 = sm.q[row][c1] * fast_float(ksr[c1]) * up;
-            split_half2(x0, x1, hi[j], lo[j]);
-          }
-          mma_16816(c, a, hi);
-          mma_16816(c, a, lo);
-        }
-        // c[i]: key (i < 2 ? key_a : key_b), row 8 nt + 2t + i % 2; that row's
-        // normalizer and bias live in lanes 4 (2t + i % 2).
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const int crow = 2 * t + i % 2, src = 4 * crow;
-          const float d_i = shfl(down, src), b_i = shfl(bias, src);
-          const int key = i < 2 ? key_a : key_b, r = 8 * nt + crow;
-          if (key < n && S.key_group[key] == grp && r < s.rows) sm.sc[r][key] = c[i] * d_i + b_i;
+          const int key = i < 2 ? key_a : key_b, r = 8 * nt + 2 * t + i % 2;
+          if (key < n && S.key_group[key] == grp && r < rows) sm.sc[r][key] = c[nt][i] * sm.qdown[r] + sm.qbias[r];
         }
       }
     }
   }
 
+  // The queries folded with one key group's scales, once per block for all
+  // warps: Q' = q * scale normalized per row by a power of two (2^14 <= max
+  // |Q'| < 2^15) and split into fp16 hi + lo, written in the order of the
+  // B fragments (sm.qfrag); the row's 1 / normalizer and q . zero into qdown /
+  // qbias.  Thread (row r, part) folds the 4 kKSteps / 8 fragment entries of
+  // row r that lanes 4 (r % 8) + t read, so the row's max reduces over the 8
+  // threads of a row and no barrier separates the max from the split.  Ends
+  // with a barrier.
+  NKV_DEVICE void fold_queries(const Meta* ksr, const Meta* kzr) {
+    constexpr int kParts = 8, kItems = 4 * kKSteps / kParts;  // threads per row, fragment entries per thread
+    const int tid = int(threadIdx.x), r = tid / kParts, part = tid % kParts;
+    if (r < 8 * ntiles) {  // (the same on a warp: 4 rows each)
+      float x[kItems][4], mx = 0.f, bias = 0.f;
+#pragma unroll
+      for (int k = 0; k < kItems; ++k) {
+        const int item = part + kParts * k, ks = item / 4, lt = item % 4;  // k-step and lane % 4 of the entry
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int ch = b_channel(ks, lt, e);
+          const float q = sm.q[r][ch];
+          x[k][e] = q * fast_float(ksr[ch]);
+          mx = fmaxf(mx, fabsf(x[k][e]));
+          bias += q * fast_float(kzr[ch]);
+        }
+      }
+#pragma unroll
+      for (int o = 1; o < kParts; o *= 2) mx = fmaxf(mx, shfl_xor(mx, o)), bias += shfl_xor(bias, o);
+      const float up = pow2_normalizer(mx);
+      if (part == 0) sm.qdown[r] = pow2_inverse(up), sm.qbias[r] = bias;
+#pragma unroll
+      for (int k = 0; k < kItems; ++k) {
+        const int item = part + kParts * k, ks = item / 4, lt = item % 4;
+        uint32_t hi0, hi1, lo0, lo1;
+        split_half2(x[k][0] * up, x[k][1] * up, hi0, lo0);
+        split_half2(x[k][2] * up, x[k][3] * up, hi1, lo1);
+        sm.qfrag[r / 8][ks][4 * (r % 8) + lt] = make_uint4(hi0, hi1, lo0, lo1);
+      }
+    }
+    NKV_SYNC();
+  }
+
   // Key outliers: scores saw code * scale + zero; add q * (exact - that).
-  NKV_DEVICE void key_outliers(const typename Smem::Stage& S, int64_t t0, int64_t n) {
+  NKV_DEVICE void key_outliers(const typename Smem::Stage& S, int t0, int n) {
     const int k = p.k.num_outliers();
     if (k == 0) return;
-    for (int gi = 0; gi < S.n_groups; ++gi) {
-      const int32_t grp = S.groups[gi];
-      const int64_t gb = p.k.group_begin(s.bh, grp);
+    const int g0 = first_group(S), ng = group_count(S, n);
+    for (int gi = 0; gi < ng; ++gi) {
+      int gb, ge;
+      key_group_tokens(g0 + gi, gb, ge);
+      const int64_t meta0 = key_meta(g0 + gi);
       for (int e = int(threadIdx.x); e < kD * k; e += kMmaThreads) {
-        const int ch = e / k, slot = e % k;
-        const int64_t m = p.k.meta_index(s.bh, grp, ch);
-        const int64_t tk = gb + p.k.outlier_pos(m, slot);
-        if (p.k.outlier_pos(m, slot) >= p.k.group_end(s.bh, grp) - gb) {
+        const int ch = e / k, slot = e - ch * k;  // 32-bit: k is small
+        const int64_t m = meta0 + ch;
+        const int64_t pos = p.k.outlier_pos(m, slot);
+        if (pos >= ge - gb) {
           atomic_or(&sm.flag, kBadOutlierIndex);
           continue;
         }
+        const int tk = gb + int(pos);
         if (tk < t0 || tk >= t0 + n || p.k.repeated_slot(m, slot)) continue;
-        const float approx = float(p.k.code(s.bh, tk, ch)) * p.k.scale_at(m) + p.k.zero_at(m);
+        const float approx = float(core::layout::code_at<kBits>(key_codes(tk), ch)) * p.k.scale_at(m) + p.k.zero_at(m);
         const float delta = p.k.outlier_value(m, slot) - approx;
-        for (int r = 0; r < s.rows; ++r) atomic_add(&sm.sc[r][tk - t0], sm.q[r][ch] * delta);
+        for (int r = 0; r < rows; ++r) atomic_add(&sm.sc[r][tk - t0], sm.q[r][ch] * delta);
       }
     }
   }
 
   // Soft-cap, mask and online softmax of sm.sc [rows, n] at positions pos0..;
   // leaves the weights in sm.sc (0 where masked or past n) and the rescale in sm.alpha.
-  NKV_DEVICE void softmax(int64_t pos0, int64_t n) {
+  // With the stage of a compressed tile, it also adds sum p * value zero per
+  // row and channel group to zacc (rescaled with the row); without, zacc is
+  // only rescaled (full-precision tiles).
+  NKV_DEVICE void softmax(int64_t pos0, int n, const typename Smem::Stage* S) {
     const float kNegInf = bits_float(0xff800000u), kNaN = bits_float(0x7fc00000u);
+    const int Bm = int(ix.value_meta.divisor);
     for (int rr = 0; rr < kAttnRows / 4; ++rr) {  // warp w: rows 4w .. 4w + 3
       const int r = 4 * warp + rr;
-      const bool real = r < s.rows;
-      const int64_t qp = real ? query_position(p, s, s.r0 + r) : 0;
+      const bool real = r < rows;
+      const int64_t qp = real ? sm.qpos[r] : 0;
       float x[2], tile_max = kNegInf, bad = 0.f;
       bool vis[2];
       for (int h = 0; h < 2; ++h) {
@@ -323,11 +434,11 @@ struct MmaKernel {
       const float m_old = real ? sm.m[r] : kNegInf;
       const float m_new = m_old > tile_max ? m_old : tile_max;
       const float alpha = m_new == kNegInf ? 1.f : expf(m_old - m_new);
-      float sum = 0.f;
+      float sum = 0.f, w[2];
       for (int h = 0; h < 2; ++h) {
-        const float w = vis[h] ? expf(x[h] - m_new) : 0.f;
-        sum += w;
-        if (real) sm.sc[r][lane + kWarp * h] = w;
+        w[h] = vis[h] ? expf(x[h] - m_new) : 0.f;
+        sum += w[h];
+        if (real) sm.sc[r][lane + kWarp * h] = w[h];
       }
       for (int o = 16; o > 0; o /= 2) sum += shfl_xor(sum, o);
       if (real && lane == 0) {
@@ -335,84 +446,101 @@ struct MmaKernel {
         sm.m[r] = m_new;
         sm.alpha[r] = alpha;
       }
+#pragma unroll 1
+      for (int b = 0; b < Bm; ++b) {
+        float z = 0.f;
+        if (S != nullptr) {  // (the same on every thread)
+          z = w[0] * S->v_zero[lane][b] + w[1] * S->v_zero[lane + kWarp][b];
+          for (int o = 16; o > 0; o /= 2) z += shfl_xor(z, o);
+        }
+        if (real && lane == 0) sm.zacc[r][b] = sm.zacc[r][b] * alpha + z;
+      }
     }
     NKV_SYNC();
-    // The SIMT accumulators follow the rescale.
-    for (int e = int(threadIdx.x); e < s.rows * kD; e += kMmaThreads) sm.oacc[e / kD][e % kD] *= sm.alpha[e / kD];
-    for (int e = int(threadIdx.x); e < s.rows * Smem::kBmMax; e += kMmaThreads)
-      sm.zacc[e / Smem::kBmMax][e % Smem::kBmMax] *= sm.alpha[e / Smem::kBmMax];
+    // The SIMT accumulator of the values follows the rescale.
+    for (int e = int(threadIdx.x); e < rows * kD; e += kMmaThreads) sm.oacc[e / kD][e % kD] *= sm.alpha[e / kD];
+  }
+
+  // A fragment of P . V for m-tile mt (channels 16 mt ..) and keys 16 kk ..: exact fp16 codes.
+  NKV_DEVICE void value_fragment(const typename Smem::Stage& S, int mt, int kk, uint32_t (&av)[4]) const {
+    const int j0 = 16 * kk + 2 * t;  // keys j0, j0 + 1, j0 + 8, j0 + 9
+    const int plane = mt % kPlanes;
+    const uint8_t* c0 = &S.v_codes[0][(16 * mt) / kC * 16];
+    av[0] = codes_half2<kBits>(c0[j0 * kRB + g], c0[(j0 + 1) * kRB + g], plane);
+    av[1] = codes_half2<kBits>(c0[j0 * kRB + g + 8], c0[(j0 + 1) * kRB + g + 8], plane);
+    av[2] = codes_half2<kBits>(c0[(j0 + 8) * kRB + g], c0[(j0 + 9) * kRB + g], plane);
+    av[3] = codes_half2<kBits>(c0[(j0 + 8) * kRB + g + 8], c0[(j0 + 9) * kRB + g + 8], plane);
+  }
+
+  // B fragment of P . V for query row `row` and keys 16 kk ..: the weights
+  // p * (value scale of channel group b) * up as fp16 hi + lo.
+  NKV_DEVICE void value_weights(const typename Smem::Stage& S, int row, int kk, int b, float up, uint32_t (&hi)[2],
+                                uint32_t (&lo)[2]) const {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int k0 = 16 * kk + 2 * t + 8 * j;
+      const float w0 = row < rows ? sm.sc[row][k0] * S.v_scale[k0][b] * up : 0.f;
+      const float w1 = row < rows ? sm.sc[row][k0 + 1] * S.v_scale[k0 + 1][b] * up : 0.f;
+      split_half2(w0, w1, hi[j], lo[j]);
+    }
   }
 
   // acc (tensor-core fragments) = acc * alpha + W' . V for the compressed tile; value zeros and outliers.
-  NKV_DEVICE void tile_values(const typename Smem::Stage& S, int64_t t0, int64_t n, float (&acc)[kMTiles][2][4]) {
-    const int64_t G = p.v.dims.group_size, Bm = p.v.dims.meta_b();
-    // Per channel group: the normalizer of p * scale (p <= 1), and sum p * zero per row.
-    for (int b = int(threadIdx.x); b < Bm; b += kMmaThreads) {
-      float mx = 0.f;
-      for (int j = 0; j < n; ++j) mx = S.v_scale[j][b] > mx ? S.v_scale[j][b] : mx;  // (NaN scales: NaN weights)
-      sm.v_shift[b] = pow2_normalizer(mx);
-    }
-    for (int e = int(threadIdx.x); e < s.rows * Bm; e += kMmaThreads) {
-      const int r = int(e / Bm), b = int(e % Bm);
-      float z = 0.f;
-      for (int j = 0; j < n; ++j) z += sm.sc[r][j] * S.v_zero[j][b];
-      sm.zacc[r][b] += z;
-    }
-    NKV_SYNC();
+  NKV_DEVICE void tile_values(const typename Smem::Stage& S, int t0, int n, float (&acc)[kMTiles][2][4]) {
+    const int Bm = int(ix.value_meta.divisor);  // (the zeros were summed by softmax)
+    // Per m-tile: its channel group, and the normalizer of p * scale (p <= 1)
+    // over the tile's tokens in that group (NaN scales: NaN weights).
+    int bm[kMTiles];
+    float up[kMTiles];
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi) {
-      const int mt = warp * kMTiles + mi, ch0 = 16 * mt;  // channels ch0 .. ch0 + 15
-      const int b = int(ch0 / G);
-      const int chunk = ch0 / kC, plane = mt % kPlanes;
-      const float up = sm.v_shift[b], down = 1.f / up;
+      bm[mi] = int(ix.value_group.div(uint32_t(16 * (warp * kMTiles + mi))));
+      up[mi] = pow2_normalizer(bits_float(uint32_t(S.v_max[bm[mi]])));
+    }
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        if (nt >= ntiles) break;
-        const int row = 8 * nt + g;  // B column of this lane
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int nt = 0; nt < 2; ++nt) {
+      if (nt >= ntiles) break;
+      float c[kMTiles][4] = {};
 #pragma unroll
-        for (int kk = 0; kk < kMmaTile / 16; ++kk) {
-          const int j0 = 16 * kk + 2 * t;  // keys j0, j0 + 1, j0 + 8, j0 + 9
+      for (int kk = 0; kk < kMmaTile / 16; ++kk) {
+        uint32_t hi[2], lo[2];
+#pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi) {
+          // The weights' B fragment, shared by the warp's m-tiles of one channel group.
+          if (mi == 0 || bm[mi] != bm[mi - 1]) value_weights(S, 8 * nt + g, kk, bm[mi], up[mi], hi, lo);
           uint32_t av[4];
-          const uint8_t* c0 = &S.v_codes[0][chunk * 16];
-          av[0] = codes_half2<kBits>(c0[j0 * kRB + g], c0[(j0 + 1) * kRB + g], plane);
-          av[1] = codes_half2<kBits>(c0[j0 * kRB + g + 8], c0[(j0 + 1) * kRB + g + 8], plane);
-          av[2] = codes_half2<kBits>(c0[(j0 + 8) * kRB + g], c0[(j0 + 9) * kRB + g], plane);
-          av[3] = codes_half2<kBits>(c0[(j0 + 8) * kRB + g + 8], c0[(j0 + 9) * kRB + g + 8], plane);
-          uint32_t hi[2], lo[2];
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const int k0 = j0 + 8 * j;
-            const float w0 = row < s.rows ? sm.sc[row][k0] * S.v_scale[k0][b] * up : 0.f;
-            const float w1 = row < s.rows ? sm.sc[row][k0 + 1] * S.v_scale[k0 + 1][b] * up : 0.f;
-            split_half2(w0, w1, hi[j], lo[j]);
-          }
-          mma_16816(c, av, hi);
-          mma_16816(c, av, lo);
+          value_fragment(S, warp * kMTiles + mi, kk, av);
+          mma_16816(c[mi], av, hi);
+          mma_16816(c[mi], av, lo);
         }
-        // c[i]: channel ch0 + g + 8 (i / 2), row 8 nt + 2t + i % 2.
+      }
+      // c[mi][i]: channel 16 (warp kMTiles + mi) + g + 8 (i / 2), row 8 nt + 2t + i % 2.
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int r = 8 * nt + 2 * t + i % 2;
-          const float a_r = r < s.rows ? sm.alpha[r] : 1.f;
-          acc[mi][nt][i] = acc[mi][nt][i] * a_r + c[i] * down;
+          const float a_r = r < rows ? sm.alpha[r] : 1.f;
+          acc[mi][nt][i] = acc[mi][nt][i] * a_r + c[mi][i] * pow2_inverse(up[mi]);
         }
-      }
     }
     // Value outliers: acc saw code * scale + zero; add p * (exact - that).
-    const int k = p.v.num_outliers();
+    const int k = p.v.num_outliers(), G = int(ix.value_group.divisor);
     for (int e = int(threadIdx.x); k > 0 && e < n * Bm * k; e += kMmaThreads) {
-      const int64_t j = e / (Bm * k), b = (e / k) % Bm;
-      const int slot = e % k;
-      const int64_t m = p.v.meta_index(s.bh, t0 + j, b), pos = p.v.outlier_pos(m, slot), ch = b * G + pos;
-      if (pos >= (kD - b * G < G ? kD - b * G : G)) {
+      const int jb = e / k, slot = e - jb * k;  // 32-bit: k is small
+      uint32_t j, b;
+      ix.value_meta.divmod(uint32_t(jb), j, b);
+      const int64_t m = value_meta(t0 + int(j)) + b, pos = p.v.outlier_pos(m, slot);
+      if (pos >= (kD - int(b) * G < G ? kD - int(b) * G : G)) {
         atomic_or(&sm.flag, kBadOutlierIndex);
         continue;
       }
       if (p.v.repeated_slot(m, slot)) continue;
-      const float approx = float(p.v.code(s.bh, t0 + j, ch)) * S.v_scale[j][b] + S.v_zero[j][b];
+      const int ch = int(b) * G + int(pos);
+      const float approx =
+          float(core::layout::code_at<kBits>(value_codes(t0 + int(j)), ch)) * S.v_scale[j][b] + S.v_zero[j][b];
       const float delta = p.v.outlier_value(m, slot) - approx;
-      for (int r = 0; r < s.rows; ++r) atomic_add(&sm.oacc[r][ch], sm.sc[r][j] * delta);
+      for (int r = 0; r < rows; ++r) atomic_add(&sm.oacc[r][ch], sm.sc[r][j] * delta);
     }
   }
 
@@ -439,17 +567,17 @@ struct MmaKernel {
         for (int e = int(threadIdx.x); e < 2 * kFpTile * kD; e += kMmaThreads) (&sm.buf.fp.k[0][0])[e] *= norm;
         NKV_SYNC();
       }
-      for (int e = int(threadIdx.x); e < s.rows * kFpTile; e += kMmaThreads) {
+      for (int e = int(threadIdx.x); e < rows * kFpTile; e += kMmaThreads) {
         const int r = e / kFpTile, j = e % kFpTile;
         float dot = 0.f;
         for (int d = 0; d < kD; ++d) dot += sm.q[r][d] * sm.buf.fp.k[j][d];
         sm.sc[r][j] = dot;
       }
       NKV_SYNC();
-      softmax(t0, n);
+      softmax(t0, int(n), nullptr);
       rescale(acc);
       NKV_SYNC();
-      for (int e = int(threadIdx.x); e < s.rows * kD; e += kMmaThreads) {
+      for (int e = int(threadIdx.x); e < rows * kD; e += kMmaThreads) {
         const int r = e / kD, d = e % kD;
         float o = 0.f;
         for (int j = 0; j < n; ++j) o += sm.sc[r][j] * sm.buf.fp.v[j][d];
@@ -468,7 +596,7 @@ struct MmaKernel {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int r = 8 * nt + 2 * t + i % 2;
-          acc[mi][nt][i] *= r < s.rows ? sm.alpha[r] : 1.f;
+          acc[mi][nt][i] *= r < rows ? sm.alpha[r] : 1.f;
         }
   }
 
@@ -487,33 +615,37 @@ struct MmaKernel {
     load_queries(p, s, &sm.q[0][0], &sm.flag);
     for (int e = int(threadIdx.x); e < kAttnRows * kD; e += kMmaThreads) (&sm.oacc[0][0])[e] = 0.f;
     for (int e = int(threadIdx.x); e < kAttnRows * Smem::kBmMax; e += kMmaThreads) (&sm.zacc[0][0])[e] = 0.f;
-    for (int r = int(threadIdx.x); r < kAttnRows; r += kMmaThreads) sm.m[r] = kNegInf, sm.l[r] = 0.f, sm.alpha[r] = 1.f;
+    for (int r = int(threadIdx.x); r < kAttnRows; r += kMmaThreads) {
+      sm.m[r] = kNegInf, sm.l[r] = 0.f, sm.alpha[r] = 1.f;
+      sm.qpos[r] = r < rows ? query_position(p, s, s.r0 + r) : 0;
+    }
     NKV_SYNC();
     const bool skip = (sm.flag & kBadSegments) != 0;  // corrupt DGQ starts: read nothing (rows NaN below)
 
     if (!skip) full_precision(p.sink, 0, s.lo, s.hi < s.sink ? s.hi : s.sink, acc);
-    // Compressed tokens [c_lo, c_hi), in tiles of kMmaTile, two stages.
-    const int64_t c_lo = s.lo - s.sink > 0 ? s.lo - s.sink : 0;
-    const int64_t c_hi = skip ? c_lo : (s.hi - s.sink < s.comp ? s.hi - s.sink : s.comp);
+    // Compressed tokens [c_lo, c_hi), in tiles of kMmaTile, two stages; 32-bit
+    // positions (the host checks that every capacity fits: launch_attention_mma).
+    const int c_lo = int(s.lo - s.sink > 0 ? s.lo - s.sink : 0);
+    const int c_hi = skip ? c_lo : int(s.hi - s.sink < s.comp ? s.hi - s.sink : s.comp);
     float vm[2 * kVmPerThread];
     if (c_lo < c_hi) prefetch(c_lo, c_hi - c_lo < kMmaTile ? c_hi - c_lo : kMmaTile, 0, vm);
     int st = 0;
-    for (int64_t t0 = c_lo; t0 < c_hi; t0 += kMmaTile, st ^= 1) {
-      const int64_t n = c_hi - t0 < kMmaTile ? c_hi - t0 : kMmaTile;
+    for (int t0 = c_lo; t0 < c_hi; t0 += kMmaTile, st ^= 1) {
+      const int n = c_hi - t0 < kMmaTile ? c_hi - t0 : kMmaTile;
       store_value_meta(st, vm);
-      const int64_t t1 = t0 + kMmaTile;
+      const int t1 = t0 + kMmaTile;
       if (t1 < c_hi)
         prefetch(t1, c_hi - t1 < kMmaTile ? c_hi - t1 : kMmaTile, st ^ 1, vm);
       else
         cp_async_commit();  // an empty group keeps wait<1> meaning "this tile's group is done"
       cp_async_wait<1>();
       NKV_SYNC();
-      const typename Smem::Stage& S = sm.buf.stage[st];
+      typename Smem::Stage& S = sm.buf.stage[st];
       tile_scores(S, n);
       NKV_SYNC();
       key_outliers(S, t0, n);
       NKV_SYNC();
-      softmax(s.sink + t0, n);
+      softmax(s.sink + t0, n, &S);
       NKV_SYNC();
       tile_values(S, t0, n, acc);
       NKV_SYNC();
@@ -532,27 +664,29 @@ struct MmaKernel {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int r = 8 * nt + 2 * t + i % 2, ch = 16 * (warp * kMTiles + mi) + g + 8 * (i / 2);
-          if (r < s.rows) sm.oacc[r][ch] += acc[mi][nt][i];
+          if (r < rows) sm.oacc[r][ch] += acc[mi][nt][i];
         }
     NKV_SYNC();
     float* part = L.partials + L.partial_index(s.b, s.h, s.rt, s.split);
     const bool poisoned = sm.flag != 0;
-    const int64_t G = p.v.dims.group_size;
-    for (int e = int(threadIdx.x); e < s.rows * (kD + 2); e += kMmaThreads) {
+    for (int e = int(threadIdx.x); e < rows * (kD + 2); e += kMmaThreads) {
       const int r = e / (kD + 2), d = e % (kD + 2);
-      part[e] = d < kD ? sm.oacc[r][d] + sm.zacc[r][d / G] : d == kD ? sm.m[r] : (poisoned ? kNaN : sm.l[r]);
+      part[e] = d < kD    ? sm.oacc[r][d] + sm.zacc[r][ix.value_group.div(uint32_t(d))]
+                : d == kD ? sm.m[r]
+                          : (poisoned ? kNaN : sm.l[r]);
     }
     if (threadIdx.x == 0 && sm.flag) report(L.status, sm.flag);
   }
 };
 
 template <typename Launch, int kBits, int kD>
-NKV_KERNEL void __launch_bounds__(kMmaThreads, kMmaMinBlocks) attention_mma_kernel(const NKV_GRID_CONSTANT Launch L) {
+NKV_KERNEL void __launch_bounds__(kMmaThreads, kMmaMinBlocks)
+    attention_mma_kernel(const NKV_GRID_CONSTANT MmaLaunch<Launch> a) {
   using K = MmaKernel<Launch, kBits, kD>;
   NKV_DYNAMIC_SMEM(smem);
   typename K::Smem& sm = *reinterpret_cast<typename K::Smem*>(smem);
-  const BlockSetup s = block_setup(L, kMmaTile);
-  K(L, sm, s).run();
+  const BlockSetup s = block_setup(a.L, kMmaTile);
+  K(a, sm, s).run();
 }
 
 // Launches the tensor-core kernel when it takes the problem (see the top of
@@ -575,7 +709,16 @@ bool launch_attention_mma(const Launch& L, Dim3 grid, Stream stream) {
                     vd.axis == core::GroupAxis::kChannels && !vd.segment_starts && vd.group_size % 16 == 0 &&
                     kd.bits == vd.bits && kd.bits != 3 && (D == 64 || D == 128) && aligned(p.k.codes) &&
                     aligned(p.v.codes) && aligned(p.k.scale) && aligned(p.k.zero);
-    if (!ok) return false;
+    // The tile loop's positions and sizes are 32-bit (MmaIndex); far larger caches take the reference kernel.
+    constexpr int64_t kMax = core::kFastDivmodLimit - 2 * kMmaTile;
+    const bool fits = kd.tokens + kd.group_size < kMax && vd.tokens < kMax && p.batch * p.kv_heads < kMax;
+    if (!ok || !fits) return false;
+    MmaLaunch<Launch> a{L, {}};
+    a.ix.key_group = core::FastDivmod(kd.group_size);
+    a.ix.value_group = core::FastDivmod(vd.group_size);
+    a.ix.value_meta = core::FastDivmod(vd.meta_b());
+    a.ix.key_groups = int32_t(kd.meta_a());
+    a.ix.key_tokens = int32_t(kd.tokens), a.ix.value_tokens = int32_t(vd.tokens);
     bool launched = false;
     core::layout::with_bits(kd.bits, [&]<int kBits>() {
       if constexpr (kBits != 3) {
@@ -588,7 +731,7 @@ bool launch_attention_mma(const Launch& L, Dim3 grid, Stream stream) {
             (void)cudaGetLastError();
             return;
           }
-          launch(attention_mma_kernel<Launch, kBits, kD>, grid, Dim3(kMmaThreads), smem, stream, L);
+          launch(attention_mma_kernel<Launch, kBits, kD>, grid, Dim3(kMmaThreads), smem, stream, a);
           launched = true;
         };
         if (D == 64)

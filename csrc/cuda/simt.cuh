@@ -48,6 +48,7 @@ NKV_DEVICE uint32_t shfl_xor(uint32_t v, int mask) { return __shfl_xor_sync(0xff
 
 NKV_DEVICE uint32_t atomic_or(uint32_t* p, uint32_t v) { return atomicOr(p, v); }
 NKV_DEVICE float atomic_add(float* p, float v) { return atomicAdd(p, v); }
+NKV_DEVICE int32_t atomic_max(int32_t* p, int32_t v) { return atomicMax(p, v); }
 
 // Launches kernel<<<grid, block, smem, stream>>>(args...).
 template <typename... Params, typename... Args>

@@ -225,6 +225,12 @@ def test_key_groups_not_aligned_to_tiles_and_long_split_contexts():
             check_case(
                 Case(group=group, v_group=16, comp_lens=(300, 129), q_len=3, k_outliers=2, dtype=dtype, seed=group)
             )
+        # A window starts the tiles off the group grid: five groups of 16 in one tile (past its
+        # four meta slots the tensor-core kernel reloads them), DGQ segments of one granule.
+        for kw in ({"group": 16}, {"dgq": True}):
+            check_case(
+                Case(**kw, v_group=16, comp_lens=(300, 129), q_len=3, window=70, k_outliers=2, dtype=dtype, seed=3)
+            )
         check_case(Case(comp_lens=(5000,), kv_heads=1, ratio=4, q_len=3, sinks=5, tail=20, dtype=dtype, seed=8))
         check_case(Case(comp_lens=(0, 0), tail=40, q_len=3, dtype=dtype))
 

@@ -138,3 +138,38 @@ def test_the_prediction_follows_the_grid_and_the_counts():
     assert p["predicted_us"] == pytest.approx(max(p["issue_us"], p["bytes_us"]) + cb.LAUNCH_US)
     v.loop_instructions = 2000
     assert cb.predict(v, 64, 32, 8, 32768, Args)["issue_us"] == pytest.approx(2 * p["issue_us"])
+
+
+def test_counts_the_loops_calls_into_the_64_bit_division_routine():
+    """div64 (and --check-loop-division): a CALL of the tile loop whose target starts the 64-bit
+    division routine counts; a CALL to another subroutine (float division's slow path) does not,
+    nor does one outside the loop."""
+    lines = [
+        "S2R R0, SR_TID.X",
+        "CALL.REL.NOINC 0x0a0",  # before the loop: not counted
+        "BAR.SYNC.DEFER_BLOCKING 0x0",  # 0x20: header
+        "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]",
+        "HMMA.16816.F32.BF16 R8, R12, R16, R8",
+        "CALL.REL.NOINC 0x0a0",  # 64-bit division
+        "CALL.REL.NOINC 0x0e0",  # reciprocal slow path
+        "@P1 BRA 0x020",  # back edge
+        "EXIT",
+        "BRA 0x090",  # padding
+        "IADD3 R28, P3, RZ, -R77, RZ",  # 0xa0: the division routine
+        "I2F.U64.RP R98, R28",
+        "MUFU.RCP R98, R98",
+        "RET.REL.NODEC R20 0x0",
+        "IMAD.SHL.U32 R48, R62, 0x2, RZ",  # 0xe0: another routine
+        "RET.REL.NODEC R20 0x0",
+        "I2F.U64.RP R98, R28",  # past its return: not part of it
+    ]
+    v = analyse(lines)
+    assert v.loop_counts["CALL"] == 2 and v.loop_counts["DIV64"] == 1
+
+
+def test_the_kernel_name_pattern_reads_bits_and_head_dim():
+    name = (
+        "_ZN7nexuskv4cuda20attention_mma_kernelINS0_15AttentionLaunchINS_4core15AttentionParamsINS3_6bf16_tES5_S5_"
+        "EEEELi4ELi128EEEvNS0_9MmaLaunchIT_EE"
+    )
+    assert cb.KERNEL.search(name).groups() == ("bf16_t", "4", "128")

@@ -38,6 +38,7 @@
 #include "nexuskv/core/half.h"
 #include "nexuskv/core/hd.h"
 #include "nexuskv/core/nq_format.h"
+#include "nexuskv/core/nq_index.h"
 #include "nexuskv/core/nq_layout.h"
 
 namespace nexuskv::core {
@@ -107,16 +108,7 @@ struct CompressedKV {
   NEXUSKV_HD_INLINE int64_t token_group(int64_t bh, int64_t t) const {
     if (!per_channel()) return t;
     if (dims.segment_starts == nullptr) return t / dims.group_size;
-    const int32_t* starts = dims.segment_starts + bh * dims.meta_a();
-    int64_t lo = 0, hi = dims.meta_a() - 1;  // starts[lo] <= t; the answer is in [lo, hi]
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) / 2;
-      if (starts[mid] <= t)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-    return lo;
+    return find_segment(dims.segment_starts + bh * dims.meta_a(), dims.meta_a(), t);
   }
   // Tokens [group_begin, group_end) of token group a of row bh.
   NEXUSKV_HD_INLINE int64_t group_begin(int64_t bh, int64_t a) const {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "fast_divmod.h"
 #include "hd.h"
@@ -16,11 +17,13 @@ namespace nexuskv::core {
 
 // Segment (token group) of token t in one row of DGQ segment starts [S]: the
 // last s with starts[s] <= t (0 if none).  Works on any array: the answer is
-// always in [0, S).
-NEXUSKV_HD_INLINE int64_t find_segment(const int32_t* starts, int64_t S, int64_t t) {
-  int64_t lo = 0, hi = S;  // answer in [lo, hi)
+// always in [0, S).  I: the index type, S's (32-bit in the CUDA attention
+// tile loop, which must not divide in 64 bits).
+template <typename I>
+NEXUSKV_HD_INLINE I find_segment(const int32_t* starts, I S, std::type_identity_t<I> t) {
+  I lo = 0, hi = S;  // answer in [lo, hi)
   while (hi - lo > 1) {
-    const int64_t mid = (lo + hi) >> 1;
+    const I mid = (lo + hi) >> 1;
     if (starts[mid] <= t)
       lo = mid;
     else
