@@ -93,6 +93,10 @@ struct alignas(16) MmaSmem {
              [kWarp];  // queries folded with a key group's scales: {hi, hi, lo, lo} per n-tile, k-step, lane
   float qdown[kAttnRows], qbias[kAttnRows];  // per row: 1 / the fold's normalizer, q . zero
   float m[kAttnRows], l[kAttnRows], alpha[kAttnRows];
+  // Each lane's part of the softmax denominator of each row (the lanes of the
+  // row's warp), rescaled with the row; NaN once the lane saw a non-finite
+  // score; summed over the lanes once, after the last tile, into l.
+  float lpart[kAttnRows][kWarp];
   int64_t qpos[kAttnRows];  // position of each query row
   uint32_t flag;
 };
@@ -226,16 +230,7 @@ struct MmaKernel {
     }
     NKV_SYNC();  // key_group written
     const int g0 = first_group(S), gn = group_count(S, n);
-    const int ng = gn < kMmaGroupsInSmem ? gn : kMmaGroupsInSmem;
-    constexpr int kPerRow = kD * int(sizeof(Meta)) / 16;  // 16-byte pieces of one meta row
-    for (int e = tid; e < ng * kPerRow; e += kMmaThreads) {
-      const int gi = e / kPerRow, piece = e % kPerRow;
-      const int64_t m0 = key_meta(g0 + gi);
-      cp_async16(reinterpret_cast<uint8_t*>(&S.k_scale[gi][0]) + 16 * piece,
-                 reinterpret_cast<const uint8_t*>(p.k.scale + m0) + 16 * piece);
-      cp_async16(reinterpret_cast<uint8_t*>(&S.k_zero[gi][0]) + 16 * piece,
-                 reinterpret_cast<const uint8_t*>(p.k.zero + m0) + 16 * piece);
-    }
+    copy_key_meta(S, g0, gn);
     cp_async_commit();
     const int Bm = int(ix.value_meta.divisor);
 #pragma unroll
@@ -268,17 +263,30 @@ struct MmaKernel {
     }
   }
 
-  // Past the first kMmaGroupsInSmem key groups of a tile: the meta rows of
-  // groups [a, a + count) into the stage's slots, by all threads, once every
-  // warp is done with the slots' previous rows (the caller synchronizes);
-  // ends with a barrier.
-  NKV_DEVICE void reload_key_meta(typename Smem::Stage& S, int a, int count) {
+  // Copies (cp.async, uncommitted) of the meta rows of key groups [a, a + count)
+  // into the stage's slots, the first kMmaGroupsInSmem of them.
+  NKV_DEVICE void copy_key_meta(typename Smem::Stage& S, int a, int count) {
     count = count < kMmaGroupsInSmem ? count : kMmaGroupsInSmem;
-    for (int e = int(threadIdx.x); e < count * kD; e += kMmaThreads) {
-      const int gi = e / kD, ch = e % kD;
-      const int64_t m = key_meta(a + gi) + ch;
-      S.k_scale[gi][ch] = p.k.scale[m], S.k_zero[gi][ch] = p.k.zero[m];
+    constexpr int kPerRow = kD * int(sizeof(Meta)) / 16;  // 16-byte pieces of one meta row
+#pragma unroll 1                                          // (one pass per thread for up to 4 rows of 128 bf16 channels)
+    for (int e = int(threadIdx.x); e < count * kPerRow; e += kMmaThreads) {
+      const int gi = e / kPerRow, piece = e % kPerRow;
+      const int64_t m0 = key_meta(a + gi);
+      cp_async16(reinterpret_cast<uint8_t*>(&S.k_scale[gi][0]) + 16 * piece,
+                 reinterpret_cast<const uint8_t*>(p.k.scale + m0) + 16 * piece);
+      cp_async16(reinterpret_cast<uint8_t*>(&S.k_zero[gi][0]) + 16 * piece,
+                 reinterpret_cast<const uint8_t*>(p.k.zero + m0) + 16 * piece);
     }
+  }
+
+  // Past the first kMmaGroupsInSmem key groups of a tile: the meta rows of
+  // groups [a, a + count) into the stage's slots, once every warp is done with
+  // the slots' previous rows (the caller synchronizes); waits for every copy in
+  // flight (the next tile's too: a rare path) and ends with a barrier.
+  NKV_DEVICE void reload_key_meta(typename Smem::Stage& S, int a, int count) {
+    copy_key_meta(S, a, count);
+    cp_async_commit();
+    cp_async_wait<0>();
     NKV_SYNC();
   }
 
@@ -407,10 +415,12 @@ struct MmaKernel {
   }
 
   // Soft-cap, mask and online softmax of sm.sc [rows, n] at positions pos0..;
-  // leaves the weights in sm.sc (0 where masked or past n) and the rescale in sm.alpha.
+  // leaves the weights in sm.sc (0 where masked or past n) and the rescale in
+  // sm.alpha; the denominators stay in parts per lane (sm.lpart).
   // With the stage of a compressed tile, it also adds sum p * value zero per
   // row and channel group to zacc (rescaled with the row); without, zacc is
   // only rescaled (full-precision tiles).
+  template <bool kCompressed>  // S is a compressed tile's stage (else null: a full-precision tile)
   NKV_DEVICE void softmax(int64_t pos0, int n, const typename Smem::Stage* S) {
     const float kNegInf = bits_float(0xff800000u), kNaN = bits_float(0x7fc00000u);
     const int Bm = int(ix.value_meta.divisor);
@@ -418,8 +428,8 @@ struct MmaKernel {
       const int r = 4 * warp + rr;
       const bool real = r < rows;
       const int64_t qp = real ? sm.qpos[r] : 0;
-      float x[2], tile_max = kNegInf, bad = 0.f;
-      bool vis[2];
+      float x[2], tile_max = kNegInf;
+      bool vis[2], bad = false;
       for (int h = 0; h < 2; ++h) {
         const int j = lane + kWarp * h;
         vis[h] = real && j < n && p.visible(qp, pos0 + j);
@@ -427,29 +437,25 @@ struct MmaKernel {
         if (vis[h] && p.softcap > 0.f) x[h] = p.softcap * tanhf(x[h] / p.softcap);
         if (vis[h]) {
           tile_max = x[h] > tile_max ? x[h] : tile_max;
-          bad += non_finite(x[h]) ? 1.f : 0.f;
+          bad = bad || non_finite(x[h]);
         }
       }
-      for (int o = 16; o > 0; o /= 2) tile_max = fmaxf(tile_max, shfl_xor(tile_max, o)), bad += shfl_xor(bad, o);
+      for (int o = 16; o > 0; o /= 2) tile_max = fmaxf(tile_max, shfl_xor(tile_max, o));
       const float m_old = real ? sm.m[r] : kNegInf;
       const float m_new = m_old > tile_max ? m_old : tile_max;
       const float alpha = m_new == kNegInf ? 1.f : expf(m_old - m_new);
-      float sum = 0.f, w[2];
+      float w[2];
       for (int h = 0; h < 2; ++h) {
         w[h] = vis[h] ? expf(x[h] - m_new) : 0.f;
-        sum += w[h];
         if (real) sm.sc[r][lane + kWarp * h] = w[h];
       }
-      for (int o = 16; o > 0; o /= 2) sum += shfl_xor(sum, o);
-      if (real && lane == 0) {
-        sm.l[r] = bad == 0.f ? sm.l[r] * alpha + sum : kNaN;
-        sm.m[r] = m_new;
-        sm.alpha[r] = alpha;
-      }
+      float& l = sm.lpart[r][lane];
+      l = bad ? kNaN : l * alpha + (w[0] + w[1]);
+      if (real && lane == 0) sm.m[r] = m_new, sm.alpha[r] = alpha;
 #pragma unroll 1
       for (int b = 0; b < Bm; ++b) {
         float z = 0.f;
-        if (S != nullptr) {  // (the same on every thread)
+        if constexpr (kCompressed) {
           z = w[0] * S->v_zero[lane][b] + w[1] * S->v_zero[lane + kWarp][b];
           for (int o = 16; o > 0; o /= 2) z += shfl_xor(z, o);
         }
@@ -457,8 +463,33 @@ struct MmaKernel {
       }
     }
     NKV_SYNC();
-    // The SIMT accumulator of the values follows the rescale.
-    for (int e = int(threadIdx.x); e < rows * kD; e += kMmaThreads) sm.oacc[e / kD][e % kD] *= sm.alpha[e / kD];
+    // The SIMT accumulator follows the rescale; it is empty during compressed
+    // tiles (merge_simt), so only full-precision tiles rescale it.
+    if constexpr (!kCompressed)
+      for (int e = int(threadIdx.x); e < rows * kD; e += kMmaThreads) sm.oacc[e / kD][e % kD] *= sm.alpha[e / kD];
+  }
+
+  // acc += the SIMT accumulator (sinks, value outliers so far), which is
+  // cleared: each lane moves the elements of its own fragments.  Between
+  // barriers.
+  NKV_DEVICE void merge_simt(float (&acc)[kMTiles][2][4]) {
+    for_fragments(acc, [&](float& a, int r, int ch) {
+      a += sm.oacc[r][ch];
+      sm.oacc[r][ch] = 0.f;
+    });
+  }
+
+  // f(element, query row, channel) for each element of this lane's P . V
+  // accumulator fragments (acc[mi][nt][i]: m-tile mi of the warp, n-tile nt).
+  template <typename F>
+  NKV_DEVICE void for_fragments(float (&acc)[kMTiles][2][4], F f) const {
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          f(acc[mi][nt][i], 8 * nt + 2 * t + i % 2, 16 * (warp * kMTiles + mi) + g + 8 * (i / 2));
   }
 
   // A fragment of P . V for m-tile mt (channels 16 mt ..) and keys 16 kk ..: exact fp16 codes.
@@ -574,7 +605,7 @@ struct MmaKernel {
         sm.sc[r][j] = dot;
       }
       NKV_SYNC();
-      softmax(t0, int(n), nullptr);
+      softmax<false>(t0, int(n), nullptr);
       rescale(acc);
       NKV_SYNC();
       for (int e = int(threadIdx.x); e < rows * kD; e += kMmaThreads) {
@@ -589,15 +620,7 @@ struct MmaKernel {
 
   // acc *= alpha of its rows (tiles without tensor-core values).
   NKV_DEVICE void rescale(float (&acc)[kMTiles][2][4]) {
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = 8 * nt + 2 * t + i % 2;
-          acc[mi][nt][i] *= r < rows ? sm.alpha[r] : 1.f;
-        }
+    for_fragments(acc, [&](float& a, int r, int) { a *= r < rows ? sm.alpha[r] : 1.f; });
   }
 
   NKV_DEVICE void run() {
@@ -617,12 +640,14 @@ struct MmaKernel {
     for (int e = int(threadIdx.x); e < kAttnRows * Smem::kBmMax; e += kMmaThreads) (&sm.zacc[0][0])[e] = 0.f;
     for (int r = int(threadIdx.x); r < kAttnRows; r += kMmaThreads) {
       sm.m[r] = kNegInf, sm.l[r] = 0.f, sm.alpha[r] = 1.f;
+      for (int i = 0; i < kWarp; ++i) sm.lpart[r][i] = 0.f;
       sm.qpos[r] = r < rows ? query_position(p, s, s.r0 + r) : 0;
     }
     NKV_SYNC();
     const bool skip = (sm.flag & kBadSegments) != 0;  // corrupt DGQ starts: read nothing (rows NaN below)
 
     if (!skip) full_precision(p.sink, 0, s.lo, s.hi < s.sink ? s.hi : s.sink, acc);
+    merge_simt(acc);  // (after full_precision's last barrier, or the one above)
     // Compressed tokens [c_lo, c_hi), in tiles of kMmaTile, two stages; 32-bit
     // positions (the host checks that every capacity fits: launch_attention_mma).
     const int c_lo = int(s.lo - s.sink > 0 ? s.lo - s.sink : 0);
@@ -645,10 +670,11 @@ struct MmaKernel {
       NKV_SYNC();
       key_outliers(S, t0, n);
       NKV_SYNC();
-      softmax(s.sink + t0, n, &S);
+      softmax<true>(s.sink + t0, n, &S);
       NKV_SYNC();
       tile_values(S, t0, n, acc);
       NKV_SYNC();
+      if (p.v.num_outliers() > 0) merge_simt(acc);  // the outliers' corrections, before the next rescale
     }
     cp_async_wait<0>();
     NKV_SYNC();
@@ -656,16 +682,16 @@ struct MmaKernel {
       const int64_t tail0 = s.sink + s.comp;
       full_precision(p.tail, tail0, s.lo > tail0 ? s.lo : tail0, s.hi, acc);
     }
+    // The softmax denominators: the sum over the lanes of their parts.
+    for (int rr = 0; rr < kAttnRows / 4; ++rr) {
+      float l = sm.lpart[4 * warp + rr][lane];
+      for (int o = 16; o > 0; o /= 2) l += shfl_xor(l, o);
+      if (lane == 0) sm.l[4 * warp + rr] = l;
+    }
     // Output: tensor-core part + SIMT part + value zeros per channel group.
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = 8 * nt + 2 * t + i % 2, ch = 16 * (warp * kMTiles + mi) + g + 8 * (i / 2);
-          if (r < rows) sm.oacc[r][ch] += acc[mi][nt][i];
-        }
+    for_fragments(acc, [&](float& a, int r, int ch) {
+      if (r < rows) sm.oacc[r][ch] += a;
+    });
     NKV_SYNC();
     float* part = L.partials + L.partial_index(s.b, s.h, s.rt, s.split);
     const bool poisoned = sm.flag != 0;
