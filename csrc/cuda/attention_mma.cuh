@@ -75,7 +75,7 @@ struct alignas(16) MmaSmem {
     uint8_t k_codes[kMmaTile][kRB];       // packed K rows of the tile
     uint8_t v_codes[kMmaTile][kRB];       // packed V rows
     Meta k_scale[kMmaGroupsInSmem][kD], k_zero[kMmaGroupsInSmem][kD];  // meta rows of the tile's key groups
-    float v_scale[kMmaTile][kBmMax], v_zero[kMmaTile][kBmMax];         // per token and channel group
+    Meta v_scale[kMmaTile][kBmMax], v_zero[kMmaTile][kBmMax];          // per token and channel group
     int32_t key_group[kMmaTile];  // key group of each key of the tile (of the last key past n)
     int32_t v_max[kBmMax];        // bits of the largest value scale per channel group (>= 0 floats order as ints)
   };
@@ -217,7 +217,7 @@ struct MmaKernel {
   // Issues the copies of compressed tile [t0, t0 + n) into stage st: codes and
   // the first key groups' meta rows by cp.async (committed as one group), the
   // V meta into the caller's registers vm (stored by store_value_meta).
-  NKV_DEVICE void prefetch(int t0, int n, int st, float* vm) {
+  NKV_DEVICE void prefetch(int t0, int n, int st, Meta* vm) {
     typename Smem::Stage& S = sm.buf.stage[st];
     const int tid = int(threadIdx.x);
     for (int j = tid; j < kMmaTile; j += kMmaThreads) S.key_group[j] = key_group(t0 + (j < n ? j : n - 1));
@@ -238,17 +238,17 @@ struct MmaKernel {
       const int e = tid + i * kMmaThreads;  // e = (j * Bm + b) over the tile's tokens
       uint32_t j, b;
       ix.value_meta.divmod(uint32_t(e), j, b);
-      float sc = 0.f, zr = 0.f;
+      Meta sc{}, zr{};  // (+0)
       if (e < kMmaTile * Bm && int(j) < n) {
         const int64_t m = value_meta(t0 + int(j)) + b;
-        sc = fast_float(p.v.scale[m]), zr = fast_float(p.v.zero[m]);
+        sc = p.v.scale[m], zr = p.v.zero[m];
       }
       vm[2 * i] = sc, vm[2 * i + 1] = zr;
     }
   }
   static constexpr int kVmPerThread = (kMmaTile * Smem::kBmMax + kMmaThreads - 1) / kMmaThreads;
 
-  NKV_DEVICE void store_value_meta(int st, const float* vm) {
+  NKV_DEVICE void store_value_meta(int st, const Meta* vm) {
     typename Smem::Stage& S = sm.buf.stage[st];
     const int Bm = int(ix.value_meta.divisor);
 #pragma unroll
@@ -258,7 +258,8 @@ struct MmaKernel {
       ix.value_meta.divmod(uint32_t(e), j, b);
       if (e < kMmaTile * Bm) {
         S.v_scale[j][b] = vm[2 * i], S.v_zero[j][b] = vm[2 * i + 1];
-        atomic_max(&S.v_max[b], int32_t(float_bits(vm[2 * i])));  // negative (and -NaN) scales do not count
+        // (negative scales and -NaN do not count)
+        atomic_max(&S.v_max[b], int32_t(float_bits(fast_float(vm[2 * i]))));
       }
     }
   }
@@ -396,6 +397,7 @@ struct MmaKernel {
     for (int gi = 0; gi < ng; ++gi) {
       int gb, ge;
       key_group_tokens(g0 + gi, gb, ge);
+      if (gb == ge) continue;  // an empty DGQ segment: no key of it is read (the reference does not check it)
       const int64_t meta0 = key_meta(g0 + gi);
       for (int e = int(threadIdx.x); e < kD * k; e += kMmaThreads) {
         const int ch = e / k, slot = e - ch * k;  // 32-bit: k is small
@@ -451,12 +453,13 @@ struct MmaKernel {
       }
       float& l = sm.lpart[r][lane];
       l = bad ? kNaN : l * alpha + (w[0] + w[1]);
+      __syncwarp();  // every lane has read sm.m[r]
       if (real && lane == 0) sm.m[r] = m_new, sm.alpha[r] = alpha;
 #pragma unroll 1
       for (int b = 0; b < Bm; ++b) {
         float z = 0.f;
         if constexpr (kCompressed) {
-          z = w[0] * S->v_zero[lane][b] + w[1] * S->v_zero[lane + kWarp][b];
+          z = w[0] * fast_float(S->v_zero[lane][b]) + w[1] * fast_float(S->v_zero[lane + kWarp][b]);
           for (int o = 16; o > 0; o /= 2) z += shfl_xor(z, o);
         }
         if (real && lane == 0) sm.zacc[r][b] = sm.zacc[r][b] * alpha + z;
@@ -510,8 +513,8 @@ struct MmaKernel {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int k0 = 16 * kk + 2 * t + 8 * j;
-      const float w0 = row < rows ? sm.sc[row][k0] * S.v_scale[k0][b] * up : 0.f;
-      const float w1 = row < rows ? sm.sc[row][k0 + 1] * S.v_scale[k0 + 1][b] * up : 0.f;
+      const float w0 = row < rows ? sm.sc[row][k0] * fast_float(S.v_scale[k0][b]) * up : 0.f;
+      const float w1 = row < rows ? sm.sc[row][k0 + 1] * fast_float(S.v_scale[k0 + 1][b]) * up : 0.f;
       split_half2(w0, w1, hi[j], lo[j]);
     }
   }
@@ -569,7 +572,8 @@ struct MmaKernel {
       if (p.v.repeated_slot(m, slot)) continue;
       const int ch = int(b) * G + int(pos);
       const float approx =
-          float(core::layout::code_at<kBits>(value_codes(t0 + int(j)), ch)) * S.v_scale[j][b] + S.v_zero[j][b];
+          float(core::layout::code_at<kBits>(value_codes(t0 + int(j)), ch)) * fast_float(S.v_scale[j][b]) +
+          fast_float(S.v_zero[j][b]);
       const float delta = p.v.outlier_value(m, slot) - approx;
       for (int r = 0; r < rows; ++r) atomic_add(&sm.oacc[r][ch], sm.sc[r][j] * delta);
     }
@@ -650,9 +654,10 @@ struct MmaKernel {
     merge_simt(acc);  // (after full_precision's last barrier, or the one above)
     // Compressed tokens [c_lo, c_hi), in tiles of kMmaTile, two stages; 32-bit
     // positions (the host checks that every capacity fits: launch_attention_mma).
-    const int c_lo = int(s.lo - s.sink > 0 ? s.lo - s.sink : 0);
-    const int c_hi = skip ? c_lo : int(s.hi - s.sink < s.comp ? s.hi - s.sink : s.comp);
-    float vm[2 * kVmPerThread];
+    const int64_t lo64 = s.lo - s.sink > 0 ? s.lo - s.sink : 0, hi64 = s.hi - s.sink < s.comp ? s.hi - s.sink : s.comp;
+    const int c_lo = int(lo64 < s.comp ? lo64 : s.comp);  // (clamped in 64 bits: sinks and tail may be long)
+    const int c_hi = skip || hi64 < c_lo ? c_lo : int(hi64);
+    Meta vm[2 * kVmPerThread];
     if (c_lo < c_hi) prefetch(c_lo, c_hi - c_lo < kMmaTile ? c_hi - c_lo : kMmaTile, 0, vm);
     int st = 0;
     for (int t0 = c_lo; t0 < c_hi; t0 += kMmaTile, st ^= 1) {

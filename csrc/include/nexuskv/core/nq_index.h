@@ -23,7 +23,7 @@ template <typename I>
 NEXUSKV_HD_INLINE I find_segment(const int32_t* starts, I S, std::type_identity_t<I> t) {
   I lo = 0, hi = S;  // answer in [lo, hi)
   while (hi - lo > 1) {
-    const I mid = (lo + hi) >> 1;
+    const I mid = lo + ((hi - lo) >> 1);  // (no overflow of a 32-bit I)
     if (starts[mid] <= t)
       lo = mid;
     else
