@@ -643,7 +643,7 @@ struct MmaKernel {
     for (int e = int(threadIdx.x); e < kAttnRows * kD; e += kMmaThreads) (&sm.oacc[0][0])[e] = 0.f;
     for (int e = int(threadIdx.x); e < kAttnRows * Smem::kBmMax; e += kMmaThreads) (&sm.zacc[0][0])[e] = 0.f;
     for (int r = int(threadIdx.x); r < kAttnRows; r += kMmaThreads) {
-      sm.m[r] = kNegInf, sm.l[r] = 0.f, sm.alpha[r] = 1.f;
+      sm.m[r] = kNegInf, sm.alpha[r] = 1.f;  // (l: summed from lpart after the last tile)
       for (int i = 0; i < kWarp; ++i) sm.lpart[r][i] = 0.f;
       sm.qpos[r] = r < rows ? query_position(p, s, s.r0 + r) : 0;
     }
