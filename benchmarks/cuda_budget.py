@@ -340,9 +340,11 @@ def nq_kernels(cuobjdump: str, obj: str, archs) -> list:
 
 
 # The grid of attention_cuda.cpp (kept in step with it): one block per (batch, kv head, row
-# tile of kAttnRows query rows), the key range split so that about two waves of blocks exist,
-# never a split shorter than kMinSplitKeys.
-ATTN_ROWS, MIN_SPLIT_KEYS = 16, 256
+# tile of kAttnRows query rows) and split of the key range, the splits planned by
+# core::plan_splits (csrc/include/nexuskv/core/split_plan.h; plan_splits below is its mirror,
+# tests/python/test_cuda_budget.py checks the two agree on its test's cases).
+ATTN_ROWS = 16
+MIN_SPLIT_KEYS, MAX_SPLITS, SPLIT_OVERHEAD_TILES = 256, 1024, 1
 LAUNCH_US = 5.0  # the split kernel plus the merge kernel: two launches
 
 
@@ -350,11 +352,24 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def grid(batch: int, q_heads: int, kv_heads: int, ctx: int, sms: int) -> tuple[int, int]:
-    """(blocks, tiles per block) of one decode step (q_len 1)."""
-    blocks = batch * kv_heads * cdiv(q_heads // kv_heads, ATTN_ROWS)
-    splits = min(max(cdiv(2 * sms, blocks), 1), max(1, ctx // MIN_SPLIT_KEYS))
-    return blocks * splits, cdiv(cdiv(ctx, splits), TILE)
+def plan_splits(units: int, slots: int, keys: int, tile: int) -> int:
+    """Splits of least ceil(units * s / slots) * (tiles per split + overhead), fewest among equals."""
+    units, slots, tile, keys = max(units, 1), max(slots, 1), max(tile, 1), max(keys, 0)
+    best, best_cost = 1, None
+    for s in range(1, min(max(keys // MIN_SPLIT_KEYS, 1), MAX_SPLITS) + 1):
+        cost = cdiv(units * s, slots) * (cdiv(cdiv(keys, s), tile) + SPLIT_OVERHEAD_TILES)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+def grid(batch: int, q_heads: int, kv_heads: int, ctx: int, sms: int, blocks_per_sm: int) -> tuple[int, int]:
+    """(blocks, tiles per block) of one decode step (q_len 1).  blocks_per_sm: the variant's,
+    from its registers alone here; the glue asks the CUDA occupancy API, which counts shared
+    memory too (the same 3 on an H200 for every variant, 2 for 8-bit D128 on an A100)."""
+    units = batch * kv_heads * cdiv(q_heads // kv_heads, ATTN_ROWS)
+    splits = plan_splits(units, max(blocks_per_sm, 1) * sms, ctx, TILE)
+    return units * splits, cdiv(cdiv(ctx, splits), TILE)
 
 
 def predict(variant: Variant, batch: int, q_heads: int, kv_heads: int, ctx: int, args) -> dict:
@@ -366,7 +381,7 @@ def predict(variant: Variant, batch: int, q_heads: int, kv_heads: int, ctx: int,
     at the budget's fraction of HBM.  Predicted = the larger + two launches.  Dense = the bf16
     K and V at the same fraction + two launches (FlashAttention / SDPA decode reads them once).
     """
-    blocks, tiles = grid(batch, q_heads, kv_heads, ctx, args.sms)
+    blocks, tiles = grid(batch, q_heads, kv_heads, ctx, args.sms, variant.blocks_per_sm)
     hz = args.clock_ghz * 1e9
     issue_us = cdiv(blocks, args.sms) * tiles * variant.loop_instructions / hz * 1e6
     bandwidth = args.fraction * args.hbm_tbps * 1e12

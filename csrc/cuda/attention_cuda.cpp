@@ -22,6 +22,7 @@
 #include "../cpu/value_checks.h"
 #include "attention_launch.h"
 #include "cuda_glue.h"
+#include "nexuskv/core/split_plan.h"
 
 namespace nexuskv {
 namespace {
@@ -41,6 +42,19 @@ std::optional<at::Tensor> contiguous(const std::optional<at::Tensor>& x) {
 }
 std::optional<at::Tensor> on_cpu(const std::optional<at::Tensor>& x) {
   return x ? std::optional(x->cpu()) : std::nullopt;
+}
+
+// The split plan (core::plan_splits) of the last call on this thread: a decode
+// step asks the same for every layer.
+core::SplitPlan cached_split_plan(int64_t units, int64_t slots, int64_t keys, int64_t tile) {
+  struct Last {
+    int64_t units = -1, slots = 0, keys = 0, tile = 0;
+    core::SplitPlan plan;
+  };
+  static thread_local Last last;
+  if (last.units != units || last.slots != slots || last.keys != keys || last.tile != tile)
+    last = {units, slots, keys, tile, core::plan_splits(units, slots, keys, tile)};
+  return last.plan;
 }
 
 // NEXUSKV_CUDA_ATTENTION=simple forces the reference kernel, =mma requires the
@@ -92,19 +106,17 @@ at::Tensor dgq_fused_attention_cuda(const at::Tensor& q_in, at::TensorList k_cac
       rotation_signs ? std::optional(rotation_signs->to(at::kFloat).contiguous()) : std::nullopt;
 
   // Work split.  Row tiles: kAttnRows query rows of one kv head per block.
-  // Splits of the key range: enough blocks for two waves over the GPU, never
-  // a split shorter than kMinSplitKeys (lengths are on the device: sized from
-  // the capacities and the window).
-  constexpr int64_t kMinSplitKeys = 256;
+  // Splits of the key range: planned from the GPU's block slots for the kernel
+  // that runs (core::plan_splits, below), over the keys a row can see at most
+  // (lengths are on the device: sized from the capacities and the window).
   const int64_t row_tiles = core::ceil_div((Hq / Hkv) * Lq, cuda::kAttnRows);
   const int64_t capacity = shapes.sink_capacity + std::min(shapes.k.tokens, shapes.v.tokens) + shapes.tail_capacity;
   const int64_t visible = shapes.window ? std::min(capacity, shapes.window + Lq - 1) : capacity;
   const int64_t blocks = B * Hkv * row_tiles;
-  const int64_t splits = std::clamp<int64_t>(core::ceil_div(2 * cuda::multiprocessor_count(), blocks), 1,
-                                             std::max<int64_t>(1, visible / kMinSplitKeys));
   TORCH_CHECK(Hkv * row_tiles < 65536 && B < 65536, kOp, ": batch (", B, ") and kv_heads x row tiles (",
               Hkv * row_tiles, ") must each be below 65536 on CUDA");
-  at::Tensor partials = at::empty({blocks * splits * cuda::kAttnRows * (D + 2)}, q.options().dtype(at::kFloat));
+  int64_t splits = 1;
+  at::Tensor partials;
   at::Tensor out = at::empty({B, Hq, Lq, D}, q_in.options());
   const cuda::DeviceStatus status(q_in);
   const cuda::Stream stream = cuda::current_stream();
@@ -130,17 +142,25 @@ at::Tensor dgq_fused_attention_cuda(const at::Tensor& q_in, at::TensorList k_cac
       using Params = core::AttentionParams<T, Meta, T>;
       cuda::AttentionLaunch<Params> L;
       L.p = make_attention_params<T, Meta, T>(shapes, q, kc, vc, lens, kt, vt, tl, ks, vs, sl, signs);
-      L.splits = splits, L.row_tiles = row_tiles;
-      L.partials = partials.data_ptr<float>();
+      L.row_tiles = row_tiles;
       L.status = status.ptr();
       const KernelChoice choice = kernel_choice();
-      const cuda::AttentionLaunchResult r = cuda::launch_attention(L, stream, choice);
-      C10_CUDA_CHECK(cudaError_t(r.error));
-      TORCH_CHECK(r.mma || choice != KernelChoice::kMma, kOp,
+      const cuda::AttentionKernelInfo kernel = cuda::attention_kernel_info(L, choice);
+      C10_CUDA_CHECK(cudaError_t(kernel.error));
+      TORCH_CHECK(kernel.mma || choice != KernelChoice::kMma, kOp,
                   ": NEXUSKV_CUDA_ATTENTION=mma, but the tensor-core kernel does not take this problem (it needs "
                   "keys per channel with group_size % 16 == 0 or DGQ, values per token with group_size % 16 == 0, "
                   "the same 2/4/8 bits for both, head_dim 64 or 128, fp16 or bf16 queries with metadata of the same "
                   "dtype, 16-byte aligned buffers)");
+      // Whole waves over the GPU's block slots (split_plan.h); a kernel that
+      // reports no occupancy is planned as if one block per SM fit.
+      const int64_t slots = std::max(1, kernel.blocks_per_sm) * int64_t(cuda::multiprocessor_count());
+      splits = cached_split_plan(blocks, slots, visible, kernel.tile_tokens).splits;
+      partials = at::empty({blocks * splits * cuda::kAttnRows * (D + 2)}, q.options().dtype(at::kFloat));
+      L.splits = splits;
+      L.partials = partials.data_ptr<float>();
+      const cuda::AttentionLaunchResult r = cuda::launch_attention(L, stream, choice);
+      C10_CUDA_CHECK(cudaError_t(r.error));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

@@ -1,5 +1,5 @@
-// Definition of launch_attention (attention_launch.h): the tensor-core kernel
-// where it takes the problem, else the reference kernel.  Included by the
+// Definitions of attention_kernel_info and launch_attention (attention_launch.h):
+// the tensor-core kernel where it takes the problem, else the reference kernel.  Included by the
 // per-type instantiation files attention_<T>.cu only.
 #pragma once
 
@@ -9,16 +9,43 @@
 
 namespace nexuskv::cuda {
 
+// The reference kernel for L, opted in to its shared memory (error: the opt-in's cudaError_t).
+template <typename Params>
+struct SimpleVariant {
+  void (*kernel)(AttentionLaunch<Params>) = attention_simple_kernel<AttentionLaunch<Params>>;
+  size_t smem = 0;
+  int error = 0;
+  explicit SimpleVariant(const AttentionLaunch<Params>& L) : smem(simple_smem_bytes(L.p.head_dim)) {
+    if (smem > kDefaultSmem) error = int(allow_smem(kernel, smem));
+  }
+};
+
+template <typename Params>
+AttentionKernelInfo attention_kernel_info(const AttentionLaunch<Params>& L, KernelChoice choice) {
+  AttentionKernelInfo k;
+  if (choice != KernelChoice::kSimple) {
+    const MmaVariant<AttentionLaunch<Params>> v = mma_variant(L);
+    if (v.kernel != nullptr || choice == KernelChoice::kMma) {
+      k.mma = v.kernel != nullptr, k.tile_tokens = kMmaTile;
+      k.blocks_per_sm = k.mma ? blocks_per_sm(v.kernel, kMmaThreads, v.smem) : 0;
+      return k;
+    }
+  }
+  const SimpleVariant<Params> v(L);
+  k.error = v.error, k.tile_tokens = kSimpleTile;
+  k.blocks_per_sm = v.error == 0 ? blocks_per_sm(v.kernel, kSimpleThreads, v.smem) : 0;
+  return k;
+}
+
 template <typename Params>
 AttentionLaunchResult launch_attention(const AttentionLaunch<Params>& L, Stream stream, KernelChoice choice) {
   AttentionLaunchResult r;
   const Dim3 grid(unsigned(L.splits), unsigned(L.p.kv_heads * L.row_tiles), unsigned(L.p.batch));
   if (choice != KernelChoice::kSimple) r.mma = launch_attention_mma(L, grid, stream);
   if (r.mma || choice == KernelChoice::kMma) return r;
-  using Kernel = AttentionLaunch<Params>;
-  const size_t smem = simple_smem_bytes(L.p.head_dim);
-  if (smem > kDefaultSmem) r.error = int(allow_smem(attention_simple_kernel<Kernel>, smem));
-  if (r.error == 0) launch(attention_simple_kernel<Kernel>, grid, Dim3(kSimpleThreads), smem, stream, L);
+  const SimpleVariant<Params> v(L);
+  r.error = v.error;
+  if (r.error == 0) launch(v.kernel, grid, Dim3(kSimpleThreads), v.smem, stream, L);
   return r;
 }
 

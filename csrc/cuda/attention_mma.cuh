@@ -44,7 +44,7 @@
 // (--check-spills), or leave one thread serially looping over the tile while
 // the others wait.
 //
-// It takes the common formats only (launch_attention_mma says which; else
+// It takes the common formats only (mma_variant says which; else
 // the caller runs the reference kernel, attention_simple.cuh, which the tests
 // compare it with): keys per channel (NQ with group_size % 16 == 0, or DGQ),
 // values per token with group_size % 16 == 0, the same 2/4/8 bits for both,
@@ -653,7 +653,7 @@ struct MmaKernel {
     if (!skip) full_precision(p.sink, 0, s.lo, s.hi < s.sink ? s.hi : s.sink, acc);
     merge_simt(acc);  // (after full_precision's last barrier, or the one above)
     // Compressed tokens [c_lo, c_hi), in tiles of kMmaTile, two stages; 32-bit
-    // positions (the host checks that every capacity fits: launch_attention_mma).
+    // positions (the host checks that every capacity fits: mma_variant).
     const int64_t lo64 = s.lo - s.sink > 0 ? s.lo - s.sink : 0, hi64 = s.hi - s.sink < s.comp ? s.hi - s.sink : s.comp;
     const int c_lo = int(lo64 < s.comp ? lo64 : s.comp);  // (clamped in 64 bits: sinks and tail may be long)
     const int c_hi = skip || hi64 < c_lo ? c_lo : int(hi64);
@@ -720,17 +720,23 @@ NKV_KERNEL void __launch_bounds__(kMmaThreads, kMmaMinBlocks)
   K(a, sm, s).run();
 }
 
-// Launches the tensor-core kernel when it takes the problem (see the top of
-// this file) and returns true; false: the caller runs the reference kernel.
+// The tensor-core kernel variant that takes L (see the top of this file),
+// opted in to its shared memory; kernel == nullptr where none takes it (the
+// caller runs the reference kernel).  Host only, no device work.
 template <typename Launch>
-bool launch_attention_mma(const Launch& L, Dim3 grid, Stream stream) {
+struct MmaVariant {
+  void (*kernel)(MmaLaunch<Launch>) = nullptr;
+  size_t smem = 0;
+};
+
+template <typename Launch>
+MmaVariant<Launch> mma_variant(const Launch& L) {
   using Params = decltype(Launch::p);
   using T = typename Params::Element;
   using Meta = typename Params::MetaType;
   constexpr bool kTypes = (std::is_same_v<T, core::bf16_t> || std::is_same_v<T, core::half_t>)&&std::is_same_v<Meta, T>;
-  if constexpr (!kTypes) {
-    return false;
-  } else {
+  MmaVariant<Launch> v;
+  if constexpr (kTypes) {
     const Params& p = L.p;
     const auto& kd = p.k.dims;
     const auto& vd = p.v.dims;
@@ -743,36 +749,45 @@ bool launch_attention_mma(const Launch& L, Dim3 grid, Stream stream) {
     // The tile loop's positions and sizes are 32-bit (MmaIndex); far larger caches take the reference kernel.
     constexpr int64_t kMax = core::kFastDivmodLimit - 2 * kMmaTile;
     const bool fits = kd.tokens + kd.group_size < kMax && vd.tokens < kMax && p.batch * p.kv_heads < kMax;
-    if (!ok || !fits) return false;
-    MmaLaunch<Launch> a{L, {}};
-    a.ix.key_group = core::FastDivmod(kd.group_size);
-    a.ix.value_group = core::FastDivmod(vd.group_size);
-    a.ix.value_meta = core::FastDivmod(vd.meta_b());
-    a.ix.key_groups = int32_t(kd.meta_a());
-    a.ix.key_tokens = int32_t(kd.tokens), a.ix.value_tokens = int32_t(vd.tokens);
-    bool launched = false;
+    if (!ok || !fits) return v;
     core::layout::with_bits(kd.bits, [&]<int kBits>() {
       if constexpr (kBits != 3) {
-        auto go = [&]<int kD>() {
-          using K = MmaKernel<Launch, kBits, kD>;
-          const size_t smem = sizeof(typename K::Smem);
+        auto pick = [&]<int kD>() {
+          const size_t smem = sizeof(typename MmaKernel<Launch, kBits, kD>::Smem);
           if (smem > kDefaultSmem && allow_smem(attention_mma_kernel<Launch, kBits, kD>, smem) != 0) {
             // This GPU has less shared memory: the reference kernel runs instead,
             // and the failed opt-in must not be reported as its launch error.
             (void)cudaGetLastError();
             return;
           }
-          launch(attention_mma_kernel<Launch, kBits, kD>, grid, Dim3(kMmaThreads), smem, stream, a);
-          launched = true;
+          v.kernel = attention_mma_kernel<Launch, kBits, kD>, v.smem = smem;
         };
         if (D == 64)
-          go.template operator()<64>();
+          pick.template operator()<64>();
         else
-          go.template operator()<128>();
+          pick.template operator()<128>();
       }
     });
-    return launched;
   }
+  return v;
+}
+
+// Launches the tensor-core kernel when it takes the problem and returns true;
+// false: the caller runs the reference kernel.
+template <typename Launch>
+bool launch_attention_mma(const Launch& L, Dim3 grid, Stream stream) {
+  const MmaVariant<Launch> v = mma_variant(L);
+  if (v.kernel == nullptr) return false;
+  const auto& kd = L.p.k.dims;
+  const auto& vd = L.p.v.dims;
+  MmaLaunch<Launch> a{L, {}};
+  a.ix.key_group = core::FastDivmod(kd.group_size);
+  a.ix.value_group = core::FastDivmod(vd.group_size);
+  a.ix.value_meta = core::FastDivmod(vd.meta_b());
+  a.ix.key_groups = int32_t(kd.meta_a());
+  a.ix.key_tokens = int32_t(kd.tokens), a.ix.value_tokens = int32_t(vd.tokens);
+  launch(v.kernel, grid, Dim3(kMmaThreads), v.smem, stream, a);
+  return true;
 }
 
 }  // namespace nexuskv::cuda

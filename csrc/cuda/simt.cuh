@@ -61,6 +61,35 @@ cudaError_t allow_smem(void (*kernel)(Params...), size_t bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
 }
 
+// Blocks of kernel that one SM of the current device holds at once with block
+// threads and smem bytes of dynamic shared memory (its registers and shared
+// memory decide); 0 on an error.  The last answer is kept per thread: a decode
+// step asks the same of every layer.
+template <typename... Params>
+int blocks_per_sm(void (*kernel)(Params...), int block, size_t smem) {
+  struct Last {
+    const void* kernel = nullptr;
+    int device = -1, block = 0;
+    size_t smem = 0;
+    int n = 0;
+  };
+  static thread_local Last last;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  const void* k = reinterpret_cast<const void*>(kernel);
+  if (last.kernel == k && last.device == device && last.block == block && last.smem == smem) return last.n;
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block, smem) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  last = {k, device, block, smem, n};
+  return n;
+}
+
 // ---- the few instructions of the tensor-core attention kernel -----------------------------
 
 NKV_DEVICE float shfl(float v, int src) { return __shfl_sync(0xffffffffu, v, src); }

@@ -6,7 +6,8 @@
 # definition or, worse, the one every caller gets.  What the optimizer leaves
 # out of line differs by build type (-O0 keeps std::min, -O2 keeps some
 # helpers that -O3 inlines), so this runs in every build type: Release,
-# RelWithDebInfo, Debug, MinSizeRel, and the sanitizer build (scripts/sanitize.sh).
+# RelWithDebInfo, Debug, MinSizeRel, and the sanitizer build (scripts/sanitize.sh, -O1:
+# more out of line than -O2; CI's builds are that and Release).
 #   cmake -DNM=<nm> -DOBJECTS="<isa>=<object>;..." -P check_isa_symbols.cmake
 # The names are checked mangled (Itanium ABI), where "in the ISA namespace"
 # is a prefix and cannot be confused with a parameter type.

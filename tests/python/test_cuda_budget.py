@@ -5,6 +5,7 @@ loop entered at its condition), and that a loop with more work counts more."""
 
 import importlib.util
 import os
+import re
 import sys
 
 import pytest
@@ -119,20 +120,39 @@ def test_nq_kernels_count_64_bit_division_sites(monkeypatch):
     ]
 
 
+def test_the_split_planner_mirror_is_in_step_with_the_header():
+    """cuda_budget.plan_splits mirrors core::plan_splits (split_plan.h): the same constants, and
+    the plans tests/cpp/test_split_plan.cpp asserts for an H200 at 3 blocks per SM."""
+    header = open(os.path.join(ROOT, "csrc/include/nexuskv/core/split_plan.h")).read()
+    consts = {m[1]: int(m[2]) for m in re.finditer(r"constexpr int64_t (\w+) = (\d+);", header)}
+    assert consts == {
+        "kSplitOverheadTiles": cb.SPLIT_OVERHEAD_TILES,
+        "kMinSplitKeys": cb.MIN_SPLIT_KEYS,
+        "kMaxSplits": cb.MAX_SPLITS,
+    }
+    assert cb.plan_splits(512, 396, 32768, 64) == 3  # batch 64: 4 waves 97 % full, not 2 (the second 29 %)
+    assert cb.plan_splits(8, 396, 32768, 64) == 47  # batch 1: one wave of 376 blocks, 11 tiles each
+    assert [cb.plan_splits(1, 396, k, 64) for k in (0, 511, 512)] == [1, 1, 2]
+    assert cb.plan_splits(1, 1 << 30, 1 << 40, 64) == cb.MAX_SPLITS
+
+
 def test_the_prediction_follows_the_grid_and_the_counts():
-    """The falsifiable prediction of RESULTS.md: the grid of attention_cuda.cpp (two waves of
-    blocks, splits of at least 256 keys), an issue bound linear in the loop's instructions, the
-    bytes of every tile at the budget's fraction of HBM, and dense bf16 K/V at the same fraction."""
-    assert cb.grid(1, 32, 8, 4096, 132) == (128, 4)  # 16 splits of 256 keys
-    assert cb.grid(1, 32, 8, 32768, 132) == (264, 16)  # 33 splits: two waves
-    assert cb.grid(64, 32, 8, 32768, 132) == (512, 512)  # no split: 1.3 waves of 3 blocks per SM
+    """The falsifiable prediction of RESULTS.md: the grid of attention_cuda.cpp (splits planned
+    over the variant's block slots, of at least 256 keys), an issue bound linear in the loop's
+    instructions, the bytes of every tile at the budget's fraction of HBM, and dense bf16 K/V
+    at the same fraction."""
+    assert cb.grid(1, 32, 8, 4096, 132, 3) == (128, 4)  # 16 splits of 256 keys (no more: 256 at least)
+    assert cb.grid(1, 32, 8, 32768, 132, 3) == (376, 11)  # 47 splits: one wave
+    assert cb.grid(64, 32, 8, 32768, 132, 3) == (1536, 171)  # 3 splits: 4 waves of 3 blocks per SM
 
     class Args:
         sms, clock_ghz, fraction, hbm_tbps = 132, 1.98, 0.75, 4.8
 
     v = cb.Variant("sm_90", "bf16", 4, 128, loop_instructions=1000, tile_bytes=cb.tile_bytes(4, 128))
+    v.blocks_per_sm = 3
     p = cb.predict(v, 64, 32, 8, 32768, Args)
-    assert p["issue_us"] == pytest.approx(4 * 512 * 1000 / 1.98e9 * 1e6)  # ceil(512 / 132) blocks on the busiest SM
+    # ceil(1536 / 132) blocks of 171 tiles on the busiest SM
+    assert p["issue_us"] == pytest.approx(12 * 171 * 1000 / 1.98e9 * 1e6)
     assert p["bytes_us"] == pytest.approx(64 * 8 * 512 * 9216 / (0.75 * 4.8e12) * 1e6)
     assert p["dense_bf16_us"] == pytest.approx(64 * 8 * 32768 * 128 * 4 / (0.75 * 4.8e12) * 1e6 + cb.LAUNCH_US)
     assert p["predicted_us"] == pytest.approx(max(p["issue_us"], p["bytes_us"]) + cb.LAUNCH_US)
