@@ -8,12 +8,26 @@ hand).  Reads a JSON job from stdin, writes a JSON answer to the file named by a
      "prefix": {"prompt_token_ids": [...], "max_tokens": 16}}  -> a prefix-cache miss, then a hit
 
 A process per engine: vLLM keeps process-wide state (its config, the plugins, the
-attention backend selection) that a second engine in the same process would inherit."""
+attention backend selection) that a second engine in the same process would inherit.
+
+    python vllm_engine.py --forkserver
+
+imports vLLM once (about 15 s of CPU that every engine process would pay again) and then,
+for each request line on stdin ({"env": {...}, "job": {...}, "out": PATH, "log": PATH}),
+forks a process that replaces its environment with env, sends its stdout and stderr to
+log, runs the job as above and exits; the server answers {"returncode": N} on a line.  No
+engine ever runs in the server itself, so each fork starts from the state of a process
+that has only imported vLLM, as a fresh one would (vLLM reads its settings, and nexuskv's
+plugin its own, when an engine is made).  A job over JOB_TIMEOUT_S is killed (SIGALRM)."""
 
 import json
 import math
 import os
+import signal
 import sys
+import traceback
+
+JOB_TIMEOUT_S = 900
 
 
 def _margin(lp) -> float:
@@ -32,8 +46,7 @@ def _summary(o) -> dict:
     }
 
 
-def main() -> None:
-    job = json.load(sys.stdin)
+def run(job: dict, out_path: str) -> None:
     os.environ.update({k: str(v) for k, v in (job.get("nexuskv") or {}).items()})
     from vllm import LLM, SamplingParams
 
@@ -63,9 +76,40 @@ def main() -> None:
             r = llm.generate([{"prompt_token_ids": p["prompt_token_ids"]}], sp, use_tqdm=False)[0]
             runs.append(dict(_summary(r.outputs[0]), cached=r.num_cached_tokens or 0))
         out["prefix"] = runs
-    with open(sys.argv[1], "w") as f:
+    with open(out_path, "w") as f:
         json.dump(out, f)
 
 
+def forkserver() -> None:
+    import vllm  # noqa: F401  (imported once, before any fork)
+
+    for line in sys.stdin:
+        req = json.loads(line)
+        pid = os.fork()
+        if pid == 0:  # the engine's process
+            code = 1
+            try:
+                log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(log, 1), os.dup2(log, 2)
+                sys.stdin.close()
+                os.environ.clear()
+                os.environ.update(req["env"])
+                signal.alarm(JOB_TIMEOUT_S)
+                run(req["job"], req["out"])
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush(), sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--forkserver"]:
+        forkserver()
+    else:
+        run(json.load(sys.stdin), sys.argv[1])
