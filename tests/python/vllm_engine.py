@@ -12,7 +12,7 @@ attention backend selection) that a second engine in the same process would inhe
 
     python vllm_engine.py --forkserver
 
-imports vLLM once (about 15 s of CPU that every engine process would pay again) and then,
+imports vLLM once (measured: each engine then starts 4-6 s sooner than a fresh interpreter) and then,
 for each request line on stdin ({"env": {...}, "job": {...}, "out": PATH, "log": PATH}),
 forks a process that replaces its environment with env, sends its stdout and stderr to
 log, runs the job as above and exits; the server answers {"returncode": N} on a line.  No
