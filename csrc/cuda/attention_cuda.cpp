@@ -159,8 +159,7 @@ at::Tensor dgq_fused_attention_cuda(const at::Tensor& q_in, at::TensorList k_cac
       partials = at::empty({blocks * splits * cuda::kAttnRows * (D + 2)}, q.options().dtype(at::kFloat));
       L.splits = splits;
       L.partials = partials.data_ptr<float>();
-      const cuda::AttentionLaunchResult r = cuda::launch_attention(L, stream, choice);
-      C10_CUDA_CHECK(cudaError_t(r.error));
+      C10_CUDA_CHECK(cudaError_t(cuda::launch_attention(L, kernel, stream)));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

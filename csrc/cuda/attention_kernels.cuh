@@ -1,6 +1,6 @@
 // Definitions of attention_kernel_info and launch_attention (attention_launch.h):
-// the tensor-core kernel where it takes the problem, else the reference kernel.  Included by the
-// per-type instantiation files attention_<T>.cu only.
+// the tensor-core kernel where it takes the problem, else the reference kernel.
+// Included by the per-type instantiation files attention_<T>.cu only.
 #pragma once
 
 #include "attention_launch.h"
@@ -38,15 +38,12 @@ AttentionKernelInfo attention_kernel_info(const AttentionLaunch<Params>& L, Kern
 }
 
 template <typename Params>
-AttentionLaunchResult launch_attention(const AttentionLaunch<Params>& L, Stream stream, KernelChoice choice) {
-  AttentionLaunchResult r;
+int launch_attention(const AttentionLaunch<Params>& L, const AttentionKernelInfo& kernel, Stream stream) {
   const Dim3 grid(unsigned(L.splits), unsigned(L.p.kv_heads * L.row_tiles), unsigned(L.p.batch));
-  if (choice != KernelChoice::kSimple) r.mma = launch_attention_mma(L, grid, stream);
-  if (r.mma || choice == KernelChoice::kMma) return r;
+  if (kernel.mma) return launch_attention_mma(L, grid, stream);
   const SimpleVariant<Params> v(L);
-  r.error = v.error;
-  if (r.error == 0) launch(v.kernel, grid, Dim3(kSimpleThreads), v.smem, stream, L);
-  return r;
+  if (v.error == 0) launch(v.kernel, grid, Dim3(kSimpleThreads), v.smem, stream, L);
+  return v.error;
 }
 
 }  // namespace nexuskv::cuda

@@ -49,16 +49,12 @@ int launch_attention_merge(const MergeArgs& a, Out* out, Stream stream);
 
 enum class KernelChoice { kAuto, kSimple, kMma };
 
-struct AttentionLaunchResult {
-  bool mma = false;  // the tensor-core kernel ran (else the reference kernel)
-  int error = 0;     // a cudaError_t of the launch set-up, 0 if none
-};
-
-// The kernel launch_attention(L, ..., choice) runs, and what sizes its split
-// of the key range (core::plan_splits): how many of its blocks one SM holds
-// (0 when none fits, or mma is false under KernelChoice::kMma) and its keys
-// per tile.  Host only (no device work, no synchronization); L.splits and
-// L.partials are not read.
+// The kernel that runs L under choice (the one place that decides: the
+// tensor-core kernel where it takes the problem, unless choice is kSimple;
+// else the reference kernel, unless choice is kMma, where mma is then false),
+// and what sizes its split of the key range (core::plan_splits): how many of
+// its blocks one SM holds (0 when none fits) and its keys per tile.  Host only
+// (no device work, no synchronization); L.splits and L.partials are not read.
 struct AttentionKernelInfo {
   bool mma = false;  // the tensor-core kernel (else the reference kernel)
   int blocks_per_sm = 0;
@@ -68,27 +64,27 @@ struct AttentionKernelInfo {
 template <typename Params>
 AttentionKernelInfo attention_kernel_info(const AttentionLaunch<Params>& L, KernelChoice choice);
 
-// Launches the split kernel of L over the grid (splits, kv heads x row tiles,
-// batch) on stream: the tensor-core kernel where it takes the problem (and
-// choice allows it), else the reference kernel unless choice is kMma.
+// Launches the split kernel of L that attention_kernel_info chose (kernel.mma)
+// over the grid (splits, kv heads x row tiles, batch) on stream; returns a
+// cudaError_t of the set-up, 0 if none.
 template <typename Params>
-AttentionLaunchResult launch_attention(const AttentionLaunch<Params>& L, Stream stream, KernelChoice choice);
+int launch_attention(const AttentionLaunch<Params>& L, const AttentionKernelInfo& kernel, Stream stream);
 
 // Every instantiation the glue dispatches to: declared extern by the glue
 // (PREFIX extern), defined once each in attention_<T>.cu (PREFIX empty).
-#define NEXUSKV_ATTENTION_INSTANCES(PREFIX, T)                                                          \
-  PREFIX template AttentionKernelInfo attention_kernel_info<core::AttentionParams<T, float, T>>(        \
-      const AttentionLaunch<core::AttentionParams<T, float, T>>&, KernelChoice);                        \
-  PREFIX template AttentionKernelInfo attention_kernel_info<core::AttentionParams<T, core::half_t, T>>( \
-      const AttentionLaunch<core::AttentionParams<T, core::half_t, T>>&, KernelChoice);                 \
-  PREFIX template AttentionKernelInfo attention_kernel_info<core::AttentionParams<T, core::bf16_t, T>>( \
-      const AttentionLaunch<core::AttentionParams<T, core::bf16_t, T>>&, KernelChoice);                 \
-  PREFIX template AttentionLaunchResult launch_attention<core::AttentionParams<T, float, T>>(           \
-      const AttentionLaunch<core::AttentionParams<T, float, T>>&, Stream, KernelChoice);                \
-  PREFIX template AttentionLaunchResult launch_attention<core::AttentionParams<T, core::half_t, T>>(    \
-      const AttentionLaunch<core::AttentionParams<T, core::half_t, T>>&, Stream, KernelChoice);         \
-  PREFIX template AttentionLaunchResult launch_attention<core::AttentionParams<T, core::bf16_t, T>>(    \
-      const AttentionLaunch<core::AttentionParams<T, core::bf16_t, T>>&, Stream, KernelChoice);
+#define NEXUSKV_ATTENTION_INSTANCES(PREFIX, T)                                                                \
+  PREFIX template AttentionKernelInfo attention_kernel_info<core::AttentionParams<T, float, T>>(              \
+      const AttentionLaunch<core::AttentionParams<T, float, T>>&, KernelChoice);                              \
+  PREFIX template AttentionKernelInfo attention_kernel_info<core::AttentionParams<T, core::half_t, T>>(       \
+      const AttentionLaunch<core::AttentionParams<T, core::half_t, T>>&, KernelChoice);                       \
+  PREFIX template AttentionKernelInfo attention_kernel_info<core::AttentionParams<T, core::bf16_t, T>>(       \
+      const AttentionLaunch<core::AttentionParams<T, core::bf16_t, T>>&, KernelChoice);                       \
+  PREFIX template int launch_attention<core::AttentionParams<T, float, T>>(                                   \
+      const AttentionLaunch<core::AttentionParams<T, float, T>>&, const AttentionKernelInfo&, Stream);        \
+  PREFIX template int launch_attention<core::AttentionParams<T, core::half_t, T>>(                            \
+      const AttentionLaunch<core::AttentionParams<T, core::half_t, T>>&, const AttentionKernelInfo&, Stream); \
+  PREFIX template int launch_attention<core::AttentionParams<T, core::bf16_t, T>>(                            \
+      const AttentionLaunch<core::AttentionParams<T, core::bf16_t, T>>&, const AttentionKernelInfo&, Stream);
 
 extern template int launch_attention_merge<float>(const MergeArgs&, float*, Stream);
 extern template int launch_attention_merge<core::half_t>(const MergeArgs&, core::half_t*, Stream);

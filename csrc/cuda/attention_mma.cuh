@@ -772,12 +772,12 @@ MmaVariant<Launch> mma_variant(const Launch& L) {
   return v;
 }
 
-// Launches the tensor-core kernel when it takes the problem and returns true;
-// false: the caller runs the reference kernel.
+// Launches the tensor-core kernel, which mma_variant(L) found to take the
+// problem; returns a cudaError_t of the set-up, 0 if none.
 template <typename Launch>
-bool launch_attention_mma(const Launch& L, Dim3 grid, Stream stream) {
+int launch_attention_mma(const Launch& L, Dim3 grid, Stream stream) {
   const MmaVariant<Launch> v = mma_variant(L);
-  if (v.kernel == nullptr) return false;
+  if (v.kernel == nullptr) return int(cudaErrorInvalidDeviceFunction);
   const auto& kd = L.p.k.dims;
   const auto& vd = L.p.v.dims;
   MmaLaunch<Launch> a{L, {}};
@@ -787,7 +787,7 @@ bool launch_attention_mma(const Launch& L, Dim3 grid, Stream stream) {
   a.ix.key_groups = int32_t(kd.meta_a());
   a.ix.key_tokens = int32_t(kd.tokens), a.ix.value_tokens = int32_t(vd.tokens);
   launch(v.kernel, grid, Dim3(kMmaThreads), v.smem, stream, a);
-  return true;
+  return 0;
 }
 
 }  // namespace nexuskv::cuda
