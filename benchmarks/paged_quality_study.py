@@ -12,7 +12,17 @@ quantizes keys per channel over blocks of 64 tokens of the whole prompt (nexuskv
 cache without its tail and sinks, and with its open group quantized too: an idealization,
 since a cache must keep the open group exact).  Rows with an exact window keep each query's W
 newest keys and values (its own included; bf16) exact: what a page format with a
-full-precision ring of the newest W tokens per block would give.
+full-precision ring of the newest W tokens per block would give.  Rows with a fitted
+transform (issue 21's fitted rotation and key smoothing, tried on per-token keys) write
+M^-T (k - m) instead of k - m and attend with M q: exact in q . k for any invertible M, and M
+changes where the key's rounding error lands.  "full" is the M that minimizes the expected
+squared score error E|q . e|^2 when e's size follows the key's norm (per-token rounding after
+the Hadamard rotation): M^T M = Sq^-1/2 (Sq^1/2 Sk Sq^1/2)^1/2 Sq^-1/2 (the geometric mean of
+Sq^-1 and Sk; Sq the queries' second moment per kv head, Sk the centered keys' covariance,
+both on the calibration text), predicted to reduce that error's variance by the factor
+(sum of the singular values of Sk^1/2 Sq^1/2)^2 / (tr Sq tr Sk); "diag" is its diagonal
+restriction, per-channel smoothing (channel c scaled by (Sk_cc / Sq_cc)^1/4 in q, its inverse
+in k).  The transform is recipe-only (no bytes), like the centering.
 
 Perplexity of a text (default: Debian's reference manual) over ``--windows`` segments of
 ``--tokens`` consecutive tokens (each after the tokenizer's sequence start, one forward pass
@@ -71,6 +81,7 @@ class Row:
     center: bool = False  # subtract the recipe's key means first
     per_channel_keys: bool = False
     window: int = 0  # each query's newest W keys / values exact
+    transform: str = ""  # "full" / "diag": a fitted M, q -> M q, k - m -> M^-T (k - m) (see above)
 
     @property
     def kv_bits(self) -> tuple[int, int]:
@@ -81,6 +92,9 @@ ROWS = [
     Row("4-bit (the backend's default)"),
     Row("4-bit, recipe", center=True),
     Row("4-bit, recipe, groups of 32", center=True, group=32),
+    Row("4-bit, recipe, fitted transform", center=True, transform="full"),
+    Row("4-bit, recipe, fitted smoothing", center=True, transform="diag"),
+    Row("4-bit, recipe, fitted transform, keys only", center=True, transform="full", values=False),
     Row("4-bit, recipe, keys only", center=True, values=False),
     Row("4-bit, values only", keys=False),
     Row("4-bit, per-channel keys, no window", per_channel_keys=True),
@@ -108,6 +122,49 @@ def row_bytes(row: Row, head_dim: int, group: int) -> float | None:
     return b + row.window * 4 * head_dim / BLOCK
 
 
+def _matrix_power(x: torch.Tensor, p: float) -> torch.Tensor:
+    """x^p of symmetric positive definite matrices [..., D, D]."""
+    w, vec = torch.linalg.eigh(x)
+    return (vec * w.clamp_min(torch.finfo(x.dtype).tiny).pow(p)[..., None, :]) @ vec.transpose(-1, -2)
+
+
+@torch.no_grad()
+def fitted_transforms(model, windows, key_center: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """The rows' fitted M per layer and kv head ({"full", "diag"}: float64 [layers, kv_heads,
+    D, D]) from the queries' and centered keys' second moments over `windows`, and the
+    full M's predicted factor on the score error's variance [layers, kv_heads]."""
+    from nexuskv.models import capture_qkv
+
+    sq = sk = None
+    seen = 0
+    for ids in windows:
+        for i, layer in enumerate(capture_qkv(model, ids)):
+            q, k = layer.q.double()[0], layer.k.double()[0]  # [heads, T, D]
+            k = k - key_center[i].double()[:, None, :]
+            heads, d = k.shape[0], k.shape[-1]
+            q = q.reshape(heads, -1, d)  # a kv head's queries: those of its GQA group
+            if sq is None:
+                sq = torch.zeros(len(key_center), heads, d, d, dtype=torch.float64)
+                sk = torch.zeros_like(sq)
+            sq[i] += q.transpose(1, 2) @ q / (q.shape[1] // k.shape[1])
+            sk[i] += k.transpose(1, 2) @ k
+        seen += ids.shape[1]
+    sq, sk = sq / seen, sk / seen
+    eye = torch.eye(sq.shape[-1], dtype=torch.float64)
+    # A ridge of 1e-3 of the mean eigenvalue: directions no calibration query used stay finite.
+    sq = sq + 1e-3 * sq.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None] * eye
+    sk = sk + 1e-3 * sk.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None] * eye
+    root, inv_root = _matrix_power(sq, 0.5), _matrix_power(sq, -0.5)
+    middle = root @ sk @ root
+    mtm = inv_root @ _matrix_power((middle + middle.transpose(-1, -2)) / 2, 0.5) @ inv_root
+    full = _matrix_power((mtm + mtm.transpose(-1, -2)) / 2, 0.5)
+    a, b = sq.diagonal(dim1=-2, dim2=-1), sk.diagonal(dim1=-2, dim2=-1)
+    diag = torch.diag_embed((b / a).pow(0.25))
+    sv = torch.linalg.eigvalsh(middle).clamp_min(0).sqrt().sum(-1)
+    predicted = sv.square() / (a.sum(-1) * b.sum(-1))
+    return {"full": full, "diag": diag}, predicted
+
+
 class Study:
     """The attention function every layer of the model calls (transformers' interface)."""
 
@@ -116,6 +173,7 @@ class Study:
         self.center = center  # the recipe's key means [layers, kv_heads, D]
         self.row: Row | None = None
         self.signs = None
+        self.transforms: dict = {}  # fitted_transforms()
 
     def per_token(self, x: torch.Tensor, bits: int) -> torch.Tensor:
         """x [1, heads, T, D] (bf16) as a bf16 page returns it: rotated, quantized per token,
@@ -140,6 +198,10 @@ class Study:
         k, v = k.bfloat16(), v.bfloat16()
         if row.center:  # exact under softmax: q.(k - m) = q.k - q.m
             k = k - self.center[module.layer_idx][None, :, None, :].bfloat16()
+        if row.transform:  # exact: (M q) . (M^-T k) = q . k
+            m = self.transforms[row.transform][module.layer_idx].float()  # [kv_heads, D, D], symmetric
+            q = q @ m.repeat_interleave(q.shape[1] // k.shape[1], 0)[None]
+            k = (k.float() @ torch.linalg.inv(m)[None]).bfloat16()  # rounded as a bf16 write would be
         kq, vq = k.float(), v.float()
         kb, vb = row.kv_bits
         if row.keys:
@@ -198,8 +260,13 @@ def main():
     load_before = os.getloadavg()
     model, tok = models.load_model(dtype=torch.float32, attn_implementation="sdpa", path=a.model)
     evals = text_windows(tok, a.text, a.windows, a.tokens)
-    recipe, _ = calibrate(model, text_windows(tok, a.calib_text, a.windows, a.tokens))
+    calib = text_windows(tok, a.calib_text, a.windows, a.tokens)
+    recipe, _ = calibrate(model, calib)
     study = Study(a.group, recipe.key_center)
+    predicted = None
+    if any(r.transform and (not a.rows or r.name in a.rows) for r in ROWS):
+        study.transforms, predicted = fitted_transforms(model, calib, recipe.key_center)
+        print(f"fitted transform: predicted score-error variance x{predicted.mean():.3f} (mean over layers and heads)")
     AttentionInterface.register("nexuskv_study", study)
     # SDPA's masks for it (sliding windows included), as nexuskv.models.capture_qkv does:
     # without a mask builder transformers builds none, and every layer would attend causally
@@ -244,6 +311,11 @@ def main():
         "load_after": os.getloadavg(),
         "rows": results,
     }
+    if predicted is not None:
+        report["fitted_transform_predicted_variance_factor"] = {
+            "mean": predicted.mean().item(),
+            "per_layer": predicted.mean(1).tolist(),
+        }
     if a.out:
         with open(a.out, "w") as f:
             json.dump(report, f, indent=1)

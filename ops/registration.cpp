@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "nexuskv/cache.h"
+#include "nexuskv/recipe.h"
 
 namespace {
 
@@ -192,6 +193,26 @@ TORCH_LIBRARY(nexuskv, m) {
       // pickle, torch.save and copy.deepcopy carry the state dict.
       .def_pickle([](const c10::intrusive_ptr<nexuskv::KVCache>& self) { return self->state_dict(); },
                   [](c10::Dict<std::string, at::Tensor> state) { return nexuskv::KVCache::from_state_dict(state); });
+  // A calibration recipe (nexuskv/recipe.h), for TorchScript and Python as
+  // torch.classes.nexuskv.Recipe(path): each layer's key / value bits to build
+  // its KVCache with, the settings they were allocated for, the key means.
+  m.class_<nexuskv::Recipe>("Recipe")
+      .def(torch::init<std::string>(), "", {torch::arg("path")})
+      .def("path", [](const c10::intrusive_ptr<nexuskv::Recipe>& self) { return self->path(); })
+      .def("version", &nexuskv::Recipe::version)
+      .def("layers", &nexuskv::Recipe::layers)
+      .def("kv_heads", &nexuskv::Recipe::kv_heads)
+      .def("head_dim", &nexuskv::Recipe::head_dim)
+      .def("model_type", &nexuskv::Recipe::model_type)
+      .def("key_center", &nexuskv::Recipe::key_center)
+      .def("has_bit_map", &nexuskv::Recipe::has_bit_map)
+      .def("bit_map", &nexuskv::Recipe::bit_map)
+      .def("key_bits", &nexuskv::Recipe::key_bits, "", {torch::arg("layer")})
+      .def("value_bits", &nexuskv::Recipe::value_bits, "", {torch::arg("layer")})
+      .def("setting", &nexuskv::Recipe::setting, "", {torch::arg("name")})
+      .def("meta_dtype", &nexuskv::Recipe::meta_dtype)
+      .def("check_geometry", &nexuskv::Recipe::check_geometry, "",
+           {torch::arg("layers"), torch::arg("kv_heads"), torch::arg("head_dim")});
 }
 
 // The meta kernels of the operators above, run by the fake kernels of

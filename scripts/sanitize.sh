@@ -106,11 +106,13 @@ run_step() {
     fuzz)
       echo "== fuzz subset under the sanitizers"
       # 150 random NQ tensors against the float64 reference of the format, 120 random
-      # fused-attention problems against float64 attention, 60 random cache sessions.
+      # fused-attention problems against float64 attention, 60 random cache sessions,
+      # 600 damaged recipe files through the C++ reader (JSON and safetensors parsing).
       run_py -m pytest -q -s -p no:cacheprovider \
         tests/python/test_nq_reference.py::test_hypothesis_against_reference \
         tests/python/test_attention.py::test_hypothesis_against_float64_reference \
-        tests/python/test_cache_fuzz.py
+        tests/python/test_cache_fuzz.py \
+        tests/python/test_recipe.py::test_damaged_bytes_never_crash_the_cpp_reader
       ;;
     *)
       echo "sanitize.sh: unknown step '$1' in NEXUSKV_SANITIZE_STEPS (ctest, sweep, fuzz)" >&2

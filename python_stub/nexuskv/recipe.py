@@ -19,8 +19,10 @@ range, and post-RoPE keys have large, steady channel offsets (SmolLM2: |mean| 6-
 head).  Centered, the range holds only what varies from token to token.  nexuskv's own
 cache quantizes keys per channel, whose zero points absorb the offsets already, so the
 centering is for per-token keys: the vLLM backend's pages (NEXUSKV_VLLM_RECIPE).
-The bit map is for nexuskv's own cache (``cache_for(model, recipe=...)``); the vLLM backend
-refuses a recipe that has one (its pages are one size for every layer).
+The bit map is for nexuskv's own cache (``cache_for(model, recipe=...)``; in C++ and
+TorchScript ``nexuskv::Recipe`` / ``torch.classes.nexuskv.Recipe(path)``, csrc/include/nexuskv/
+recipe.h, which reads this file with the same checks); the vLLM backend refuses a recipe that
+has one (its pages are one size for every layer).
 (Centering the values the same way, adding the mean back to the output, was measured
 and did not help: values have small means.)
 
@@ -49,6 +51,7 @@ FORMAT = "nexuskv-recipe"
 VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1: key means only
 BIT_CHOICES = (2, 3, 4, 8)  # the code bits a bit map may hold (the cache's)
+META_DTYPES = ("bfloat16", "float16", "float32")  # what bits.meta_dtype may name
 # What a recipe must match in a model's config: a recipe measured on another model would
 # still be exact (see above) but would not help, so it is refused rather than used.
 FACTS = (
@@ -109,8 +112,11 @@ class Recipe:
             bad = sorted({int(b) for b in m.flatten().tolist()} - set(BIT_CHOICES))
             if bad:
                 raise ValueError(f"recipe: bit_map holds {bad}; code bits must be among {list(BIT_CHOICES)}")
-            if not isinstance(self.bits, dict):
-                raise ValueError(f"recipe: the header's bits must be an object, got {self.bits!r}")
+        if not isinstance(self.bits, dict):
+            raise ValueError(f"recipe: the header's bits must be an object, got {self.bits!r}")
+        if "meta_dtype" in self.bits and self.bits["meta_dtype"] not in META_DTYPES:
+            got = self.bits["meta_dtype"]
+            raise ValueError(f"recipe: bits.meta_dtype must be one of {list(META_DTYPES)}, got {got!r}")
         if self.sensitivity is not None and (
             self.bit_map is None or self.sensitivity.dim() != 3 or tuple(self.sensitivity.shape[:2]) != (shape[0], 2)
         ):

@@ -4,6 +4,9 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <memory>
 #include <string>
@@ -11,6 +14,7 @@
 #include "catch_compat.h"
 #include "nexuskv/cache.h"
 #include "nexuskv/compressor.h"
+#include "nexuskv/recipe.h"
 
 namespace {
 
@@ -118,8 +122,8 @@ TEST_CASE("a user's own C++ compressor works through the cache") {
   const at::Tensor out = cache.attend(q, std::nullopt);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t L = lens[b].item<int64_t>();
-    const at::Tensor ref = attention_f64(q.select(0, b), kd.select(0, b).slice(1, 0, L),
-                                         vd.select(0, b).slice(1, 0, L), 1.0 / 8);
+    const at::Tensor ref =
+        attention_f64(q.select(0, b), kd.select(0, b).slice(1, 0, L), vd.select(0, b).slice(1, 0, L), 1.0 / 8);
     REQUIRE(rel(out.select(0, b), ref) < 1e-5);
   }
   // Bytes: the fp16 chunks plus the sinks and tail buffers, all exact.
@@ -150,8 +154,8 @@ TEST_CASE("chunk storage with a sliding window, crop, and save/load through torc
     // Windowed float64 reference over the cached keys: only the last W are visible.
     const int64_t L = lens[0].item<int64_t>();
     REQUIRE(L >= W);
-    const at::Tensor ref = attention_f64(q.select(0, 0), kd.select(0, 0).slice(1, L - W, L),
-                                         vd.select(0, 0).slice(1, L - W, L), 1.0 / 8);
+    const at::Tensor ref =
+        attention_f64(q.select(0, 0), kd.select(0, 0).slice(1, L - W, L), vd.select(0, 0).slice(1, L - W, L), 1.0 / 8);
     REQUIRE(rel(cache.attend(q).select(0, 0), ref) < 1e-5);
   }
   // 50 positions: before the last append 49, so positions < 38 are dead (chunk 1).
@@ -245,4 +249,92 @@ TEST_CASE("a chunk (lcm of the token groups) too large for int32 positions is a 
   REQUIRE_THROWS_WITH(KVCache(o), Catch::Contains("exceeds 2147483647 tokens"));
   b->multiple_ = int64_t(1) << 62;
   REQUIRE_THROWS_WITH(KVCache(o), Catch::Contains("token_multiple() must be in [1, 2147483647]"));
+}
+
+namespace {
+
+// A recipe file as `python -m nexuskv calibrate` writes one (nexuskv/recipe.h):
+// 2 layers, 1 kv head, head_dim 16, bit map {{4, 2}, {8, 3}}.
+std::string write_recipe(const std::string& name, const std::string& recipe_json) {
+  const std::string path = (std::filesystem::temp_directory_path() / name).string();
+  std::string data(2 * 16 * 4 + 4 * 4, '\0');
+  for (int i = 0; i < 32; ++i) {
+    const float x = 0.25f * float(i - 7);
+    std::memcpy(data.data() + 4 * i, &x, 4);
+  }
+  const int32_t bits[4] = {4, 2, 8, 3};
+  std::memcpy(data.data() + 128, bits, sizeof(bits));
+  std::string escaped;
+  for (char c : recipe_json) escaped += c == '"' ? std::string("\\\"") : std::string(1, c);
+  const std::string header =
+      "{\"__metadata__\": {\"nexuskv_recipe\": \"" + escaped +
+      "\"}, \"key_center\": {\"dtype\": \"F32\", \"shape\": [2, 1, 16], \"data_offsets\": [0, 128]},"
+      " \"bit_map\": {\"dtype\": \"I32\", \"shape\": [2, 2], \"data_offsets\": [128, 144]}}";
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[size_t(i)] = char((uint64_t(header.size()) >> (8 * i)) & 0xff);
+  std::ofstream(path, std::ios::binary) << bytes << header << data;
+  return path;
+}
+
+constexpr const char* kRecipeJson =
+    R"({"format": "nexuskv-recipe", "version": 2, "model": {"model_type": "llama", "num_hidden_layers": 2,)"
+    R"( "num_key_value_heads": 1, "head_dim": 16}, "bits": {"group_size": 32, "residual": 16, "sinks": 2,)"
+    R"( "meta_dtype": "bfloat16", "budget": 3.5}})";
+
+}  // namespace
+
+TEST_CASE("a recipe configures each layer's cache from C++") {
+  const std::string path = write_recipe("nexuskv_test_recipe.safetensors", kRecipeJson);
+  const auto recipe = c10::make_intrusive<nexuskv::Recipe>(path);
+  CHECK(recipe->layers() == 2);
+  CHECK(recipe->model_type() == "llama");
+  CHECK(recipe->key_center().sizes() == at::IntArrayRef({2, 1, 16}));
+  CHECK(recipe->key_center()[1][0][15].item<float>() == 0.25f * 24);
+  CHECK(recipe->setting("group_size") == 32);
+  CHECK(recipe->setting("budget") == std::nullopt);  // not an integer
+  CHECK(recipe->meta_dtype() == at::kBFloat16);
+  recipe->check_geometry(2, 1, 16);
+  CHECK_THROWS_WITH(recipe->check_geometry(2, 2, 16), Catch::Contains("kv_heads 2 (recipe: 1)"));
+
+  nexuskv::CacheOptions base;
+  base.keys.group_size = *recipe->setting("group_size");
+  base.values.group_size = 16;
+  base.keys.meta_dtype = base.values.meta_dtype = recipe->meta_dtype();
+  base.residual = *recipe->setting("residual"), base.sinks = *recipe->setting("sinks");
+  std::vector<int64_t> compressed_bytes;
+  for (int64_t layer = 0; layer < recipe->layers(); ++layer) {
+    const nexuskv::CacheOptions o = recipe->cache_options(layer, base);
+    CHECK(o.keys.bits == recipe->key_bits(layer));
+    CHECK(o.values.bits == recipe->value_bits(layer));
+    CHECK(o.keys.group_size == 32);  // the rest is base's
+    CHECK(o.values.group_size == 16);
+    CHECK(o.sinks == 2);
+    auto cache = c10::make_intrusive<KVCache>(o);
+    const at::Tensor k = at::randn({1, 1, 82, 16}), v = at::randn({1, 1, 82, 16});
+    cache->append(k, v, std::nullopt);
+    REQUIRE(cache->compressed_lengths().item<int64_t>() == 64);
+    // The same cache configured by hand holds the same bytes and the same K/V.
+    nexuskv::CacheOptions by_hand = base;
+    by_hand.keys.bits = layer == 0 ? 4 : 8, by_hand.values.bits = layer == 0 ? 2 : 3;
+    auto reference = c10::make_intrusive<KVCache>(by_hand);
+    reference->append(k, v, std::nullopt);
+    CHECK(cache->compressed_nbytes() == reference->compressed_nbytes());
+    CHECK(std::get<0>(cache->dense(std::nullopt)).equal(std::get<0>(reference->dense(std::nullopt))));
+    CHECK(std::get<1>(cache->dense(std::nullopt)).equal(std::get<1>(reference->dense(std::nullopt))));
+    compressed_bytes.push_back(cache->compressed_nbytes());
+  }
+  CHECK(compressed_bytes[1] > compressed_bytes[0]);  // 8 + 3 bits against 4 + 2
+
+  base.key_compressor = std::make_shared<nexuskv::NQCompressor>(base.keys);
+  base.value_compressor = std::make_shared<nexuskv::NQCompressor>(base.values);
+  CHECK_THROWS_WITH(recipe->cache_options(0, base), Catch::Contains("must not carry key or value compressors"));
+  CHECK_THROWS_WITH(recipe->cache_options(2, {}), Catch::Contains("layer must be in [0, 2), got 2"));
+  std::filesystem::remove(path);
+
+  // What is not a recipe says why, naming the file.
+  const std::string other =
+      write_recipe("nexuskv_test_recipe_v9.safetensors", R"({"format": "nexuskv-recipe", "version": 9, "model": {}})");
+  CHECK_THROWS_WITH(nexuskv::Recipe(other), Catch::Contains("Recipe " + other + ": format 'nexuskv-recipe' version 9"));
+  std::filesystem::remove(other);
+  CHECK_THROWS_WITH(nexuskv::Recipe("/nonexistent.safetensors"), Catch::Contains("no such file"));
 }

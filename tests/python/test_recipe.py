@@ -5,12 +5,16 @@ common key shift, soft-capping is not)."""
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from hf_helpers import requires_model, tiny_model
+from nexuskv.cache import make_cache
 from nexuskv.recipe import Recipe, calibrate, model_facts
+
+COMMITTED = sorted((Path(__file__).resolve().parents[2] / "benchmarks" / "recipes").glob("*.safetensors"))
 
 
 def _windows(vocab, n=2, tokens=40, seed=0):
@@ -110,37 +114,57 @@ def _header(path):
 
 
 @pytest.mark.parametrize(
-    "damage, message",
+    "damage, message, cpp_message",
     [
-        ("missing", "no such file"),
-        ("garbage", "not a safetensors file"),
-        ("no_header", "no nexuskv_recipe header"),
-        ("list_header", "no nexuskv_recipe header"),
-        ("no_fact", "the header's model facts lack 'head_dim'"),
-        ("version", "version 3; this nexuskv reads 'nexuskv-recipe' versions 1, 2"),
-        ("no_tensor", "no key_center tensor"),
-        ("shape", r"key_center must be float32 \[2, 2, 16\]"),
-        ("nan", "key_center holds NaN or Inf"),
-        ("dtype", "key_center must be float32"),
-        ("source", "the header's source must be an object"),
-        ("model_str", "the header's model facts must be an object"),
+        ("missing", "no such file", "no such file"),
+        ("garbage", "not a safetensors file", "not a safetensors file: its header is not JSON"),
+        ("truncated", "not a safetensors file", "not a safetensors file: its header claims"),
+        ("no_header", "no nexuskv_recipe header", "no nexuskv_recipe header"),
+        ("list_header", "no nexuskv_recipe header", "the nexuskv_recipe header must be a JSON object, got an array"),
+        ("no_fact", "the header's model facts lack 'head_dim'", "model facts need head_dim as an integer >= 1"),
+        (
+            "version",
+            "version 3; this nexuskv reads 'nexuskv-recipe' versions 1, 2",
+            "version 3; this nexuskv reads 'nexuskv-recipe' versions 1 to 2",
+        ),
+        ("format", "format 'other'", "format 'other'"),
+        ("no_tensor", "no key_center tensor", "no key_center tensor"),
+        ("shape", r"key_center must be float32 \[2, 2, 16\]", r"key_center must be float32 \[2, 2, 16\]"),
+        ("nan", "key_center holds NaN or Inf", "key_center holds NaN or Inf"),
+        ("dtype", "key_center must be float32", 'tensor "key_center" must be F32'),
+        ("source", "the header's source must be an object", "the header's source must be an object"),
+        ("model_str", "the header's model facts must be an object", "the header's model facts must be an object"),
+        ("bit_map_bits", r"bit_map holds \[5\]", r"bit_map holds 5 \(layer 1\)"),
+        ("bit_map_shape", r"bit_map must be int32 \[2, 2\]", r"bit_map must be int32 \[2, 2\]"),
+        ("bit_map_dtype", r"bit_map must be int32", 'tensor "bit_map" must be I32'),
+        ("sensitivity_alone", "sensitivity must be", "sensitivity must be"),
+        ("meta_dtype", "bits.meta_dtype must be one of", "bits.meta_dtype must be one of"),
     ],
 )
-def test_bad_files_fail_clearly(tmp_path, damage, message):
+def test_bad_files_fail_clearly(tmp_path, damage, message, cpp_message):
+    """Python's reader (ValueError) and the C++ one (torch.classes.nexuskv.Recipe: RuntimeError
+    naming the path) refuse the same files for the same reasons."""
     from safetensors.torch import save_file
 
     model = tiny_model("llama")
     good = str(tmp_path / "good.safetensors")
-    calibrate(model, _windows(model.config.vocab_size, n=1))[0].save(good)
+    recipe = calibrate(model, _windows(model.config.vocab_size, n=1))[0]
+    recipe.bit_map = torch.full((2, 2), 4, dtype=torch.int32)  # a version-2 file with a bit map
+    recipe.bits = {"group_size": 64, "meta_dtype": "bfloat16"}
+    recipe.save(good)
     header, tensors = _header(good)
     path = str(tmp_path / "bad.safetensors")
     if damage == "garbage":
         open(path, "wb").write(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
+    elif damage == "truncated":
+        open(path, "wb").write(open(good, "rb").read()[:100])
     elif damage == "no_header":
         save_file(tensors, path)
     elif damage != "missing":
         if damage == "version":
             header["version"] = 3
+        elif damage == "format":
+            header["format"] = "other"
         elif damage == "list_header":
             header = [header]
         elif damage == "no_fact":
@@ -149,6 +173,8 @@ def test_bad_files_fail_clearly(tmp_path, damage, message):
             header["source"] = "poems"
         elif damage == "model_str":
             header["model"] = "llama"
+        elif damage == "meta_dtype":
+            header["bits"]["meta_dtype"] = "int8"
         elif damage == "no_tensor":
             tensors = {"other": tensors["key_center"]}
         elif damage == "shape":
@@ -157,9 +183,138 @@ def test_bad_files_fail_clearly(tmp_path, damage, message):
             tensors["key_center"][1, 0, 3] = math.nan
         elif damage == "dtype":
             tensors["key_center"] = tensors["key_center"].half()
+        elif damage == "bit_map_bits":
+            tensors["bit_map"][1, 0] = 5
+        elif damage == "bit_map_shape":
+            tensors["bit_map"] = tensors["bit_map"][:1].contiguous()
+        elif damage == "bit_map_dtype":
+            tensors["bit_map"] = tensors["bit_map"].long()
+        elif damage == "sensitivity_alone":
+            tensors["sensitivity"] = torch.zeros(2, 2, 3)
+            del tensors["bit_map"]
         save_file(tensors, path, metadata={"nexuskv_recipe": json.dumps(header)})
     with pytest.raises(ValueError, match=message):
         Recipe.load(path)
+    with pytest.raises(RuntimeError, match=f"Recipe {path}: .*{cpp_message}"):
+        torch.classes.nexuskv.Recipe(path)
+    Recipe.load(good), torch.classes.nexuskv.Recipe(good)  # the undamaged file loads in both
+
+
+def _empty_of(dtype: int) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype)
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.name)
+def test_the_cpp_reader_reads_what_python_reads(path):
+    """torch.classes.nexuskv.Recipe (nexuskv/recipe.h: LibTorch and TorchScript) on every
+    committed recipe: the same facts, key means and bit map as nexuskv.recipe, bit for bit, and
+    the integer settings of the header's bits."""
+    assert COMMITTED
+    py, cpp = Recipe.load(str(path)), torch.classes.nexuskv.Recipe(str(path))
+    facts = py.model
+    assert cpp.path() == str(path) and cpp.version() == 2 and cpp.model_type() == facts["model_type"]
+    assert (cpp.layers(), cpp.kv_heads(), cpp.head_dim()) == (
+        facts["num_hidden_layers"],
+        facts["num_key_value_heads"],
+        facts["head_dim"],
+    )
+    assert torch.equal(cpp.key_center(), py.key_center)
+    assert cpp.has_bit_map() and torch.equal(cpp.bit_map(), py.bit_map)
+    by_layer = [(cpp.key_bits(i), cpp.value_bits(i)) for i in range(cpp.layers())]
+    assert by_layer == [tuple(r) for r in py.bit_map.tolist()]
+    settings = {k: v for k, v in py.bits.items() if isinstance(v, int) and not isinstance(v, bool)}
+    assert {"group_size", "residual", "sinks"} <= settings.keys()
+    assert all(cpp.setting(k) == v for k, v in settings.items())
+    assert cpp.setting("candidates") is None and cpp.setting("no such setting") is None
+    # A dtype is an int outside TorchScript; compare through a tensor of that dtype made there.
+    assert torch.jit.script(_empty_of)(cpp.meta_dtype()).dtype == getattr(torch, py.bits["meta_dtype"])
+    cpp.check_geometry(cpp.layers(), cpp.kv_heads(), cpp.head_dim())
+    with pytest.raises(
+        RuntimeError,
+        match=rf"was measured on another model: layers {cpp.layers() + 1} \(recipe: "
+        rf"{cpp.layers()}\), head_dim 7 \(recipe: {cpp.head_dim()}\); calibrate on this model",
+    ):
+        cpp.check_geometry(cpp.layers() + 1, cpp.kv_heads(), 7)
+    for bad in (-1, cpp.layers()):
+        with pytest.raises(RuntimeError, match=rf"key_bits: layer must be in \[0, {cpp.layers()}\), got {bad}"):
+            cpp.key_bits(bad)
+
+
+def test_a_recipe_without_bit_map_in_cpp(tmp_path):
+    """A version-1 recipe (key means only) loads in C++; what needs a bit map says so."""
+    from safetensors.torch import save_file
+
+    model = tiny_model("llama")
+    recipe = calibrate(model, _windows(model.config.vocab_size, n=1))[0]
+    path = str(tmp_path / "v1.safetensors")
+    header = {"format": "nexuskv-recipe", "version": 1, "model": recipe.model}
+    save_file({"key_center": recipe.key_center}, path, metadata={"nexuskv_recipe": json.dumps(header)})
+    cpp = torch.classes.nexuskv.Recipe(path)
+    assert cpp.version() == 1 and not cpp.has_bit_map() and cpp.bit_map() is None and cpp.meta_dtype() is None
+    assert torch.equal(cpp.key_center(), Recipe.load(path).key_center)
+    with pytest.raises(RuntimeError, match="value_bits needs a bit map, and this recipe has none"):
+        cpp.value_bits(0)
+
+
+def _layer_cache(path: str, layer: int, residual: int) -> torch.classes.nexuskv.KVCache:
+    """A layer's cache as a TorchScript program builds it from a recipe (scripted below):
+    the layer's bits from the map, the groups, sinks and meta dtype it was allocated for."""
+    r = torch.classes.nexuskv.Recipe(path)
+    group = r.setting("group_size")
+    value_group = r.setting("value_group_size")
+    sinks = r.setting("sinks")
+    assert group is not None and value_group is not None and sinks is not None
+    return torch.classes.nexuskv.KVCache(
+        r.key_bits(layer),
+        group,
+        -2,
+        0,
+        False,
+        r.value_bits(layer),
+        value_group,
+        -1,
+        0,
+        residual,
+        False,
+        0,
+        sinks,
+        0,
+        r.meta_dtype(),
+        None,
+    )
+
+
+def test_torchscript_builds_each_layers_cache_from_a_recipe():
+    """A scripted function builds every layer's KVCache from the C++ reader; each holds the
+    layer's bits: the same bytes and the same dequantized K/V as the cache Python builds from
+    nexuskv.recipe for that layer (make_cache), and the bytes differ where the bits do."""
+    scripted = torch.jit.script(_layer_cache)
+    path = str(next(p for p in COMMITTED if "smol" in p.name))
+    py = Recipe.load(path)
+    b = py.bits
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, py.model["num_key_value_heads"], 200, py.model["head_dim"], generator=g).bfloat16()
+    v = torch.randn(k.shape, generator=g).bfloat16()
+    seen = {}
+    for layer, (kb, vb) in enumerate(py.bit_map.tolist()):
+        ts = scripted(path, layer, 16)
+        ref = make_cache(
+            key_bits=kb,
+            key_group_size=b["group_size"],
+            value_bits=vb,
+            value_group_size=b["value_group_size"],
+            residual=16,
+            sinks=b["sinks"],
+            meta_dtype=getattr(torch, b["meta_dtype"]),
+        )
+        for c in (ts, ref):
+            c.append(k, v, None)
+        assert ts.compressed_lengths().tolist() == [200 - 16 - b["sinks"] - (200 - 16 - b["sinks"]) % b["group_size"]]
+        assert ts.nbytes() == ref.nbytes() and ts.compressed_nbytes() == ref.compressed_nbytes()
+        for x, y in zip(ts.dense(None), ref.dense(None)):
+            assert torch.equal(x, y)
+        seen.setdefault((kb, vb), ts.compressed_nbytes())
+    assert len(set(seen.values())) == len(seen) > 1  # the map's widths really differ in bytes
 
 
 def test_calibrate_cli_needs_out_and_checks_its_folder(capsys, monkeypatch):
@@ -200,3 +355,45 @@ def test_calibrate_cli_on_the_real_model(tmp_path, capsys):
     assert recipe.source["tokens"] == 128 and recipe.source["windows"] == 1
     norms = recipe.key_center.norm(dim=-1)  # [layers, kv_heads]
     assert norms.mean(-1).min() > 3.0, norms.mean(-1)
+
+
+def test_damaged_bytes_never_crash_the_cpp_reader(tmp_path):
+    """600 random damages of a real recipe's bytes (flipped bytes in the header or the data,
+    cuts, insertions, a forged header length): the C++ reader loads the file or raises a
+    RuntimeError naming it, never crashes or hangs (the sanitizer job runs this under ASan and
+    UBSan); whatever it loads, Python's reader loads too, with the same key means and bit map."""
+    import random
+
+    good = open(COMMITTED[0], "rb").read()
+    n = int.from_bytes(good[:8], "little")
+    rng = random.Random(0)
+    path = str(tmp_path / "damaged.safetensors")
+    loaded = refused = 0
+    for case in range(600):
+        b = bytearray(good)
+        kind = case % 4
+        if kind == 0:  # bytes of the JSON header
+            for _ in range(rng.randint(1, 4)):
+                b[rng.randrange(8, 8 + n)] = rng.randrange(256)
+        elif kind == 1:  # anywhere, the tensor data included
+            for _ in range(rng.randint(1, 8)):
+                b[rng.randrange(len(b))] = rng.randrange(256)
+        elif kind == 2:  # a cut or an insertion
+            at = rng.randrange(len(b))
+            b = b[:at] if rng.random() < 0.5 else b[:at] + bytes(rng.randrange(256) for _ in range(5)) + b[at:]
+        else:  # a forged header length
+            b[:8] = rng.choice([0, 1, n - 1, n + 1, len(b), 2**63, 2**64 - 1]).to_bytes(8, "little")
+        open(path, "wb").write(bytes(b))
+        try:
+            cpp = torch.classes.nexuskv.Recipe(path)
+        except RuntimeError as e:
+            assert f"Recipe {path}: " in str(e)
+            refused += 1
+            continue
+        loaded += 1
+        py = Recipe.load(path)
+        assert torch.equal(cpp.key_center(), py.key_center)
+        assert cpp.has_bit_map() == (py.bit_map is not None)
+        if py.bit_map is not None:
+            assert torch.equal(cpp.bit_map(), py.bit_map)
+    assert refused > 300 and loaded > 0  # both outcomes were exercised
