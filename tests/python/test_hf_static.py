@@ -126,3 +126,31 @@ def test_what_the_static_cache_does_not_take_is_a_clear_error():
     mask[0, :3] = 0
     with torch.inference_mode(), pytest.raises(NotImplementedError, match="takes no padded batches"):
         forward(model, _ids(16).view(2, 8), nhf.cache_for(model, static=True, max_cache_len=64), attention_mask=mask)
+
+
+def test_the_static_cache_reads_a_recipes_bit_map(tmp_path):
+    """cache_for(model, static=True, recipe=FILE): each layer's static cache takes the layer's
+    key and value bits from the recipe's bit map, and its logits are the dynamic cache's with
+    the same recipe (and differ from a uniform 8-bit cache's: the map is applied)."""
+    import nexuskv.hf as nhf
+    from nexuskv.recipe import calibrate
+
+    model = tiny_model("llama")
+    model.set_attn_implementation("nexuskv")
+    ids = _ids()
+    recipe, _ = calibrate(model, [ids[:, :PROMPT]])
+    bit_map = [[2, 4], [8, 3]]
+    assert len(bit_map) == model.config.num_hidden_layers
+    recipe.bit_map = torch.tensor(bit_map, dtype=torch.int32)
+    path = str(tmp_path / "recipe.safetensors")
+    recipe.save(path)
+    kw = dict(group_size=8, residual=8, recipe=path)
+    cache = nhf.cache_for(model, **kw, static=True, max_cache_len=128)
+    assert [[layer.settings["bits"], layer.settings["value_bits"]] for layer in cache.layers] == bit_map
+    static = _logits(model, cache, ids)
+    dynamic = _logits(model, nhf.cache_for(model, **kw), ids)
+    assert float((static - dynamic).abs().max() / dynamic.std()) < 1e-5
+    uniform = _logits(
+        model, nhf.cache_for(model, bits=8, group_size=8, residual=8, static=True, max_cache_len=128), ids
+    )
+    assert float((static - uniform).abs().max() / uniform.std()) > 1e-3
