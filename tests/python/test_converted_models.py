@@ -1,0 +1,67 @@
+"""NEXUSKV_CONVERTED_MODELS (nexuskv.converted_models): a GGUF converted once is loaded from
+its entry afterwards, with the same weights, logits and tokens as from the GGUF itself; an
+entry is named by the file and the transformers version; a tokenizer that would not
+reload the same is not kept."""
+
+import os
+
+import torch
+
+from hf_helpers import requires_model
+from nexuskv import converted_models, models
+
+
+@requires_model[0]
+@requires_model[1]
+def test_a_converted_model_loads_as_the_gguf_does(tmp_path, monkeypatch):
+    monkeypatch.setenv(converted_models.ENV, "")
+    ref, ref_tok = models.load_model(torch.bfloat16)  # from the GGUF, no cache
+    monkeypatch.setenv(converted_models.ENV, str(tmp_path))
+    entry = converted_models.entry_dir(os.path.join(models.gguf_dir(), models.GGUF_FILE))
+    assert entry is not None and os.path.dirname(entry) == str(tmp_path) and not os.path.exists(entry)
+    first, _ = models.load_model(torch.bfloat16)  # converts
+    assert sorted(os.listdir(entry)) == ["model", "tokenizer"] and os.listdir(tmp_path) == [os.path.basename(entry)]
+    model, tok = models.load_model(torch.bfloat16)  # from the entry
+    assert model.name_or_path == os.path.join(entry, "model") and first.name_or_path == model.name_or_path
+    assert models.load_tokenizer().__class__ is tok.__class__  # the tokenizer alone comes from it too
+    state, ref_state = model.state_dict(), ref.state_dict()
+    assert state.keys() == ref_state.keys()
+    assert all(state[k].dtype == torch.bfloat16 and torch.equal(state[k], ref_state[k]) for k in state)
+    assert converted_models.tokenizers_agree(ref_tok, tok)
+    assert models.sequence_prefix(tok) == models.sequence_prefix(ref_tok)
+    text = models.load_text()[:2000]
+    ids = ref_tok(text, return_tensors="pt").input_ids[:, :256]
+    assert torch.equal(tok(text, return_tensors="pt").input_ids[:, :256], ids)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    # Another transformers version or another file is another entry.
+    monkeypatch.setattr("transformers.__version__", "0.0.0")
+    assert converted_models.entry_dir(os.path.join(models.gguf_dir(), models.GGUF_FILE)) != entry
+
+
+@requires_model[0]
+@requires_model[1]
+def test_a_tokenizer_that_reloads_differently_is_told_apart():
+    import copy
+
+    tok = models.load_tokenizer()
+    assert converted_models.tokenizers_agree(tok, copy.deepcopy(tok))
+    other = copy.deepcopy(tok)
+    other.chat_template = "{{ messages }}"
+    assert not converted_models.tokenizers_agree(tok, other)
+    other = copy.deepcopy(tok)
+    other.add_special_tokens({"bos_token": "<|im_end|>"})
+    assert not converted_models.tokenizers_agree(tok, other)
+
+
+def test_the_cache_is_off_without_the_variable(monkeypatch, tmp_path):
+    monkeypatch.delenv(converted_models.ENV, raising=False)
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"x")
+    assert converted_models.entry_dir(str(f)) is None
+    monkeypatch.setenv(converted_models.ENV, "  ")
+    assert converted_models.entry_dir(str(f)) is None
+    monkeypatch.setenv(converted_models.ENV, str(tmp_path / "c"))
+    a = converted_models.entry_dir(str(f))
+    f.write_bytes(b"xy")  # another size: another entry
+    assert a.startswith(str(tmp_path / "c")) and converted_models.entry_dir(str(f)) != a
