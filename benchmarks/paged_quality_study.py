@@ -20,9 +20,9 @@ squared score error E|q . e|^2 when e's size follows the key's norm (per-token r
 the Hadamard rotation): M^T M = Sq^-1/2 (Sq^1/2 Sk Sq^1/2)^1/2 Sq^-1/2 (the geometric mean of
 Sq^-1 and Sk; Sq the queries' second moment per kv head, Sk the centered keys' covariance,
 both on the calibration text), predicted to reduce that error's variance by the factor
-(sum of the singular values of Sk^1/2 Sq^1/2)^2 / (tr Sq tr Sk); "diag" is its diagonal
-restriction, per-channel smoothing (channel c scaled by (Sk_cc / Sq_cc)^1/4 in q, its inverse
-in k).  The transform is recipe-only (no bytes), like the centering.
+(sum of the singular values of Sk^1/2 Sq^1/2)^2 / (tr Sq tr Sk); "diag" is the optimum over
+diagonal M, per-channel smoothing (channel c scaled by (Sk_cc / Sq_cc)^1/4 in q, its inverse
+in k), factor (sum_c (Sq_cc Sk_cc)^1/2)^2 / (tr Sq tr Sk).  The transform is recipe-only (no bytes), like the centering.
 
 Perplexity of a text (default: Debian's reference manual) over ``--windows`` segments of
 ``--tokens`` consecutive tokens (each after the tokenizer's sequence start, one forward pass
@@ -131,8 +131,8 @@ def _matrix_power(x: torch.Tensor, p: float) -> torch.Tensor:
 @torch.no_grad()
 def fitted_transforms(model, windows, key_center: torch.Tensor) -> tuple[dict, torch.Tensor]:
     """The rows' fitted M per layer and kv head ({"full", "diag"}: float64 [layers, kv_heads,
-    D, D]) from the queries' and centered keys' second moments over `windows`, and the
-    full M's predicted factor on the score error's variance [layers, kv_heads]."""
+    D, D]) from the queries' and centered keys' second moments over `windows`, and each M's
+    predicted factor on the score error's variance ({"full", "diag"}: [layers, kv_heads])."""
     from nexuskv.models import capture_qkv
 
     sq = sk = None
@@ -161,7 +161,10 @@ def fitted_transforms(model, windows, key_center: torch.Tensor) -> tuple[dict, t
     a, b = sq.diagonal(dim1=-2, dim2=-1), sk.diagonal(dim1=-2, dim2=-1)
     diag = torch.diag_embed((b / a).pow(0.25))
     sv = torch.linalg.eigvalsh(middle).clamp_min(0).sqrt().sum(-1)
-    predicted = sv.square() / (a.sum(-1) * b.sum(-1))
+    predicted = {
+        "full": sv.square() / (a.sum(-1) * b.sum(-1)),
+        "diag": (a * b).sqrt().sum(-1).square() / (a.sum(-1) * b.sum(-1)),
+    }
     return {"full": full, "diag": diag}, predicted
 
 
@@ -266,7 +269,10 @@ def main():
     predicted = None
     if any(r.transform and (not a.rows or r.name in a.rows) for r in ROWS):
         study.transforms, predicted = fitted_transforms(model, calib, recipe.key_center)
-        print(f"fitted transform: predicted score-error variance x{predicted.mean():.3f} (mean over layers and heads)")
+        print(
+            f"predicted score-error variance (mean over layers and heads): fitted transform "
+            f"x{predicted['full'].mean():.3f}, fitted smoothing x{predicted['diag'].mean():.3f}"
+        )
     AttentionInterface.register("nexuskv_study", study)
     # SDPA's masks for it (sliding windows included), as nexuskv.models.capture_qkv does:
     # without a mask builder transformers builds none, and every layer would attend causally
@@ -312,10 +318,11 @@ def main():
         "rows": results,
     }
     if predicted is not None:
-        report["fitted_transform_predicted_variance_factor"] = {
-            "mean": predicted.mean().item(),
-            "per_layer": predicted.mean(1).tolist(),
-        }
+        for kind, name in (("full", "fitted_transform"), ("diag", "fitted_smoothing")):
+            report[f"{name}_predicted_variance_factor"] = {
+                "mean": predicted[kind].mean().item(),
+                "per_layer": predicted[kind].mean(1).tolist(),
+            }
     if a.out:
         with open(a.out, "w") as f:
             json.dump(report, f, indent=1)

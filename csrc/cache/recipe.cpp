@@ -40,10 +40,15 @@ std::optional<at::ScalarType> scalar_type(const std::string& name) {
 
 Recipe::Recipe(const std::string& path) : path_(path) {
   const std::string who = "Recipe " + path + ": ";
-  TORCH_CHECK(std::filesystem::is_regular_file(path), who, "no such file (make one with python -m nexuskv calibrate)");
+  std::error_code error;  // (the overload without one throws std::filesystem_error, e.g. on EACCES)
+  const bool regular = std::filesystem::is_regular_file(path, error);
+  TORCH_CHECK(regular, who,
+              error && error != std::errc::no_such_file_or_directory
+                  ? "cannot read it (" + error.message() + ")"
+                  : std::string("no such file (make one with python -m nexuskv calibrate)"));
   st::File file;
   try {
-    file = st::read(path);
+    file = st::read(path, kMaxFileBytes);
   } catch (const st::FormatError& e) {
     TORCH_CHECK(false, who, e.what());
   }
@@ -61,10 +66,13 @@ Recipe::Recipe(const std::string& path) : path_(path) {
   const bool known_format = format && format->kind == json::Value::Kind::String && format->string == kFormat;
   const bool known_version =
       version && version->is_integer && version->integer >= kMinVersion && version->integer <= kMaxVersion;
-  TORCH_CHECK(known_format && known_version, who, "format ",
-              format && format->kind == json::Value::Kind::String ? "'" + format->string + "'" : "(none)", " version ",
-              version && version->is_integer ? std::to_string(version->integer) : "(none)", "; this nexuskv reads '",
-              kFormat, "' versions ", kMinVersion, " to ", kMaxVersion);
+  auto shown = [](const json::Value* v) {
+    if (!v) return std::string("(none)");
+    if (v->kind == json::Value::Kind::String) return "'" + v->string + "'";
+    return v->is_integer ? std::to_string(v->integer) : std::string(v->kind_name());
+  };
+  TORCH_CHECK(known_format && known_version, who, "format ", shown(format), " version ", shown(version),
+              "; this nexuskv reads '", kFormat, "' versions ", kMinVersion, " to ", kMaxVersion);
   version_ = version->integer;
 
   if (const json::Value* source = header.find("source"))
@@ -76,7 +84,10 @@ Recipe::Recipe(const std::string& path) : path_(path) {
   auto fact = [&](const char* name) {
     const json::Value* v = model->find(name);
     TORCH_CHECK(v && v->is_integer && v->integer >= 1, who, "the header's model facts need ", name,
-                " as an integer >= 1, got ", v ? v->kind_name() : "none");
+                " as an integer >= 1, got ",
+                !v              ? "none"
+                : v->is_integer ? std::to_string(v->integer)
+                                : v->kind_name());
     return v->integer;
   };
   layers_ = fact("num_hidden_layers"), kv_heads_ = fact("num_key_value_heads"), head_dim_ = fact("head_dim");

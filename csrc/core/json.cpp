@@ -3,8 +3,10 @@
 #include "nexuskv/core/json.h"
 
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <string>
+#include <unordered_set>
 
 namespace nexuskv::core::json {
 namespace {
@@ -24,6 +26,7 @@ class Parser {
  private:
   std::string_view s_;
   size_t pos_ = 0;
+  int64_t values_ = 0;
 
   [[noreturn]] void fail(const std::string& expected) const {
     std::string got = pos_ < s_.size() ? "'" + printable(s_[pos_]) + "'" : "the end of the text";
@@ -54,6 +57,7 @@ class Parser {
 
   Value value(int depth) {
     if (depth >= kMaxDepth) fail("at most " + std::to_string(kMaxDepth) + " levels of nesting");
+    if (++values_ > kMaxValues) fail("at most " + std::to_string(kMaxValues) + " values in the text");
     Value v;
     if (pos_ >= s_.size()) fail("a value");
     switch (s_[pos_]) {
@@ -63,7 +67,16 @@ class Parser {
       case 't': expect_word("true"), v.kind = Value::Kind::Bool, v.boolean = true; break;
       case 'f': expect_word("false"), v.kind = Value::Kind::Bool; break;
       case 'n': expect_word("null"); break;
-      default: number(v); break;
+      // Python's json writes these for float('nan') and +-inf (recipe headers can hold them).
+      case 'N': expect_word("NaN"), v.kind = Value::Kind::Number, v.number = std::nan(""); break;
+      case 'I': expect_word("Infinity"), v.kind = Value::Kind::Number, v.number = HUGE_VAL; break;
+      default:
+        if (s_.substr(pos_, 9) == "-Infinity") {
+          pos_ += 9, v.kind = Value::Kind::Number, v.number = -HUGE_VAL;
+          break;
+        }
+        number(v);
+        break;
     }
     return v;
   }
@@ -73,12 +86,13 @@ class Parser {
     ++pos_;  // '{'
     skip_space();
     if (take('}')) return;
+    std::unordered_set<std::string> seen;  // (find() per key would be quadratic in the members)
     for (;;) {
       skip_space();
       if (pos_ >= s_.size() || s_[pos_] != '"') fail("a string (an object key)");
       const size_t at = pos_;
       std::string key = string();
-      if (v.find(key)) {
+      if (!seen.insert(key).second) {
         pos_ = at;
         fail("a key not seen before in this object (\"" + key + "\" is repeated)");
       }
@@ -184,12 +198,17 @@ class Parser {
         case 't': out += '\t'; break;
         case 'u': {
           unsigned cp = hex4();
-          if (cp >= 0xdc00 && cp < 0xe000) fail("a high surrogate before a low one");
-          if (cp >= 0xd800 && cp < 0xdc00) {
-            if (!(take('\\') && take('u'))) fail("a low surrogate (\\uDC00-\\uDFFF) after a high one");
+          // A high surrogate followed by a low one is one code point; a surrogate alone
+          // (Python's json writes one for each undecodable byte of a path, \udcXX) is kept
+          // as its three-byte form, as Python's "surrogatepass" would.
+          if (cp >= 0xd800 && cp < 0xdc00 && s_.substr(pos_, 2) == "\\u") {
+            const size_t before = pos_;
+            pos_ += 2;
             const unsigned lo = hex4();
-            if (lo < 0xdc00 || lo >= 0xe000) fail("a low surrogate (\\uDC00-\\uDFFF) after a high one");
-            cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
+            if (lo >= 0xdc00 && lo < 0xe000)
+              cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
+            else
+              pos_ = before;  // not a pair: the next escape stands alone
           }
           append_utf8(out, cp);
           break;

@@ -59,7 +59,9 @@ Entry entry(const std::string& name, const json::Value& v, uint64_t data_bytes) 
 
 int64_t Entry::numel() const {
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;  // bounded by the byte count checked at parse
+  for (int64_t d : shape)
+    if (d == 0) return 0;          // (the other dimensions may then be anything: no product of them)
+  for (int64_t d : shape) n *= d;  // <= the bytes checked at parse
   return n;
 }
 
@@ -129,13 +131,15 @@ File parse(const std::string& bytes) {
   return f;
 }
 
-File read(const std::string& path) {
+File read(const std::string& path, uint64_t max_bytes) {
   std::ifstream in(path, std::ios::binary);
   if (!in) fail("cannot open the file");
   in.seekg(0, std::ios::end);
   const std::streamoff size = in.tellg();
   if (size < 0) fail("cannot read the file's size (not a regular file?)");
-  if (uint64_t(size) > kMaxBytes) fail("the file has " + std::to_string(size) + " bytes, more than this reader loads");
+  if (uint64_t(size) > max_bytes)
+    fail("the file has " + std::to_string(size) + " bytes, more than the " + std::to_string(max_bytes) +
+         " this reader loads");
   std::string bytes(size_t(size), '\0');
   in.seekg(0);
   if (!in.read(bytes.data(), size)) fail("cannot read the file");

@@ -15,12 +15,15 @@ the chat template as the GGUF's does (else only the weights are kept and the tok
 rebuilt from the GGUF each time, as without the cache); the weights are the GGUF's float32
 ones, written by save_pretrained.  An entry is named by the GGUF file's path, size and
 modification time and the transformers version, and appears whole or not at all (written
-under a temporary name, then renamed).
+under a temporary name, then renamed; a conversion killed midway leaves a `.converting-*`
+folder in DIR, which may be deleted).  A model loaded from an entry reports the GGUF's folder as
+its name_or_path, as a fresh load does.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -30,6 +33,7 @@ import torch
 
 ENV = "NEXUSKV_CONVERTED_MODELS"
 FORMAT = 1  # of an entry's layout: model/ (+ tokenizer/ when it passed the check)
+_SIDES = "nexuskv_sides.json"  # beside the saved tokenizer: its padding and truncation sides
 _PROBE = "The Debian system: apt-get install ñandú — 42 € 日本語\n\tend."
 
 
@@ -38,22 +42,65 @@ def entry_dir(gguf_path: str) -> Optional[str]:
     root = os.environ.get(ENV, "").strip()
     if not root:
         return None
+    import tokenizers
     import transformers
 
     st = os.stat(gguf_path)
-    key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{FORMAT}"
+    # What makes the conversion: the file, the libraries that read it, and nexuskv's own code
+    # that builds its tokenizer and writes the entry (their source, so a fix changes the name).
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = hashlib.sha256()
+    for name in ("converted_models.py", "gguf_tokenizer.py", "models.py"):
+        with open(os.path.join(here, name), "rb") as f:
+            code.update(f.read())
+    key = "|".join(
+        map(
+            str,
+            (
+                os.path.abspath(gguf_path),
+                st.st_size,
+                st.st_mtime_ns,
+                transformers.__version__,
+                tokenizers.__version__,
+                code.hexdigest(),
+                FORMAT,
+            ),
+        )
+    )
     return os.path.join(root, f"{os.path.basename(gguf_path)}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
 
 
 def tokenizers_agree(a, b) -> bool:
-    """Whether tokenizer b encodes and decodes as a does (the probe, with and without special
-    tokens; the special tokens; the chat template)."""
-    for kw in ({}, {"add_special_tokens": False}):
-        ids = a(_PROBE, **kw).input_ids
-        if ids != b(_PROBE, **kw).input_ids or a.decode(ids) != b.decode(ids):
-            return False
-    names = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "chat_template")
-    return all(getattr(a, n, None) == getattr(b, n, None) for n in names) and len(a) == len(b)
+    """Whether tokenizer b encodes and decodes as a does: probe texts (plain, with whitespace
+    runs, with every special and added token written out) with and without special tokens,
+    decoding with and without them, a chat rendered by the template; the special tokens,
+    the template itself, the padding side and the vocabulary."""
+    added = "".join(f" {t} x" for t in sorted(a.get_vocab().keys() & set(a.all_special_tokens)))
+    added += "".join(f"{t}y " for t in sorted(a.get_added_vocab()))
+    for text in (_PROBE, "  two  spaces\n\n\tand tabs   ", added):
+        for kw in ({}, {"add_special_tokens": False}):
+            ids = a(text, **kw).input_ids
+            if ids != b(text, **kw).input_ids:
+                return False
+            if any(a.decode(ids, skip_special_tokens=s) != b.decode(ids, skip_special_tokens=s) for s in (False, True)):
+                return False
+    if getattr(a, "chat_template", None):
+        chat = [{"role": "user", "content": _PROBE}, {"role": "assistant", "content": "apt"}]
+        try:
+            if a.apply_chat_template(chat, tokenize=False) != b.apply_chat_template(chat, tokenize=False):
+                return False
+        except Exception:  # a template that cannot render this chat: compared as text below
+            pass
+    names = (
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "unk_token_id",
+        "chat_template",
+        "padding_side",
+        "truncation_side",
+    )
+    return all(getattr(a, n, None) == getattr(b, n, None) for n in names) and a.get_vocab() == b.get_vocab()
 
 
 def load_tokenizer(entry: str):
@@ -63,9 +110,13 @@ def load_tokenizer(entry: str):
         return None
     from transformers import PreTrainedTokenizerFast
 
+    with open(os.path.join(path, _SIDES)) as f:
+        sides = json.load(f)
     # The fast class itself: tokenizer.json holds the whole pipeline (the class named in
     # tokenizer_config.json can rebuild it differently on transformers 5, see docs/vllm.md).
-    return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    # The padding and truncation sides are not in what save_pretrained writes from a GGUF's
+    # tokenizer (SmolLM2's pads left): passed back as they were.
+    return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True, **sides)
 
 
 def _save_weights(gguf_model, path: str) -> None:
@@ -100,12 +151,16 @@ def convert(where: str, kw: dict, tokenizer) -> Optional[str]:
             AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kw), os.path.join(tmp, "model")
         )
         tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
+        with open(os.path.join(tmp, "tokenizer", _SIDES), "w") as f:
+            json.dump({"padding_side": tokenizer.padding_side, "truncation_side": tokenizer.truncation_side}, f)
         if not tokenizers_agree(tokenizer, load_tokenizer(tmp)):
             shutil.rmtree(os.path.join(tmp, "tokenizer"))
         try:
             os.rename(tmp, entry)
-        except OSError:  # another process kept the same conversion first
+        except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
+            if not os.path.isdir(entry):  # not "another process kept the same conversion first"
+                raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

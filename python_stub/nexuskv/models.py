@@ -111,9 +111,11 @@ def load_model(dtype: torch.dtype = torch.bfloat16, attn_implementation: str = "
     where, kw = _resolve(path)
     tokenizer = _kept_tokenizer(where, kw) or _tokenizer(where, kw)
     entry = converted_models.convert(where, kw, tokenizer) if "gguf_file" in kw else None
+    source = where
     if entry is not None:
         where, kw = os.path.join(entry, "model"), dict(local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation=attn_implementation, **kw)
+    model.config._name_or_path = model.name_or_path = source  # the GGUF's folder, also when loaded from its entry
     model.eval()
     return model, tokenizer
 

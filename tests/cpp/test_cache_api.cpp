@@ -11,6 +11,8 @@
 #include <memory>
 #include <string>
 
+#include <unistd.h>
+
 #include "catch_compat.h"
 #include "nexuskv/cache.h"
 #include "nexuskv/compressor.h"
@@ -256,7 +258,9 @@ namespace {
 // A recipe file as `python -m nexuskv calibrate` writes one (nexuskv/recipe.h):
 // 2 layers, 1 kv head, head_dim 16, bit map {{4, 2}, {8, 3}}.
 std::string write_recipe(const std::string& name, const std::string& recipe_json) {
-  const std::string path = (std::filesystem::temp_directory_path() / name).string();
+  // (The process id in the name: parallel ctest runs do not share the file.)
+  const std::string path =
+      (std::filesystem::temp_directory_path() / (std::to_string(::getpid()) + "_" + name)).string();
   std::string data(2 * 16 * 4 + 4 * 4, '\0');
   for (int i = 0; i < 32; ++i) {
     const float x = 0.25f * float(i - 7);

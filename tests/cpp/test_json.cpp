@@ -1,6 +1,7 @@
 // The strict JSON reader and the safetensors container reader of the core
 // (nexuskv/core/json.h, safetensors.h), without torch: what they accept, and
 // that every damaged input is an error naming where, never a crash.
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -85,14 +86,21 @@ TEST_CASE("json: every malformed text is an error naming the byte", "[json]") {
   CHECK(json_error("1.", "a digit after '.'"));
   CHECK(json_error("1e", "a digit in the exponent"));
   CHECK(json_error("-", "a value"));
-  CHECK(json_error("NaN", "a value"));
+  CHECK(json_error("nan", "'null'"));
+  CHECK(json_error("Infinit", "'Infinity'"));
   CHECK(json_error("tru", "'true'"));
   CHECK(json_error("\"abc", "the end of the string"));
   CHECK(json_error("\"a\tb\"", "no raw control character"));
   CHECK(json_error("\"\\x\"", "one of"));
   CHECK(json_error("\"\\u12g4\"", "four hex digits"));
-  CHECK(json_error("\"\\ud83d\"", "a low surrogate"));
-  CHECK(json_error("\"\\ude00\"", "a high surrogate before a low one"));
+  // Python's json: NaN and the infinities, and a lone surrogate (kept as its three bytes).
+  const json::Value py = json::parse("[NaN, Infinity, -Infinity, \"\\udcff\\ud83d\\u0041\"]");
+  CHECK(std::isnan(py.array[0].number));
+  CHECK((std::isinf(py.array[1].number) && py.array[1].number > 0));
+  CHECK((std::isinf(py.array[2].number) && py.array[2].number < 0 && !py.array[2].is_integer));
+  CHECK(py.array[3].string ==
+        "\xed\xb3\xbf\xed\xa0\xbd"
+        "A");
   CHECK(json_error("{\"a\" 1}", "':'"));
   CHECK(json_error("[1 2]", "',' or ']'"));
   CHECK(json_error(std::string("[1,\0]", 5), "\\x00"));
@@ -104,6 +112,15 @@ TEST_CASE("json: every malformed text is an error naming the byte", "[json]") {
   // Nesting is bounded: no recursion deeper than kMaxDepth.
   CHECK_NOTHROW(json::parse(std::string(json::kMaxDepth, '[') + std::string(json::kMaxDepth, ']')));
   CHECK(json_error(std::string(100000, '['), "levels of nesting"));
+  // Bounded work: many values are refused, many keys cost linear time.
+  std::string many = "[";
+  for (int64_t i = 0; i <= json::kMaxValues; ++i) many += "0,";
+  many += "0]";
+  CHECK(json_error(many, "values in the text"));
+  std::string keys = "{";
+  for (int i = 0; i < 200000; ++i) keys += "\"k" + std::to_string(i) + "\": 0,";
+  keys += "\"k7\": 1}";
+  CHECK(json_error(keys, "\"k7\" is repeated"));
 }
 
 TEST_CASE("safetensors: a file's tensors, metadata and bytes", "[json]") {

@@ -19,11 +19,24 @@ def test_a_converted_model_loads_as_the_gguf_does(tmp_path, monkeypatch):
     monkeypatch.setenv(converted_models.ENV, str(tmp_path))
     entry = converted_models.entry_dir(os.path.join(models.gguf_dir(), models.GGUF_FILE))
     assert entry is not None and os.path.dirname(entry) == str(tmp_path) and not os.path.exists(entry)
-    first, _ = models.load_model(torch.bfloat16)  # converts
+    from transformers import AutoModelForCausalLM
+
+    loaded_from = []
+    from_pretrained = AutoModelForCausalLM.from_pretrained
+
+    def spy(where, *args, **kw):
+        loaded_from.append(where)
+        return from_pretrained(where, *args, **kw)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    models.load_model(torch.bfloat16)  # converts (a float32 load of the GGUF), then loads the entry
     assert sorted(os.listdir(entry)) == ["model", "tokenizer"] and os.listdir(tmp_path) == [os.path.basename(entry)]
-    model, tok = models.load_model(torch.bfloat16)  # from the entry
-    assert model.name_or_path == os.path.join(entry, "model") and first.name_or_path == model.name_or_path
-    assert models.load_tokenizer().__class__ is tok.__class__  # the tokenizer alone comes from it too
+    model, tok = models.load_model(torch.bfloat16)  # from the entry alone
+    assert loaded_from == [models.gguf_dir(), os.path.join(entry, "model"), os.path.join(entry, "model")]
+    assert model.name_or_path == ref.name_or_path == models.gguf_dir()  # what a fresh load reports
+    # The entry kept its tokenizer (it reloads the same), and load_tokenizer takes it too.
+    assert converted_models.load_tokenizer(entry) is not None
+    assert converted_models.tokenizers_agree(ref_tok, models.load_tokenizer())
     state, ref_state = model.state_dict(), ref.state_dict()
     assert state.keys() == ref_state.keys()
     assert all(state[k].dtype == torch.bfloat16 and torch.equal(state[k], ref_state[k]) for k in state)

@@ -11,7 +11,7 @@ import struct
 
 import pytest
 
-from nexuskv import gguf_tokenizer, models
+from nexuskv import converted_models, gguf_tokenizer, models
 
 SENTENCE = "In the beginning God created the heaven and the earth."
 # The real tokens (transformers 5.24; transformers 4.57's own Gemma tokenizer cut this
@@ -21,6 +21,15 @@ SMOLLM2_IDS = [788, 260, 3616, 1839, 2312, 260, 10419, 284, 260, 3103, 30]  # no
 
 needs_smollm2 = pytest.mark.skipif(not models.model_available(), reason=f"needs {models.GGUF_PACKAGE}")
 needs_gemma3 = pytest.mark.skipif(not models.gemma3_available(), reason=f"needs {models.GEMMA3_PACKAGE}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tokenizers_built_from_the_gguf():
+    """These tests are of the tokenizers nexuskv and transformers build from a GGUF, not of the
+    copies kept by NEXUSKV_CONVERTED_MODELS (tests/run.sh sets it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(converted_models.ENV, raising=False)
+        yield
 
 
 @pytest.fixture(scope="module")

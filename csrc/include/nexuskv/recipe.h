@@ -15,14 +15,17 @@
 // container (core/safetensors.h), the header, the model facts the cache needs
 // (num_hidden_layers, num_key_value_heads, head_dim: integers >= 1),
 // key_center's dtype, shape and finiteness, the bit map's shape and bits
-// (2, 3, 4, 8), the sensitivity's shape beside it.
+// (2, 3, 4, 8), the sensitivity's shape (float32) beside it.  The file may
+// not exceed kMaxFileBytes.
 //
 // Using it: cache_options(layer, base) is `base` with the layer's key and
 // value bits from the bit map, what cache_for(model, recipe=...) does in
 // Python; every other setting stays the caller's, and setting("group_size"),
 // setting("value_group_size"), setting("residual"), setting("sinks") give the
 // ones the map was allocated for (what it measured).  check_geometry() refuses
-// a model of another shape.  key_center is for per-token keys (the vLLM
+// a model of another shape (layers, kv heads, head_dim: what a C++ program
+// knows of its model; Python's Recipe.check_model compares every fact of the
+// config).  key_center is for per-token keys (the vLLM
 // backend); nexuskv's own cache quantizes keys per channel and needs none.
 #pragma once
 
@@ -42,6 +45,8 @@ class Recipe : public torch::CustomClassHolder {
  public:
   static constexpr const char* kFormat = "nexuskv-recipe";
   static constexpr int64_t kMinVersion = 1, kMaxVersion = 2;
+  // A recipe holds kilobytes to a few megabytes (key means: layers x kv heads x head_dim floats).
+  static constexpr uint64_t kMaxFileBytes = uint64_t(256) << 20;
 
   // Reads and checks the recipe at `path` (TORCH_CHECK: "Recipe <path>: ...").
   explicit Recipe(const std::string& path);

@@ -6,12 +6,14 @@
 // headers are small and written by nexuskv (or safetensors) itself; what must
 // not happen is a crash, a hang or a silent misreading on a damaged file.  So
 // the reader is strict: one value, whitespace around it only; no trailing
-// commas, comments, NaN or leading zeros; strings must be valid UTF-8 and valid
+// commas, comments or leading zeros; strings must be valid UTF-8 and valid
 // escapes (\uXXXX with paired surrogates becomes UTF-8) without raw control
-// characters;
-// duplicate object keys are refused; nesting deeper than kMaxDepth is refused
-// (no stack overflow).  Errors are ParseError (a std::runtime_error) naming
-// the byte offset and what was expected there.
+// characters; duplicate object keys are refused; nesting deeper than kMaxDepth
+// and more than kMaxValues values are refused (no stack overflow, bounded
+// memory, work linear in the text).  What Python's json module writes by
+// default is read too: NaN, Infinity, -Infinity, and a lone surrogate escape
+// (kept in its three-byte form).  Errors are ParseError (a std::runtime_error)
+// naming the byte offset and what was expected there.
 #pragma once
 
 #include <cstdint>
@@ -28,6 +30,7 @@ struct ParseError : std::runtime_error {
 };
 
 constexpr int kMaxDepth = 64;
+constexpr int64_t kMaxValues = int64_t(1) << 20;
 
 struct Value {
   enum class Kind { Null, Bool, Number, String, Array, Object };

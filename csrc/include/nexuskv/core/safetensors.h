@@ -28,8 +28,8 @@ struct FormatError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-constexpr uint64_t kMaxHeaderBytes = uint64_t(100) << 20;  // safetensors' own limit
-constexpr uint64_t kMaxBytes = uint64_t(1) << 30;          // what this reader loads into memory
+constexpr uint64_t kMaxHeaderBytes = 100000000;    // the safetensors library's own limit
+constexpr uint64_t kMaxBytes = uint64_t(1) << 30;  // the most read() loads into memory
 
 struct Entry {
   std::string dtype;  // "F32", "I32", ... (element_size() > 0)
@@ -53,7 +53,7 @@ int64_t element_size(const std::string& dtype);
 
 // Parses the bytes of a whole file.
 File parse(const std::string& bytes);
-// Reads and parses the file at `path`.
-File read(const std::string& path);
+// Reads and parses the file at `path`, refused when larger than max_bytes.
+File read(const std::string& path, uint64_t max_bytes = kMaxBytes);
 
 }  // namespace nexuskv::core::safetensors
