@@ -10,11 +10,12 @@ same values as from the GGUF; the config; the tokenizer) and loads from there af
 conversion is cached within one run and never between runs.
 
 What is reused must be what a fresh load gives, so a conversion is checked before it is kept:
-the tokenizer reloaded from DIR must encode and decode a probe text, the special tokens and
-the chat template as the GGUF's does (else only the weights are kept and the tokenizer is
-rebuilt from the GGUF each time, as without the cache); the weights are the GGUF's float32
-ones, written by save_pretrained.  An entry is named by the GGUF file's path, size and
-modification time and the transformers version, and appears whole or not at all (written
+the tokenizer reloaded from DIR must agree with the GGUF's (tokenizers_agree: probe texts,
+special and added tokens, the chat template, the vocabulary, padding and truncation sides;
+else only the weights are kept and the tokenizer is rebuilt from the GGUF each time, as
+without the cache); the weights are the GGUF's float32 ones, written by save_pretrained.  An
+entry is named by the GGUF file's path, size and modification time, the transformers and
+tokenizers versions and the source of nexuskv's conversion code, and appears whole or not at all (written
 under a temporary name, then renamed; a conversion killed midway leaves a `.converting-*`
 folder in DIR, which may be deleted).  A model loaded from an entry reports the GGUF's folder as
 its name_or_path, as a fresh load does.
@@ -135,13 +136,11 @@ def _save_weights(gguf_model, path: str) -> None:
     plain.save_pretrained(path)
 
 
-def convert(where: str, kw: dict, tokenizer) -> Optional[str]:
-    """Converts the GGUF at where/kw["gguf_file"] into its entry (once) and returns the entry,
-    None when the cache is off.  `tokenizer` is the one loaded from the GGUF (the reference
-    of the check)."""
-    entry = entry_dir(os.path.join(where, kw["gguf_file"]))
-    if entry is None or os.path.isdir(entry):
-        return entry
+def convert(entry: str, where: str, kw: dict, tokenizer) -> None:
+    """Converts the GGUF at where/kw["gguf_file"] into `entry` (its entry_dir()) unless it is
+    there already.  `tokenizer` is the one loaded from the GGUF (the reference of the check)."""
+    if os.path.isdir(entry):
+        return
     from transformers import AutoModelForCausalLM
 
     os.makedirs(os.path.dirname(entry), exist_ok=True)
@@ -164,4 +163,3 @@ def convert(where: str, kw: dict, tokenizer) -> Optional[str]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return entry

@@ -109,10 +109,11 @@ def load_model(dtype: torch.dtype = torch.bfloat16, attn_implementation: str = "
 
     transformers.logging.set_verbosity_error()
     where, kw = _resolve(path)
-    tokenizer = _kept_tokenizer(where, kw) or _tokenizer(where, kw)
-    entry = converted_models.convert(where, kw, tokenizer) if "gguf_file" in kw else None
+    entry = _converted_entry(where, kw)
+    tokenizer = (entry and converted_models.load_tokenizer(entry)) or _tokenizer(where, kw)
     source = where
     if entry is not None:
+        converted_models.convert(entry, where, kw, tokenizer)  # (once: nothing when the entry exists)
         where, kw = os.path.join(entry, "model"), dict(local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation=attn_implementation, **kw)
     model.config._name_or_path = model.name_or_path = source  # the GGUF's folder, also when loaded from its entry
@@ -120,12 +121,9 @@ def load_model(dtype: torch.dtype = torch.bfloat16, attn_implementation: str = "
     return model, tokenizer
 
 
-def _kept_tokenizer(where: str, kw: dict):
-    """The tokenizer of the GGUF's converted entry, when the cache holds one."""
-    if "gguf_file" not in kw:
-        return None
-    entry = converted_models.entry_dir(os.path.join(where, kw["gguf_file"]))
-    return converted_models.load_tokenizer(entry) if entry is not None and os.path.isdir(entry) else None
+def _converted_entry(where: str, kw: dict) -> Optional[str]:
+    """The NEXUSKV_CONVERTED_MODELS entry of a GGUF (None: not a GGUF, or the cache is off)."""
+    return converted_models.entry_dir(os.path.join(where, kw["gguf_file"])) if "gguf_file" in kw else None
 
 
 def load_tokenizer(path: Optional[str] = None):
@@ -135,7 +133,8 @@ def load_tokenizer(path: Optional[str] = None):
 
     transformers.logging.set_verbosity_error()
     where, kw = _resolve(path)
-    return _kept_tokenizer(where, kw) or _tokenizer(where, kw)
+    entry = _converted_entry(where, kw)
+    return (entry and converted_models.load_tokenizer(entry)) or _tokenizer(where, kw)
 
 
 def _resolve(path: Optional[str]):
