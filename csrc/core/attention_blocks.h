@@ -128,6 +128,29 @@ inline float max_range(const float* __restrict v, int64_t n) {
 }
 #endif
 
+#if defined(__AVX2__)
+// Plane j of one chunk (nq_layout.h) as 16 codes in two float vectors: lanes
+// 0..7 in lo, 8..15 in hi.  One 16-byte load, a shift and a mask per plane;
+// 3 bits add bit 2 of lane l from byte 16 + l % 8, bit 2 j + l / 8.  Why not
+// the scalar plane_lane_code loop: compilers turn its 16 lanes into byte
+// extractions and inserts (measured: 70 % of a 4-bit decode on an AVX2 CPU).
+template <int kBits>
+NEXUSKV_INLINE void plane_floats(const uint8_t* chunk, int j, __m256& lo, __m256& hi) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk));
+  const __m128i codes = kBits == 8 ? bytes
+                                   : _mm_and_si128(_mm_srli_epi16(bytes, layout::plane_shift<kBits>(j)),
+                                                   _mm_set1_epi8(char(layout::kPlaneMask<kBits>)));
+  __m256i c_lo = _mm256_cvtepu8_epi32(codes), c_hi = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(codes, codes));
+  if constexpr (kBits == 3) {
+    const __m256i high = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(chunk + 16)));
+    const __m256i one = _mm256_set1_epi32(1);
+    c_lo = _mm256_or_si256(c_lo, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(high, 2 * j), one), 2));
+    c_hi = _mm256_or_si256(c_hi, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(high, 2 * j + 1), one), 2));
+  }
+  lo = _mm256_cvtepi32_ps(c_lo), hi = _mm256_cvtepi32_ps(c_hi);
+}
+#endif
+
 // dst[c] = code(c) * s[c] + z[c] for one packed row, c < D (D % 16 == 0);
 // with kAffine false just dst[c] = code(c) (scales are folded elsewhere).
 // Plane by plane (nq_layout.h), so that every shift is a constant.
@@ -142,6 +165,16 @@ void dequant_row(const uint8_t* __restrict packed, int64_t D, const float* __res
     for (int j = 0; j < kPlanes; ++j) {
       if (j >= planes) break;
       const int64_t c0 = base + 16 * j;
+#if defined(__AVX2__)
+      __m256 lo, hi;
+      plane_floats<kBits>(packed, j, lo, hi);
+      if constexpr (kAffine) {
+        lo = _mm256_fmadd_ps(lo, _mm256_loadu_ps(s + c0), _mm256_loadu_ps(z + c0));
+        hi = _mm256_fmadd_ps(hi, _mm256_loadu_ps(s + c0 + 8), _mm256_loadu_ps(z + c0 + 8));
+      }
+      _mm256_storeu_ps(dst + c0, lo);
+      _mm256_storeu_ps(dst + c0 + 8, hi);
+#else
       for (int l = 0; l < 16; ++l) {
         const uint32_t code = layout::plane_lane_code<kBits>(packed, j, l);
         if constexpr (kAffine)
@@ -149,6 +182,7 @@ void dequant_row(const uint8_t* __restrict packed, int64_t D, const float* __res
         else
           dst[c0 + l] = float(code);
       }
+#endif
     }
   }
 }
