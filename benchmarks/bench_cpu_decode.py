@@ -7,16 +7,16 @@ the call must read (codes, scales, zeros) divided by the read bandwidth this mac
 reaches in the same run (a float32 sum over a 512 MiB buffer with the same threads).
 
 Timing on shared cores is noisy, so the script also reads what does not depend on the
-machine's load: the instructions of the two inner loops of the AVX-512 kernel, counted in
-the disassembly (objdump) of the libnexuskv.so the run imported.  valgrind (callgrind)
-would count executed instructions, but Debian's valgrind 3.19 has no AVX-512, and this
-machine's perf has no hardware counters (a virtual machine), so the loops are counted
-statically: for each kernel variant (bits x query rows x limbs) the smallest natural loop
-of the function holding every vpdpbusd (the token loop; one iteration = four tokens or
-keys x one 16-byte chunk of each, all its bit planes or, for p.V, those of one pass), its
-instruction count, and from it instructions per (token, kv head) at head_dim 128:
-count x chunks x passes / 4 (chunks = 128 x bits / 128), the code around the loop (limb
-set-up, the per-tile float conversion, softmax) not included.
+machine's load: the instructions of the two inner loops of the integer kernels (AVX-512:
+attention_int_keys.h / attention_int_values.h; AVX2: their *_avx2.h twins), counted in the
+disassembly (objdump) of the libnexuskv.so the run imported.  valgrind (callgrind) would
+count executed instructions, but Debian's valgrind 3.19 has no AVX-512, and this machine's
+perf has no hardware counters (a virtual machine), so the loops are counted statically: for
+each kernel variant (ISA x bits x query rows x limbs) the smallest natural loop of the
+function holding every dot product (vpdpbusd, vpmaddwd), its instruction count, and from it
+instructions per (token, kv head) at head_dim 128 (loop_counts() says what one iteration
+covers), the code around the loop (limb set-up, the per-tile float conversion, softmax)
+not included.
 
 Each configuration runs in a worker process; with --baseline DIR a second worker imports
 the nexuskv package found in DIR (a copy of an earlier install, e.g. before a kernel
@@ -149,8 +149,17 @@ def library_path() -> Path:
     return Path(nexuskv.__file__).parent / "libnexuskv.so"
 
 
+# The integer kernels whose loops are counted: (function name part, ISA, dot-product instruction).
+KERNELS = (
+    ("avx512::pv_int_block<", "avx512", "vpdpbusd"),
+    ("avx512::int_scores_block<", "avx512", "vpdpbusd"),
+    ("avx2::pv_int16_block<", "avx2", "vpmaddwd"),
+    ("avx2::int16_scores_keys<", "avx2", "vpmaddwd"),
+)
+
+
 def disassemble(lib: Path) -> dict[str, list[tuple[int, str]]]:
-    """{demangled function name: [(address, instruction text)]} of the AVX-512 p.V / q.K kernels."""
+    """{demangled function name: [(address, instruction text)]} of the integer p.V / q.K kernels."""
     objdump = shutil.which("objdump")
     if objdump is None:
         return {}
@@ -163,7 +172,7 @@ def disassemble(lib: Path) -> dict[str, list[tuple[int, str]]]:
         head = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
         if head:
             name = head.group(1)
-            keep = "avx512::pv_int_block<" in name or "avx512::int_scores_block<" in name
+            keep = any(part in name for part, _, _ in KERNELS)
             current = name if keep and not name.endswith("@plt") else None
             if current:
                 funcs[current] = []
@@ -174,9 +183,10 @@ def disassemble(lib: Path) -> dict[str, list[tuple[int, str]]]:
     return funcs
 
 
-def token_loop(body: list[tuple[int, str]]) -> tuple[int, int] | None:
-    """Instructions of the smallest natural loop (a backward jump's range) holding every vpdpbusd."""
-    dots = [a for a, t in body if t.startswith("vpdpbusd")]
+def token_loop(body: list[tuple[int, str]], dot: str = "vpdpbusd") -> tuple[int, int] | None:
+    """Instructions of the smallest natural loop (a backward jump's range) holding every `dot`
+    instruction, and their number."""
+    dots = [a for a, t in body if t.startswith(dot)]
     if not dots:
         return None
     best = None
@@ -193,31 +203,47 @@ def token_loop(body: list[tuple[int, str]]) -> tuple[int, int] | None:
 
 
 def loop_counts(lib: Path) -> list[dict]:
+    """Per kernel variant: its loop's instructions, dot products, and instructions per (token,
+    kv head) at head_dim 128 from what one pass of the loop covers:
+      AVX-512 q.K: 4 keys x one chunk (every plane); p.V: 4 tokens x one chunk x the planes of
+        one pass (dots / (rows x limbs) of the chunk's 8 / bits planes);
+      AVX2 q.K: one key x one chunk (every plane); p.V: 2 tokens x one 16-channel plane."""
     rows = []
     for name, body in sorted(disassemble(lib).items()):
-        m = re.search(r"(pv_int_block|int_scores_block)<(\d+), (\d+), (\d+)>", name)
+        m = re.search(
+            r"(avx512|avx2)::(pv_int_block|int_scores_block|pv_int16_block|int16_scores_keys)"
+            r"<(\d+), (\d+), (\d+)>",
+            name,
+        )
         if not m:
             continue
-        kind, a, b, c = m.group(1), *map(int, m.group(2, 3, 4))
-        bits, rows_, limbs = (b, a, c) if kind == "pv_int_block" else (a, b, c)
-        loop = token_loop(body)
+        isa, kind, (a, b, c) = m.group(1), m.group(2), map(int, m.group(3, 4, 5))
+        values = kind.startswith("pv_")
+        bits, rows_, limbs = (b, a, c) if values else (a, b, c)
+        dot = "vpdpbusd" if isa == "avx512" else "vpmaddwd"
+        loop = token_loop(body, dot)
         if loop is None:
             continue
         count, dots = loop
         chunks = 128 * bits // 128
-        # One loop pass: 4 tokens x one chunk x the planes of one pass (p.V: dots / (rows x limbs)
-        # of the chunk's 8 / bits planes; q.K: every plane).
-        passes = (8 // bits) // (dots // (rows_ * limbs)) if kind == "pv_int_block" else 1
+        if isa == "avx512":
+            passes = (8 // bits) // (dots // (rows_ * limbs)) if values else 1
+            per_token = count * chunks * passes / 4
+        else:
+            passes = 1
+            per_token = count * (128 // 16) / 2 if values else count * chunks
         rows.append(
             {
-                "loop": "p.V (values)" if kind == "pv_int_block" else "q.K (keys)",
+                "isa": isa,
+                "loop": "p.V (values)" if values else "q.K (keys)",
                 "bits": bits,
                 "query_rows": rows_,
                 "limbs": limbs,
                 "loop_instructions": count,
-                "vpdpbusd": dots,
+                "dot_instruction": dot,
+                "dots": dots,
                 "passes_per_chunk": passes,
-                "per_token_d128": count * chunks * passes / 4,
+                "per_token_d128": per_token,
             }
         )
     return rows
@@ -299,14 +325,15 @@ def main(argv=None) -> int:
     counts = loop_counts(library_path())
     if counts:
         print(
-            "\n| loop | bits | query rows | limbs | loop instructions | of them vpdpbusd | per (token, kv head), d128 |"
+            "\n| ISA | loop | bits | query rows | limbs | loop instructions | of them dot products "
+            "| per (token, kv head), d128 |"
         )
-        print("|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|")
         for c in counts:
-            if c["query_rows"] == 4:
+            if c["query_rows"] == 4 or (c["isa"] == "avx2" and c["loop"].startswith("p.V") and c["limbs"] == 2):
                 print(
-                    f"| {c['loop']} | {c['bits']} | {c['query_rows']} | {c['limbs']} | {c['loop_instructions']} | "
-                    f"{c['vpdpbusd']} | {c['per_token_d128']:.0f} |"
+                    f"| {c['isa']} | {c['loop']} | {c['bits']} | {c['query_rows']} | {c['limbs']} | "
+                    f"{c['loop_instructions']} | {c['dots']} {c['dot_instruction']} | {c['per_token_d128']:.0f} |"
                 )
     info["load_after"] = os.getloadavg()[0]
     out = {

@@ -19,11 +19,13 @@ namespace nexuskv::core {
 const char* attention_isa() { return cpu_isa_name(cpu_isa()); }
 
 namespace {
-std::atomic<int> last_product{int(ValueProduct::kNone)};
+std::atomic<int> last_product{int(ValueProduct::kNone)}, last_key{int(ValueProduct::kNone)};
 }  // namespace
 
 ValueProduct last_value_product() { return ValueProduct(last_product.load(std::memory_order_relaxed)); }
 void note_value_product(ValueProduct path) { last_product.store(int(path), std::memory_order_relaxed); }
+ValueProduct last_key_product() { return ValueProduct(last_key.load(std::memory_order_relaxed)); }
+void note_key_product(ValueProduct path) { last_key.store(int(path), std::memory_order_relaxed); }
 
 template <typename Meta, typename Val>
 int64_t attention_num_splits(const CpuAttentionParams<Meta, Val>& p, int64_t min_tasks) {

@@ -42,6 +42,45 @@ inline float exp_nonpos(float x) {
   return x < -87.f ? 0.f : p * two_n;
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// exp_nonpos of eight lanes, the same steps.  Why by hand: GCC leaves the
+// softmax loop over exp_nonpos scalar for AVX2 (13 % of a 4-bit decode).
+NEXUSKV_INLINE __m256 exp_nonpos8(__m256 x) {
+  const __m256 xc = _mm256_max_ps(x, _mm256_set1_ps(-87.f));  // (a NaN x gives -87, as x > -87 ? x : -87)
+  const __m256 big = _mm256_set1_ps(12582912.f);
+  const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504f), big), big);
+  const __m256 r =
+      _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), xc));
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256 two_n =
+      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ), _mm256_mul_ps(p, two_n));
+}
+#endif
+
+// sr[j] = exp_nonpos(sr[j] - m) for j in [lo, hi), 0 for the other j < n.
+inline void exp_shifted(float* __restrict sr, int64_t n, int64_t lo, int64_t hi, float m) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t j = 0; j < n; j += 8) {
+    const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(int(j)), lane);
+    const __m256i in = _mm256_and_si256(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(int(lo) - 1)),
+                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(int(hi)), idx));
+    const __m256i store = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), idx);  // lanes < n
+    const __m256 x = _mm256_sub_ps(_mm256_maskload_ps(sr + j, store), _mm256_set1_ps(m));
+    _mm256_maskstore_ps(sr + j, store, _mm256_and_ps(exp_nonpos8(x), _mm256_castsi256_ps(in)));
+  }
+#else
+  for (int64_t j = 0; j < n; ++j) sr[j] = j >= lo && j < hi ? exp_nonpos(sr[j] - m) : 0.f;
+#endif
+}
+
 #if defined(__AVX512F__)
 // Lanes [0, m) of a 16-float vector (m >= 16: all; m <= 0: none).
 inline __mmask16 first_lanes(int64_t m) {

@@ -37,6 +37,16 @@
 // vpdpbusd reads them as its memory operand (no broadcast instruction).
 #pragma once
 
+#include "isa.h"
+
+namespace nexuskv::core::NEXUSKV_ISA {
+// The most a bf16 query's limbs may move a score (logits: the softmax scale
+// is in x) before one more limb is taken: 2^-9, i.e. each output element
+// within 0.4 % of max|v|.  Also the rule of the AVX2 kernel's int16 limbs
+// (attention_int_keys_avx2.h).
+constexpr float kLimbScoreError = 1.f / 512.f;
+}  // namespace nexuskv::core::NEXUSKV_ISA
+
 #if defined(__AVX512VNNI__)
 
 #include <immintrin.h>
@@ -60,11 +70,6 @@ NEXUSKV_INLINE __m128i take_limb(__m512& rest) {
   rest = _mm512_mul_ps(_mm512_sub_ps(rest, limb), _mm512_set1_ps(254.f));
   return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(limb));
 }
-
-// The most a bf16 query's two limbs may move a score (logits: the softmax
-// scale is in x) before a third limb is taken: 2^-9, i.e. each output element
-// within 0.4 % of max|v|.
-constexpr float kLimbScoreError = 1.f / 512.f;
 
 // Limbs of the folded queries of one task (all its rows), for the current key group.
 struct QueryLimbs {

@@ -7,7 +7,9 @@
 //       queries (q * scale, once per group) and its zeros into a per-row
 //       bias; with AVX512-VNNI and 2/4/8 bits the scores are integer dot
 //       products of int8 query limbs with the packed codes
-//       (attention_int_keys.h), otherwise the codes are converted to float;
+//       (attention_int_keys.h), with AVX2 of int16 limbs with the codes
+//       widened to int16 (attention_int_keys_avx2.h), otherwise the codes
+//       are converted to float;
 //       other groupings are dequantized;
 //     scores = q . K for 4 query rows x 4 keys at a time, outliers corrected;
 //     causal mask, online softmax (float32); a NaN/Inf score marks its row NaN;
@@ -15,7 +17,8 @@
 //       and the zeros summed per channel group; with AVX512-VNNI and 2/4/8
 //       bits p . V is integer dot products of the packed codes (four tokens
 //       interleaved in registers) with int8 limbs of the weights
-//       (attention_int_values.h), otherwise the codes go through a float
+//       (attention_int_values.h), with AVX2 two tokens with int16 limbs
+//       (attention_int_values_avx2.h), otherwise the codes go through a float
 //       tile; other groupings are dequantized; acc += p . V, 4 query rows
 //       per value load.
 // Layout and math of the compressed rows: nq_format.h; the code that reads
@@ -31,7 +34,9 @@
 
 #include "attention_blocks.h"
 #include "attention_int_keys.h"
+#include "attention_int_keys_avx2.h"
 #include "attention_int_values.h"
+#include "attention_int_values_avx2.h"
 #include "isa.h"
 #include "isa_kernels.h"
 #include "nexuskv/core/attention.h"
@@ -157,6 +162,8 @@ struct TaskState {
   float softcap;      // logit soft-cap (0: none)
 #if defined(__AVX512VNNI__)
   WeightLimbs wlimbs;  // folded value weights of four rows as int8 limbs (packed values)
+#elif defined(__AVX2__)
+  WeightLimbs16 wlimbs;  // the same as int16 limbs (attention_int_values_avx2.h)
 #endif
 
   TaskState(int64_t rows_, int64_t D_, int64_t window_, float softcap_, int value_limbs)
@@ -165,7 +172,7 @@ struct TaskState {
         k_tile(kTileTokens * D_), v_tile(kTileTokens * D_), s_buf(D_), z_buf(D_), vs(kTileTokens * (D_ / 16)),
         vz(kTileTokens * (D_ / 16)), ks(D_), kz(D_), meta_tmp(2 * kTileTokens * (D_ / 16)), spare(4 * D_),
         pos(new int64_t[size_t(rows_)]), window(window_), softcap(softcap_)
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
         ,
         wlimbs(D_ / 16, value_limbs)
 #endif
@@ -228,7 +235,7 @@ struct TaskState {
         const bool finite = all_finite(sr + hidden, visible[i] - hidden);
         const float m_new = max_f(m.p[r], tile_max);
         const float alpha = m_new == kNegInf ? 1.f : exp_nonpos(m.p[r] - m_new);
-        for (int64_t j = 0; j < n; ++j) sr[j] = j >= hidden && j < visible[i] ? exp_nonpos(sr[j] - m_new) : 0.f;
+        exp_shifted(sr, n, hidden, visible[i], m_new);
         const float sum = sum_f(sr, n);
         float* ar = acc.p + r * D;
         if (alpha != 1.f) {
@@ -249,7 +256,7 @@ struct TaskState {
             for (int64_t j = 0; j < n; ++j) w_b[j] = sr[j] * vs_b[j];
             za[b] += dot_f(sr, t.v_zero + b * kTileTokens, n);
           }
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
           if (t.v_codes) wlimbs.set(i, w, nb, visible[i]);  // (tokens past the row's visible ones: zero limbs)
 #endif
           w_rows[i] = w;
@@ -258,7 +265,7 @@ struct TaskState {
         }
       }
       if (vis_max == 0) continue;
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
       if (t.v_codes) {
         pv_int_rows(R, t.v_bits, acc_rows, wlimbs, G, t.v_codes, t.v_row_bytes, vis_max, D);
         continue;
@@ -351,8 +358,10 @@ void attention_tasks(const CpuAttentionParams<Meta, Val>& p, int64_t splits, flo
   using Cache = CompressedKV<Meta, Val>;
   note_kernel_isa(kThisIsa);
   const int64_t D = p.head_dim, rows = p.rows_per_kv_head();
-  // Limbs of the value weights: two for bf16 queries, three for fp16 / fp32 (attention_int_values.h).
-  TaskState st(rows, D, p.window, p.softcap, p.query_mantissa_bits <= 8 ? 2 : 3);
+  // Limbs of the value weights: int8 (AVX512-VNNI, attention_int_values.h) two for bf16
+  // queries, three for fp16 / fp32; int16 (AVX2, attention_int_values_avx2.h) one or two.
+  const int value_limbs = (p.query_mantissa_bits <= 8 ? 2 : 3) - (kThisIsa == CpuIsa::kAvx2 ? 1 : 0);
+  TaskState st(rows, D, p.window, p.softcap, value_limbs);
   FloatBuf rotated(2 * kTileTokens * D);
   // Scales folded out of the inner loops: per-channel key scales into the
   // queries (once per group), per-token value scales into the weights.
@@ -361,18 +370,23 @@ void attention_tasks(const CpuAttentionParams<Meta, Val>& p, int64_t splits, flo
   // Per-channel keys of 2, 4 or 8 bits: integer scores on the packed codes.
   const bool int_k = fold_k && p.k.dims.bits != 3;
   QueryLimbs limbs(int_k ? rows : 0, D, p.k.dims.bits, p.query_mantissa_bits <= 8 ? 2 : 3);  // (a minimum)
+#elif defined(__AVX2__)
+  // The same with int16 limbs for vpmaddwd (attention_int_keys_avx2.h).
+  const bool int_k = fold_k && p.k.dims.bits != 3;
+  QueryLimbs16 limbs(int_k ? rows : 0, D, p.k.dims.bits, p.query_mantissa_bits <= 8 ? 1 : 2);  // (a minimum)
 #else
   const bool int_k = false;
 #endif
   const bool fold_v = p.v.dims.axis == GroupAxis::kChannels && p.v.dims.group_size % 16 == 0;
   const int64_t k_rb = p.k.dims.packed_row_bytes(), v_rb = p.v.dims.packed_row_bytes();
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
   // Per-token value groups of 2, 4 or 8 bits: integer p . V on the packed codes.
   const bool packed_v = fold_v && p.v.dims.bits != 3;
 #else
   const bool packed_v = false;
 #endif
   note_value_product(packed_v ? ValueProduct::kInteger : fold_v ? ValueProduct::kFloat : ValueProduct::kNone);
+  note_key_product(int_k ? ValueProduct::kInteger : fold_k ? ValueProduct::kFloat : ValueProduct::kNone);
   for (int64_t task = begin; task < end; ++task) {
     const int64_t s = task % splits, bh = task / splits, b = bh / p.kv_heads, h = bh % p.kv_heads;
     const int64_t L = p.seq_len(b), comp = p.compressed_len(b), sink = p.sink_len(b);
@@ -423,13 +437,13 @@ void attention_tasks(const CpuAttentionParams<Meta, Val>& p, int64_t splits, flo
       if (fold_k) {
         if (kc.group() != k_group_loaded) {
           load_key_group(p.k, bh, kc.group(), st);
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
           if (int_k) limbs.set(st.qk.p, D);
 #endif
           k_group_loaded = kc.group();
         }
         if (int_k) {
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
           int_scores(limbs, p.k.dims.bits, k_codes + t * k_rb, k_rb, n, st.kbias.p, st.scores.p);
 #endif
         } else {

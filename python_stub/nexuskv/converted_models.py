@@ -16,8 +16,9 @@ else only the weights are kept and the tokenizer is rebuilt from the GGUF each t
 without the cache); the weights are the GGUF's float32 ones, written by save_pretrained.  An
 entry is named by the GGUF file's path, size and modification time, the transformers and
 tokenizers versions and the source of nexuskv's conversion code, and appears whole or not at all (written
-under a temporary name, then renamed; a conversion killed midway leaves a `.converting-*`
-folder in DIR, which may be deleted).  A model loaded from an entry reports the GGUF's folder as
+under a temporary name `.converting-<pid>-*`, then renamed; a conversion killed midway
+leaves that folder behind, and the next conversion into DIR deletes it once no process of that
+pid is alive on this machine).  A model loaded from an entry reports the GGUF's folder as
 its name_or_path, as a fresh load does.
 """
 
@@ -136,15 +137,43 @@ def _save_weights(gguf_model, path: str) -> None:
     plain.save_pretrained(path)
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def remove_stale_conversions(root: str) -> list[str]:
+    """Deletes the `.converting-<pid>-*` folders in `root` whose process is gone (a conversion
+    killed midway); those of live processes (a conversion under way) stay.  Returns the names
+    deleted."""
+    removed = []
+    for name in sorted(os.listdir(root)):
+        parts = name.split("-")
+        if not name.startswith(".converting-") or len(parts) < 3 or not parts[1].isdigit():
+            continue
+        if int(parts[1]) == os.getpid() or _pid_alive(int(parts[1])):
+            continue
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        removed.append(name)
+    return removed
+
+
 def convert(entry: str, where: str, kw: dict, tokenizer) -> None:
     """Converts the GGUF at where/kw["gguf_file"] into `entry` (its entry_dir()) unless it is
     there already.  `tokenizer` is the one loaded from the GGUF (the reference of the check)."""
+    root = os.path.dirname(entry)
+    os.makedirs(root, exist_ok=True)
+    remove_stale_conversions(root)
     if os.path.isdir(entry):
         return
     from transformers import AutoModelForCausalLM
 
-    os.makedirs(os.path.dirname(entry), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".converting-", dir=os.path.dirname(entry))
+    tmp = tempfile.mkdtemp(prefix=f".converting-{os.getpid()}-", dir=root)
     try:
         _save_weights(
             AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kw), os.path.join(tmp, "model")

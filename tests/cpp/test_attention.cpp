@@ -188,9 +188,13 @@ TEST_CASE("the attention kernel of the ISA under test runs", "[attention][isa]")
 TEST_CASE("integer p.V on packed values runs and stays within its limb bound", "[attention][isa]") {
   // attention_int_values.h: with q = 0 every score is 0, so the weights are the
   // value scales themselves (p = 1) and the output is the mean of the value rows;
-  // each weight is off by at most a / (2 * 254^(L-1)), a = max over the tile / 127,
-  // so a channel's output by at most sum_tiles n * qmax * a / (2 * 254^(L-1)) / T.
-  const bool vnni = cpu_isa() == CpuIsa::kAvx512;
+  // each weight is off by at most a / (2 * radix^(L-1)), a = max over the tile / lmax,
+  // so a channel's output by at most sum_tiles n * qmax * a / (2 * radix^(L-1)) / T.
+  // AVX512-VNNI: int8 limbs (lmax 127, radix 254; L = 2 for bf16 queries, 3 for fp16 /
+  // fp32); AVX2: int16 limbs (attention_int_values_avx2.h: lmax 32767, radix 65534;
+  // L = 1 or 2).  The keys (per channel, 4-bit) take the integer scores on both.
+  const bool vnni = cpu_isa() == CpuIsa::kAvx512, integer = cpu_isa() != CpuIsa::kGeneric;
+  const double lmax = vnni ? 127 : 32767, radix = vnni ? 254 : 65534;
   struct Shape {
     int64_t T, D, rows;
   };
@@ -203,7 +207,7 @@ TEST_CASE("integer p.V on packed values runs and stays within its limb bound", "
     std::vector<float> q(size_t(sh.rows * D), 0.f);
     const int64_t lens[1] = {T};
     for (int bits : {2, 4, 8})
-      for (int mantissa : {8, 24}) {  // bf16 queries: two limbs; fp16 / fp32: three
+      for (int mantissa : {8, 24}) {  // bf16 queries: fewer limbs than fp16 / fp32
         const Cache v(1, T, D, bits, 32, GroupAxis::kChannels, 0, rng);
         Params p;
         p.batch = 1, p.q_heads = sh.rows, p.kv_heads = 1, p.q_len = 1, p.head_dim = D;
@@ -213,8 +217,9 @@ TEST_CASE("integer p.V on packed values runs and stays within its limb bound", "
         attention_tasks(p, 1, partials.data(), 0, 1);
         attention_merge(p, 1, partials.data(), out.data(), 0, 1);
         INFO("T=" << T << " D=" << D << " bits=" << bits << " mantissa=" << mantissa << " isa=" << attention_isa());
-        REQUIRE(last_value_product() == (vnni ? ValueProduct::kInteger : ValueProduct::kFloat));
-        const int limbs = mantissa <= 8 ? 2 : 3;
+        REQUIRE(last_value_product() == (integer ? ValueProduct::kInteger : ValueProduct::kFloat));
+        REQUIRE(last_key_product() == (integer ? ValueProduct::kInteger : ValueProduct::kFloat));
+        const int limbs = (mantissa <= 8 ? 2 : 3) - (vnni ? 0 : 1);
         const double qmax = double((1 << bits) - 1);
         const int64_t groups = D / 32;
         double worst_excess = -1, vmax = 0;
@@ -225,13 +230,13 @@ TEST_CASE("integer p.V on packed values runs and stays within its limb bound", "
             const int64_t n = std::min<int64_t>(kTileTokens, T - t0);
             double wmax = 0;  // the tile's largest weight: the largest scale of c's group
             for (int64_t t = t0; t < t0 + n; ++t) wmax = std::max(wmax, double(v.scale[size_t(t * groups + c / 32)]));
-            bound += n * qmax * (wmax / 127) / (2 * std::pow(254.0, limbs - 1)) / double(T);
+            bound += n * qmax * (wmax / lmax) / (2 * std::pow(radix, limbs - 1)) / double(T);
           }
           for (int64_t t = 0; t < T; ++t) vmax = std::max(vmax, std::abs(double(v.dense[size_t(t * D + c)])));
           // Every query row (q = 0: all alike); float32 rounding of the sums on top of the limb bound.
           for (int64_t r = 0; r < sh.rows; ++r)
             worst_excess = std::max(worst_excess, std::abs(out[size_t(r * D + c)] - mean) - bound - 1e-6 * vmax);
-          if (vnni) REQUIRE(bound < (limbs == 2 ? 2e-4 : 1e-6) * vmax);  // the bound means something
+          if (integer) REQUIRE(bound < (mantissa <= 8 ? 2e-4 : 1e-6) * vmax);  // the bound means something
         }
         REQUIRE(worst_excess <= 0);
       }

@@ -78,3 +78,30 @@ def test_the_cache_is_off_without_the_variable(monkeypatch, tmp_path):
     a = converted_models.entry_dir(str(f))
     f.write_bytes(b"xy")  # another size: another entry
     assert a.startswith(str(tmp_path / "c")) and converted_models.entry_dir(str(f)) != a
+
+
+def test_a_conversion_killed_midway_is_cleaned_up_by_the_next(tmp_path):
+    """A `.converting-<pid>-*` folder whose process is gone is deleted by the next convert()
+    into the same folder; one of a live process (a conversion under way), a folder of another
+    name and the entry itself stay."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    assert not converted_models._pid_alive(dead_pid)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        names = [f".converting-{dead_pid}-abc", f".converting-{live.pid}-def", ".converting-nopid", "other"]
+        for name in names:
+            (tmp_path / name / "model").mkdir(parents=True)
+        entry = tmp_path / "entry"
+        entry.mkdir()
+        # The entry is there: convert() cleans up and returns without loading anything.
+        converted_models.convert(str(entry), "unused", {}, tokenizer=None)
+        left = sorted(p.name for p in tmp_path.iterdir())
+        assert left == sorted(names[1:] + ["entry"])
+    finally:
+        live.kill()
+        live.wait()
+    assert converted_models.remove_stale_conversions(str(tmp_path)) == [f".converting-{live.pid}-def"]

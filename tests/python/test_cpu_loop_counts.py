@@ -1,8 +1,10 @@
-"""benchmarks/bench_cpu_decode.py counts the inner loops of the AVX-512 attention kernel in
-objdump's disassembly: the smallest backward-jump range holding every vpdpbusd.  Checked on a
-hand-written listing (an outer loop around it, a deliberately longer loop counts more) and on
-the installed library: every variant found, each loop holding the dot products its template
-arguments say (p.V: planes per pass x rows x limbs; q.K: planes x rows x limbs)."""
+"""benchmarks/bench_cpu_decode.py counts the inner loops of the integer attention kernels in
+objdump's disassembly: the smallest backward-jump range holding every dot product (vpdpbusd in
+the AVX-512 kernels, vpmaddwd in the AVX2 ones).  Checked on a hand-written listing (an outer
+loop around it, a deliberately longer loop counts more) and on the installed library: every
+variant found, each loop holding the dot products its template arguments say (AVX-512 p.V:
+planes per pass x rows x limbs, q.K: planes x rows x limbs; AVX2 q.K: planes x rows x limbs,
+p.V: two 8-channel halves x rows x limbs)."""
 
 import importlib.util
 import os
@@ -51,20 +53,43 @@ def test_no_dot_products_means_no_loop():
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX-512 kernels are x86 only")
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) is not installed")
 def test_every_avx512_variant_is_found_in_the_library():
-    counts = bench.loop_counts(bench.library_path())
+    counts = [c for c in bench.loop_counts(bench.library_path()) if c["isa"] == "avx512"]
     planes = {2: 4, 4: 2, 8: 1}
     seen = set()
     for c in counts:
         rows_limbs = c["query_rows"] * c["limbs"]
         if c["loop"].startswith("p.V"):
-            per_pass = c["vpdpbusd"] // rows_limbs
-            assert c["vpdpbusd"] == per_pass * rows_limbs and planes[c["bits"]] % per_pass == 0, c
+            per_pass = c["dots"] // rows_limbs
+            assert c["dots"] == per_pass * rows_limbs and planes[c["bits"]] % per_pass == 0, c
             assert per_pass * rows_limbs <= 24, c  # the accumulators fit the 32 zmm registers
         else:
-            assert c["vpdpbusd"] == planes[c["bits"]] * rows_limbs, c
-        assert c["loop_instructions"] > c["vpdpbusd"], c
+            assert c["dots"] == planes[c["bits"]] * rows_limbs, c
+        assert c["loop_instructions"] > c["dots"], c
         seen.add((c["loop"][:3], c["bits"], c["query_rows"], c["limbs"]))
     for kind in ("p.V", "q.K"):
         for bits in (2, 4, 8):
             for limbs in (2, 3):
                 assert (kind, bits, 4, limbs) in seen, (kind, bits, limbs)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2 kernels are x86 only")
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) is not installed")
+def test_every_avx2_variant_is_found_in_the_library():
+    counts = [c for c in bench.loop_counts(bench.library_path()) if c["isa"] == "avx2"]
+    planes = {2: 4, 4: 2, 8: 1}
+    seen = set()
+    for c in counts:
+        assert c["dot_instruction"] == "vpmaddwd", c
+        rows_limbs = c["query_rows"] * c["limbs"]
+        if c["loop"].startswith("p.V"):
+            assert c["dots"] == 2 * rows_limbs and rows_limbs <= 4, c  # one plane of two tokens
+        else:
+            assert c["dots"] == planes[c["bits"]] * rows_limbs, c
+        assert c["loop_instructions"] > c["dots"], c
+        seen.add((c["loop"][:3], c["bits"], c["query_rows"], c["limbs"]))
+    for bits in (2, 4, 8):
+        for rows in (1, 2, 3, 4):
+            for limbs in (1, 2):
+                assert ("q.K", bits, rows, limbs) in seen, (bits, rows, limbs)
+                if rows * limbs <= 4:
+                    assert ("p.V", bits, rows, limbs) in seen, (bits, rows, limbs)

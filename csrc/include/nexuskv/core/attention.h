@@ -60,10 +60,16 @@ const char* attention_isa();
 // per token (their scales folded into the weights): integer dot products on
 // the packed codes (AVX512-VNNI, 2/4/8 bits: attention_int_values.h) or float
 // FMAs on codes widened to float.  kNone: the values were grouped otherwise.
-// Noted by every task, so that a test can assert the path it meant to test.
+// Likewise the queries by keys grouped per channel (their scales folded into
+// the queries): integer dot products with int8 (AVX512-VNNI:
+// attention_int_keys.h) or int16 limbs (AVX2: attention_int_keys_avx2.h), or
+// float FMAs.  Noted by every task, so that a test can assert the path it
+// meant to test.
 enum class ValueProduct : int { kNone = 0, kFloat = 1, kInteger = 2 };
 ValueProduct last_value_product();
 void note_value_product(ValueProduct path);
+ValueProduct last_key_product();
+void note_key_product(ValueProduct path);
 
 // Randomized Hadamard rotation of rows of length n (a power of two):
 // y = H (signs * x) / sqrt(n); inverse: x = signs * H y / sqrt(n).  Finite
