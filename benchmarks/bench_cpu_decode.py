@@ -183,9 +183,11 @@ def disassemble(lib: Path) -> dict[str, list[tuple[int, str]]]:
     return funcs
 
 
-def token_loop(body: list[tuple[int, str]], dot: str = "vpdpbusd") -> tuple[int, int] | None:
+def token_loop(body: list[tuple[int, str]], dot: str = "vpdpbusd", every: bool = True) -> tuple[int, int] | None:
     """Instructions of the smallest natural loop (a backward jump's range) holding every `dot`
-    instruction, and their number."""
+    instruction, and their number; with every=False the smallest loop holding any (the
+    innermost of several alike loops: the AVX2 p.V kernel has one token loop per plane, all
+    inlined into one function), and the dot products in it."""
     dots = [a for a, t in body if t.startswith(dot)]
     if not dots:
         return None
@@ -195,10 +197,11 @@ def token_loop(body: list[tuple[int, str]], dot: str = "vpdpbusd") -> tuple[int,
         if not m:
             continue
         target = int(m.group(1), 16)
-        if target <= min(dots) and addr >= max(dots) and target < addr:
+        inside = [a for a in dots if target <= a <= addr]
+        if target < addr and (len(inside) == len(dots) if every else inside):
             n = sum(1 for a, _ in body if target <= a <= addr)
             if best is None or n < best[0]:
-                best = (n, len(dots))
+                best = (n, len(inside))
     return best
 
 
@@ -207,7 +210,8 @@ def loop_counts(lib: Path) -> list[dict]:
     kv head) at head_dim 128 from what one pass of the loop covers:
       AVX-512 q.K: 4 keys x one chunk (every plane); p.V: 4 tokens x one chunk x the planes of
         one pass (dots / (rows x limbs) of the chunk's 8 / bits planes);
-      AVX2 q.K: one key x one chunk (every plane); p.V: 2 tokens x one 16-channel plane."""
+      AVX2 q.K: one key x one chunk (every plane); p.V: 2 tokens x one 16-channel plane (the
+        innermost loop: one per plane, alike but for a shift)."""
     rows = []
     for name, body in sorted(disassemble(lib).items()):
         m = re.search(
@@ -221,7 +225,7 @@ def loop_counts(lib: Path) -> list[dict]:
         values = kind.startswith("pv_")
         bits, rows_, limbs = (b, a, c) if values else (a, b, c)
         dot = "vpdpbusd" if isa == "avx512" else "vpmaddwd"
-        loop = token_loop(body, dot)
+        loop = token_loop(body, dot, every=not (values and isa == "avx2"))
         if loop is None:
             continue
         count, dots = loop

@@ -104,54 +104,69 @@ struct WeightLimbs16 {
   }
 };
 
-// acc_i[c] += sum_t w_i[t, group(c)] * code_{t,c} for R query rows, the n
-// tokens whose packed rows start at codes (bits 2, 4 or 8), from the rows'
-// weight limbs; group(c) = c / G (G % 16 == 0).  One plane (16 channels) per
-// pass over the tokens: R * L * 2 <= 8 accumulators.
+// acc_i[c, c + 16) += sum_t w_i[t, b] * code_{t,c} for R query rows and one
+// 16-channel plane (group b, bit shift `shift` in the 16-byte chunk at chunk0
+// of each packed row) of the n tokens: two tokens per iteration, R * L * 2 <= 8
+// accumulators.  Inlined into an unrolled plane loop, so that the shift is an
+// immediate (a shift count in a register spilled the accumulators).
+template <int R, int kBits, int L>
+NEXUSKV_INLINE void pv_int16_plane(float* const* acc, const WeightLimbs16& wl, int64_t r0, int64_t c, int64_t b,
+                                   const uint8_t* __restrict chunk0, int64_t row_bytes, int64_t n, int shift) {
+  const __m128i mask = _mm_set1_epi8(char(layout::kPlaneMask<kBits>));
+  const int16_t* w[R][L];
+  __m256i s[R][L][2];
+  for (int i = 0; i < R; ++i)
+    for (int l = 0; l < L; ++l) w[i][l] = wl.limb(r0 + i, l, b), s[i][l][0] = s[i][l][1] = _mm256_setzero_si256();
+  auto plane_of = [&](const uint8_t* row) {
+    const __m128i z = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+    return kBits == 8 ? z : _mm_and_si128(_mm_srli_epi16(z, shift), mask);
+  };
+  const uint8_t* r = chunk0;
+  for (int64_t t = 0; t < n; t += 2, r += 2 * row_bytes) {
+    // A last odd token pairs with itself; its partner's limbs are zero.
+    const __m128i pa = plane_of(r), pb = plane_of(t + 1 < n ? r + row_bytes : r);
+    const __m256i lo = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(pa, pb));  // channels 0..7: (t, t + 1) pairs
+    const __m256i hi = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(pa, pb));  // channels 8..15
+    for (int i = 0; i < R; ++i)
+      for (int l = 0; l < L; ++l) {
+        int32_t pair;
+        std::memcpy(&pair, w[i][l] + t, sizeof(pair));
+        const __m256i wp = _mm256_set1_epi32(pair);
+        s[i][l][0] = _mm256_add_epi32(s[i][l][0], _mm256_madd_epi16(lo, wp));
+        s[i][l][1] = _mm256_add_epi32(s[i][l][1], _mm256_madd_epi16(hi, wp));
+      }
+  }
+  for (int i = 0; i < R; ++i) {
+    const __m256 unit = _mm256_set1_ps(wl.a[(r0 + i) * wl.groups + b]);
+    for (int h = 0; h < 2; ++h) {
+      // Horner over the limbs: f = s_0 + s_1 / 65534, times the unit a.
+      __m256 f = _mm256_cvtepi32_ps(s[i][L - 1][h]);
+      for (int l = L - 2; l >= 0; --l)
+        f = _mm256_fmadd_ps(f, _mm256_set1_ps(1.f / 65534.f), _mm256_cvtepi32_ps(s[i][l][h]));
+      float* dst = acc[r0 + i] + c + 8 * h;
+      _mm256_storeu_ps(dst, _mm256_fmadd_ps(f, unit, _mm256_loadu_ps(dst)));
+    }
+  }
+}
+
+// acc_i[c] += sum_t w_i[t, group(c)] * code_{t,c} for R query rows (rows r0 ..
+// r0 + R of wl and acc), the n tokens whose packed rows start at codes (bits
+// 2, 4 or 8), from the rows' weight limbs; group(c) = c / G (G % 16 == 0).
+// One plane (16 channels) per pass over the tokens.
 template <int R, int kBits, int L>
 void pv_int16_block(float* const* acc, const WeightLimbs16& wl, int64_t r0, int64_t G, const uint8_t* __restrict codes,
                     int64_t row_bytes, int64_t n, int64_t D) {
   static_assert(kBits != 3, "3-bit chunks are not 16-byte planes");
   static_assert(R * L <= 4, "accumulators");
-  constexpr int kChunk = layout::kChunkChannels<kBits>;
-  const __m128i mask = _mm_set1_epi8(char(layout::kPlaneMask<kBits>));
-  for (int64_t c = 0; c < D; c += 16) {
-    const int64_t offset = layout::kChunkBytes<kBits> * (c / kChunk), b = c / G;
-    const int plane = int((c % kChunk) / 16);
-    const int16_t* w[R][L];
-    __m256i s[R][L][2];
-    for (int i = 0; i < R; ++i)
-      for (int l = 0; l < L; ++l) w[i][l] = wl.limb(r0 + i, l, b), s[i][l][0] = s[i][l][1] = _mm256_setzero_si256();
-    auto plane_of = [&](const uint8_t* row) {
-      const __m128i z = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + offset));
-      return kBits == 8 ? z
-                        : _mm_and_si128(_mm_srl_epi16(z, _mm_cvtsi32_si128(layout::plane_shift<kBits>(plane))), mask);
-    };
-    const uint8_t* r = codes;
-    for (int64_t t = 0; t < n; t += 2, r += 2 * row_bytes) {
-      // A last odd token pairs with itself; its partner's limbs are zero.
-      const __m128i pa = plane_of(r), pb = plane_of(t + 1 < n ? r + row_bytes : r);
-      const __m256i lo = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(pa, pb));  // channels 0..7: (t, t + 1) pairs
-      const __m256i hi = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(pa, pb));  // channels 8..15
-      for (int i = 0; i < R; ++i)
-        for (int l = 0; l < L; ++l) {
-          int32_t pair;
-          std::memcpy(&pair, w[i][l] + t, sizeof(pair));
-          const __m256i wp = _mm256_set1_epi32(pair);
-          s[i][l][0] = _mm256_add_epi32(s[i][l][0], _mm256_madd_epi16(lo, wp));
-          s[i][l][1] = _mm256_add_epi32(s[i][l][1], _mm256_madd_epi16(hi, wp));
-        }
-    }
-    for (int i = 0; i < R; ++i) {
-      const __m256 unit = _mm256_set1_ps(wl.a[(r0 + i) * wl.groups + b]);
-      for (int h = 0; h < 2; ++h) {
-        // Horner over the limbs: f = s_0 + s_1 / 65534, times the unit a.
-        __m256 f = _mm256_cvtepi32_ps(s[i][L - 1][h]);
-        for (int l = L - 2; l >= 0; --l)
-          f = _mm256_fmadd_ps(f, _mm256_set1_ps(1.f / 65534.f), _mm256_cvtepi32_ps(s[i][l][h]));
-        float* dst = acc[r0 + i] + c + 8 * h;
-        _mm256_storeu_ps(dst, _mm256_fmadd_ps(f, unit, _mm256_loadu_ps(dst)));
-      }
+  constexpr int kPlanes = layout::kPlanes<kBits>, kChunk = layout::kChunkChannels<kBits>;
+  for (int64_t c0 = 0; c0 < D; c0 += kChunk) {
+    const uint8_t* chunk0 = codes + layout::kChunkBytes<kBits> * (c0 / kChunk);
+    const int planes = (D - c0) / 16 < kPlanes ? int((D - c0) / 16) : kPlanes;  // a partial last chunk
+    NEXUSKV_UNROLL
+    for (int p = 0; p < kPlanes; ++p) {
+      if (p >= planes) break;
+      const int64_t c = c0 + 16 * p;
+      pv_int16_plane<R, kBits, L>(acc, wl, r0, c, c / G, chunk0, row_bytes, n, layout::plane_shift<kBits>(p));
     }
   }
 }

@@ -46,6 +46,14 @@ def test_the_token_loop_is_the_smallest_loop_around_the_dot_products():
     assert slower == count + 3  # more work in the loop counts more
 
 
+def test_the_innermost_loop_of_several():
+    # Two token loops in one function (the AVX2 p.V kernel's planes): every=False takes the
+    # smallest loop holding any dot product, with its own dot products.
+    twice = body() + [(100 + a, t.replace("jg    3", "jg    67").replace("<f+0x3>", "<f+0x67>")) for a, t in body()]
+    assert bench.token_loop(twice, every=False) == (5, 2)
+    assert bench.token_loop(twice)[1] == 4  # (every dot product: the loop around both)
+
+
 def test_no_dot_products_means_no_loop():
     assert bench.token_loop([(0, "mov %rdi,%rax"), (1, "jmp    0 <f>")]) is None
 
