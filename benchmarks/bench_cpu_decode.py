@@ -47,6 +47,9 @@ import nexuskv
 from nexuskv import profiling
 from nexuskv.ops import dgq_fused_attention
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when a test loads this file by path
+from paired import Worker, paired_speedup, paired_times  # noqa: E402
+
 SHAPES = {"llama-like": (32, 8, 128), "smollm-like": (9, 3, 64)}
 GROUP = 64
 
@@ -107,39 +110,6 @@ def worker() -> int:
         elif words[0] == "time":
             print(f"{cfg.time_us():.1f}", flush=True)
     return 0
-
-
-class Worker:
-    """A --worker subprocess importing nexuskv from `path` (None: the environment's)."""
-
-    def __init__(self, path: str | None):
-        env = dict(os.environ)
-        if path:
-            env["PYTHONPATH"] = path
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
-
-    def ask(self, line: str) -> str:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return self.proc.stdout.readline().strip()
-
-    def close(self):
-        self.proc.stdin.close()
-        self.proc.wait()
-
-
-def paired_times(workers: list, shape, batch, ctx, bits, threads, reps) -> tuple[int, list[list[float]]]:
-    """Bytes read and reps single-call times per worker, the workers' calls alternating, so that a
-    slow spell of the shared machine falls on both alike."""
-    nbytes = [int(w.ask(f"config {shape} {batch} {ctx} {bits} {threads}")) for w in workers]
-    times: list[list[float]] = [[] for _ in workers]
-    for r in range(reps):
-        order = range(len(workers)) if r % 2 == 0 else reversed(range(len(workers)))
-        for i in order:
-            times[i].append(float(workers[i].ask("time")))
-    return nbytes[0], times
 
 
 # ---- static loop counts ---------------------------------------------------------------------
@@ -297,10 +267,11 @@ def main(argv=None) -> int:
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     results = []
-    workers = [Worker(None)] + ([Worker(args.baseline)] if args.baseline else [])
+    workers = [Worker(__file__, None)] + ([Worker(__file__, args.baseline)] if args.baseline else [])
     for shape, batch, ctx in configs:
         for bits in bits_list:
-            nbytes, times = paired_times(workers, shape, batch, ctx, bits, args.threads, args.reps)
+            answer, times = paired_times(workers, f"config {shape} {batch} {ctx} {bits} {args.threads}", args.reps)
+            nbytes = int(answer)
             us = statistics.median(times[0])
             floor = nbytes / bandwidth * 1e6
             row = {
@@ -319,7 +290,7 @@ def main(argv=None) -> int:
             )
             if args.baseline:
                 # The median of the paired ratios: each pair ran back to back.
-                ratio = statistics.median(b / a for a, b in zip(times[0], times[1]))
+                ratio = paired_speedup(times)
                 row.update(baseline_us=statistics.median(times[1]), baseline_times_us=times[1], speedup=ratio)
                 line += f" {row['baseline_us']:.0f} | {ratio:.2f}x |"
             print(line, flush=True)

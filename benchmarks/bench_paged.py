@@ -16,8 +16,15 @@ scale and zero counted) against bf16.
 Every run checks the paged output against SDPA over the dequantized pages in float64 (max
 error < 2e-2 of the value range), so that the times compare the same attention.
 
+With --baseline DIR the paged calls run in two worker processes, this environment's nexuskv and
+the package found in DIR (a copy of an earlier install, e.g. before a kernel change), their
+calls alternating one by one (benchmarks/paired.py): --reps calls each, and the speed-up is the
+median of the per-pair ratios, which a shared machine's slow spells move far less than the
+times themselves.
+
     python benchmarks/bench_paged.py                     # ~1-2 min on 2 cores
     python benchmarks/bench_paged.py --json results/bench_paged.json
+    python benchmarks/bench_paged.py --baseline /tmp/old # side by side with an older install
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import datetime
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -35,6 +43,9 @@ import torch.nn.functional as F
 
 import nexuskv
 from nexuskv import paged
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paired import Worker, paired_speedup, paired_times  # noqa: E402
 
 SHAPES = {"smollm": (9, 3, 64), "llama": (32, 8, 128)}
 # (shape, requests, context, queries per request)
@@ -93,6 +104,37 @@ def build(shape, reqs, ctx, qlen, fmt, gen):
     return dict(pages=pages, table=blocks, seq=seq, qsl=qsl, q=q, k=k, v=v, signs=signs, slots=slots)
 
 
+def case_data(index: int, fmt):
+    """The pages and queries of CASES[index] (the same in every process: seeded by the index)."""
+    shape, reqs, ctx, qlen = CASES[index]
+    return build(shape, reqs, ctx, qlen, fmt, torch.Generator().manual_seed(index))
+
+
+def paged_call(b, fmt):
+    return paged.attention(b["q"], b["pages"], b["table"], b["seq"], b["qsl"], fmt, b["signs"])
+
+
+def worker() -> int:
+    """--worker: reads 'config index bits threads' or 'time' lines, answers one line each."""
+    b = fmt = None
+    for line in sys.stdin:
+        words = line.split()
+        if words[0] == "config":
+            index, bits, threads = map(int, words[1:4])
+            torch.set_num_threads(threads)
+            fmt = paged.PagedFormat(bits, bits, 64)
+            b = case_data(index, fmt)
+            for _ in range(2):
+                paged_call(b, fmt)
+            print("ready", flush=True)
+        elif words[0] == "time":
+            paged_call(b, fmt)  # untimed: wakes the thread pool and the caches after the other worker's turn
+            t0 = time.perf_counter()
+            paged_call(b, fmt)
+            print(f"{(time.perf_counter() - t0) * 1e6:.1f}", flush=True)
+    return 0
+
+
 def dequantized(b, reqs, ctx, hkv, d, fmt):
     """K and V [reqs, hkv, ctx, d] in float64 as the pages hold them: a slot is what
     nq_compress(row, bits, group, axis=-1) gives for the (rotated, rounded) row."""
@@ -113,21 +155,31 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--budget", type=float, default=1.0, help="seconds of timed calls per measurement")
     ap.add_argument("--json", default="results/bench_paged.json")
+    ap.add_argument("--baseline", default=None, help="directory holding an older nexuskv package to time beside")
+    ap.add_argument("--reps", type=int, default=31, help="with --baseline: timed calls per case and install")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:
+        return worker()
     torch.set_num_threads(args.threads)
     fmt = paged.PagedFormat(args.bits, args.bits, 64)
-    gen = torch.Generator().manual_seed(0)
     with open("/proc/loadavg") as f:
         load_before = f.read().split()[:3]
     rows = []
+    workers = [Worker(__file__, None), Worker(__file__, args.baseline)] if args.baseline else []
     head = ("shape", "req", "ctx", "q/req", "paged us", "SDPA bf16 us", "form", "ratio", "bytes")
-    print("{:7} {:>3} {:>6} {:>5} {:>10} {:>13} {:>5} {:>6} {:>6}".format(*head))
-    for shape, reqs, ctx, qlen in CASES:
+    if workers:
+        head += ("baseline us", "speed-up")
+    print(
+        "{:7} {:>3} {:>6} {:>5} {:>10} {:>13} {:>5} {:>6} {:>6}".format(*head[:9])
+        + "".join(f" {h:>11}" for h in head[9:])
+    )
+    for index, (shape, reqs, ctx, qlen) in enumerate(CASES):
         hq, hkv, d = SHAPES[shape]
-        b = build(shape, reqs, ctx, qlen, fmt, gen)
+        b = case_data(index, fmt)
 
         def run_paged():
-            return paged.attention(b["q"], b["pages"], b["table"], b["seq"], b["qsl"], fmt, b["signs"])
+            return paged_call(b, fmt)
 
         # Dense: K/V [reqs, hkv, ctx, d] bf16, q [reqs, hq, qlen, d]; causal for prefill (q at the end).
         kd = b["k"].reshape(reqs, ctx, hkv, d).transpose(1, 2).contiguous()
@@ -155,7 +207,13 @@ def main() -> None:
         err = float((got - want).abs().max() / vq.abs().max())
         assert err < 2e-2, (shape, reqs, ctx, qlen, err)
 
-        tp = timeit(run_paged, args.budget)
+        paired = {}
+        if workers:
+            _, times = paired_times(workers, f"config {index} {args.bits} {args.threads}", args.reps)
+            tp = statistics.median(times[0]) * 1e-6
+            paired = dict(baseline_us=statistics.median(times[1]), speedup=paired_speedup(times), times_us=times)
+        else:
+            tp = timeit(run_paged, args.budget)
         sdpa_times = {name: timeit(fn, args.budget) for name, fn in sdpa.items()}
         sdpa_form, ts = min(sdpa_times.items(), key=lambda kv: kv[1])  # the faster honest formulation
         byte_ratio = fmt.slot_bytes(d, torch.bfloat16) / (4 * d)
@@ -171,10 +229,14 @@ def main() -> None:
                 paged_over_sdpa=tp / ts,
                 bytes_vs_bf16=byte_ratio,
                 max_rel_error=err,
+                **paired,
             )
         )
         line = (shape, reqs, ctx, qlen, f"{tp * 1e6:.0f}", f"{ts * 1e6:.0f}", sdpa_form, f"{tp / ts:.2f}")
-        print("{:7} {:>3} {:>6} {:>5} {:>10} {:>13} {:>5} {:>6} {:>6.3f}".format(*line, byte_ratio))
+        tail = f" {paired['baseline_us']:>11.0f} {paired['speedup']:>10.2f}x" if paired else ""
+        print("{:7} {:>3} {:>6} {:>5} {:>10} {:>13} {:>5} {:>6} {:>6.3f}".format(*line, byte_ratio) + tail, flush=True)
+    for w in workers:
+        w.close()
     with open("/proc/loadavg") as f:
         load_after = f.read().split()[:3]
     meta = dict(
@@ -184,6 +246,7 @@ def main() -> None:
         torch=torch.__version__,
         nexuskv_file=nexuskv.__file__,
         bits=args.bits,
+        baseline=args.baseline,
         loadavg_before=load_before,
         loadavg_after=load_after,
     )
@@ -195,4 +258,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -244,15 +244,18 @@ inline void codes_row_bits(int bits, const uint8_t* packed, int64_t D, float* ds
   }
 }
 
-// out[i * 4 + j] = q_i . k_j for four query rows and four key rows (D % 16 == 0).
-inline void dot4x4(const float* const* q, const float* __restrict k, int64_t D, float* out) {
+// out[i * 4 + j] = q_i . k_j over channels [0, n) for four query rows and four
+// key rows ldk floats apart: vector lanes while whole, then a scalar tail (a
+// channel group of a width that is not a multiple of the vector, paged kernel).
+inline void dot4x4(const float* const* q, const float* __restrict k, int64_t n, int64_t ldk, float* out) {
+  int64_t d = 0;
 #if defined(__AVX512F__)
   __m512 a[4][4];
   for (int i = 0; i < 4; ++i)
     for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) {
+  for (; d + 16 <= n; d += 16) {
     __m512 kv[4];
-    for (int j = 0; j < 4; ++j) kv[j] = _mm512_loadu_ps(k + j * D + d);
+    for (int j = 0; j < 4; ++j) kv[j] = _mm512_loadu_ps(k + j * ldk + d);
     for (int i = 0; i < 4; ++i) {
       const __m512 qv = _mm512_loadu_ps(q[i] + d);
       for (int j = 0; j < 4; ++j) a[i][j] = _mm512_fmadd_ps(qv, kv[j], a[i][j]);
@@ -271,9 +274,9 @@ inline void dot4x4(const float* const* q, const float* __restrict k, int64_t D, 
   __m256 a[4][4];
   for (int i = 0; i < 4; ++i)
     for (int j = 0; j < 4; ++j) a[i][j] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += 8) {
+  for (; d + 8 <= n; d += 8) {
     __m256 kv[4];
-    for (int j = 0; j < 4; ++j) kv[j] = _mm256_loadu_ps(k + j * D + d);
+    for (int j = 0; j < 4; ++j) kv[j] = _mm256_loadu_ps(k + j * ldk + d);
     for (int i = 0; i < 4; ++i) {
       const __m256 qv = _mm256_loadu_ps(q[i] + d);
       for (int j = 0; j < 4; ++j) a[i][j] = _mm256_fmadd_ps(qv, kv[j], a[i][j]);
@@ -287,29 +290,38 @@ inline void dot4x4(const float* const* q, const float* __restrict k, int64_t D, 
   for (int i = 0; i < 4; ++i)
     for (int j = 0; j < 4; ++j) {
       float acc[8] = {};
-      for (int64_t d = 0; d < D; d += 8)
-        for (int l = 0; l < 8; ++l) acc[l] += q[i][d + l] * k[j * D + d + l];
+      for (int64_t e = 0; e + 8 <= n; e += 8)
+        for (int l = 0; l < 8; ++l) acc[l] += q[i][e + l] * k[j * ldk + e + l];
       float sum = 0.f;
       for (int l = 0; l < 8; ++l) sum += acc[l];
       out[4 * i + j] = sum;
     }
+  d = n / 8 * 8;
 #endif
+  for (; d < n; ++d)
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 4; ++j) out[4 * i + j] += q[i][d] * k[j * ldk + d];
 }
 
-// acc_i[d] += sum_j w_i[(d / G) * bstride + j] * v[j * D + d] for R query rows
-// at once (each V load serves all R rows): one weight per token and channel
-// group of G channels (G % 16 == 0), groups bstride apart; bstride = 0 and
-// G = D for plain probabilities.
+// The same over four key rows of D floats each (D % 16 == 0: no tail).
+inline void dot4x4(const float* const* q, const float* __restrict k, int64_t D, float* out) { dot4x4(q, k, D, D, out); }
+
+// acc_i[d] += sum_j w_i[(d / G) * bstride + j] * v[j * ldv + d], d < D, for R
+// query rows at once (each V load serves all R rows): one weight per token and
+// channel group of G channels (G % 16 == 0 where bstride != 0), groups bstride
+// apart; bstride = 0 and G = D for one weight per token.  Blocks of 16 channels,
+// then a scalar tail (D % 16 != 0: a channel group of the paged kernel).
 template <int R>
 void pv_block(float* const* acc, const float* const* w, int64_t bstride, int64_t G, const float* __restrict v,
-              int64_t n, int64_t D) {
-  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+              int64_t n, int64_t D, int64_t ldv) {
+  int64_t d0 = 0;
+  for (; d0 + 16 <= D; d0 += 16) {
     const int64_t b = (d0 / G) * bstride;
 #if defined(__AVX512F__)
     __m512 a[R];
     for (int i = 0; i < R; ++i) a[i] = _mm512_loadu_ps(acc[i] + d0);
     for (int64_t j = 0; j < n; ++j) {
-      const __m512 vj = _mm512_loadu_ps(v + j * D + d0);
+      const __m512 vj = _mm512_loadu_ps(v + j * ldv + d0);
       for (int i = 0; i < R; ++i) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i][b + j]), vj, a[i]);
     }
     for (int i = 0; i < R; ++i) _mm512_storeu_ps(acc[i] + d0, a[i]);
@@ -317,7 +329,7 @@ void pv_block(float* const* acc, const float* const* w, int64_t bstride, int64_t
     __m256 a[R][2];
     for (int i = 0; i < R; ++i) a[i][0] = _mm256_loadu_ps(acc[i] + d0), a[i][1] = _mm256_loadu_ps(acc[i] + d0 + 8);
     for (int64_t j = 0; j < n; ++j) {
-      const __m256 v0 = _mm256_loadu_ps(v + j * D + d0), v1 = _mm256_loadu_ps(v + j * D + d0 + 8);
+      const __m256 v0 = _mm256_loadu_ps(v + j * ldv + d0), v1 = _mm256_loadu_ps(v + j * ldv + d0 + 8);
       for (int i = 0; i < R; ++i) {
         const __m256 wj = _mm256_set1_ps(w[i][b + j]);
         a[i][0] = _mm256_fmadd_ps(wj, v0, a[i][0]);
@@ -330,20 +342,28 @@ void pv_block(float* const* acc, const float* const* w, int64_t bstride, int64_t
       float a[16];
       std::memcpy(a, acc[i] + d0, sizeof(a));
       for (int64_t j = 0; j < n; ++j)
-        for (int l = 0; l < 16; ++l) a[l] += w[i][b + j] * v[j * D + d0 + l];
+        for (int l = 0; l < 16; ++l) a[l] += w[i][b + j] * v[j * ldv + d0 + l];
       std::memcpy(acc[i] + d0, a, sizeof(a));
     }
 #endif
   }
+  for (; d0 < D; ++d0) {
+    const int64_t b = (d0 / G) * bstride;
+    for (int i = 0; i < R; ++i) {
+      float a = acc[i][d0];
+      for (int64_t j = 0; j < n; ++j) a += w[i][b + j] * v[j * ldv + d0];
+      acc[i][d0] = a;
+    }
+  }
 }
 
 inline void pv_rows(int R, float* const* acc, const float* const* w, int64_t bstride, int64_t G, const float* v,
-                    int64_t n, int64_t D) {
+                    int64_t n, int64_t D, int64_t ldv) {
   switch (R) {
-    case 1: pv_block<1>(acc, w, bstride, G, v, n, D); break;
-    case 2: pv_block<2>(acc, w, bstride, G, v, n, D); break;
-    case 3: pv_block<3>(acc, w, bstride, G, v, n, D); break;
-    default: pv_block<4>(acc, w, bstride, G, v, n, D); break;
+    case 1: pv_block<1>(acc, w, bstride, G, v, n, D, ldv); break;
+    case 2: pv_block<2>(acc, w, bstride, G, v, n, D, ldv); break;
+    case 3: pv_block<3>(acc, w, bstride, G, v, n, D, ldv); break;
+    default: pv_block<4>(acc, w, bstride, G, v, n, D, ldv); break;
   }
 }
 

@@ -271,7 +271,7 @@ struct TaskState {
         continue;
       }
 #endif
-      pv_rows(R, acc_rows, w_rows, t.v_scale ? kTileTokens : 0, G, t.v, vis_max, D);
+      pv_rows(R, acc_rows, w_rows, t.v_scale ? kTileTokens : 0, G, t.v, vis_max, D, D);
     }
   }
 };

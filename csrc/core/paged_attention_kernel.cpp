@@ -4,17 +4,27 @@
 // Per task (request, block of queries, kv head):
 //   the GQA group's query rows in float32, rotated and scaled;
 //   for each tile of kTile keys at absolute positions (multiples of kTile):
-//     the tile's key and value slots dequantized once into float rows, shared
-//     by every query row of the task;
-//     q . K four query rows by four keys (attention_blocks.h), causal /
-//     sliding-window mask, soft-cap, online softmax in float32 (a NaN/Inf
-//     score marks its row NaN);
-//     acc += p . V, four query rows per value load.
+//     the tile's key and value codes widened to float once (no scale, no
+//     zero), shared by every query row of the task, and their per-(token,
+//     group) scales and zeros;
+//     q . K four query rows by four keys per channel group (attention_blocks.h),
+//     the group's scale and zero applied to the sums: score = sum_g s_g (q_g .
+//     codes_g) + z_g sum(q_g), then q * (exact - dequantized) per key outlier;
+//     causal / sliding-window mask, soft-cap, online softmax in float32 (a
+//     NaN/Inf score marks its row NaN);
+//     acc += (p * s_g) . codes_g per value group, four query rows per load, and
+//     p * (exact - dequantized) per value outlier; sum(p * z_g) per row and
+//     group apart (rescaled with acc), added to the group's channels at the end.
+// Why fold the scales: dequantizing every slot to float (code * s + z per
+// channel, the scales spread over channels first) was 45 % of a decode on an
+// AVX2 CPU (perf, llama-like 1 x 4096); folded, each scale and zero costs one
+// multiply per (row, token, group) instead of per channel.
 // A query row's arithmetic depends only on its own query and the tiles it
 // meets, never on the other rows of its task, so its output is bit for bit the
 // same whichever query block or chunk of a prompt computes it.  No buffer
 // grows with the context.
 #include <cstring>
+#include <initializer_list>
 
 #include "attention_blocks.h"
 #include "isa.h"
@@ -28,30 +38,50 @@ namespace {
 
 constexpr int kTile = 32;  // keys per tile; a multiple of dot4x4's four keys
 
-// row[D] = codes * scale + zero of one slot (per channel group), then its
-// exact outliers.  s_buf, z_buf: [D] scratch.  Returns false if an outlier
-// position lies outside its group (a corrupt page; that outlier is skipped).
+// One tile's slots as the kernel reads them: codes widened to float [kTile, D]
+// and the slots' scales and zeros [Bg, kTile] in float (zero for tokens the
+// tile does not read), the head page and offset of every slot read, for the
+// outlier corrections.
+struct TileSlots {
+  float *codes, *scale, *zero;
+  uint8_t* page[kTile];
+  int offset[kTile];
+};
+
 template <typename X>
-bool dequantize_slot(const PagedLayout& l, const PagedOffsets& o, const PagedSlot<X>& s, int bits,
-                     float* __restrict s_buf, float* __restrict z_buf, float* __restrict row) {
-  const int D = l.head_dim, G = l.group_size, k = o.num_outliers, groups = o.groups;
-  for (int g = 0; g < groups; ++g) {
-    const float scale = to_float(s.scale[g]), zero = to_float(s.zero[g]);
-    const int end = (g + 1) * G < D ? (g + 1) * G : D;
-    for (int c = g * G; c < end; ++c) s_buf[c] = scale, z_buf[c] = zero;
-  }
-  dequant_row_bits(bits, s.codes, D, s_buf, z_buf, row);
+void load_slot(const PagedOffsets& o, const PagedSlot<X>& s, int bits, int D, int j, const TileSlots& t) {
+  codes_row_bits(bits, s.codes, D, t.codes + int64_t(j) * D);
+  for (int g = 0; g < o.groups; ++g)
+    t.scale[g * kTile + j] = to_float(s.scale[g]), t.zero[g * kTile + j] = to_float(s.zero[g]);
+}
+
+// Calls f(j, g, pos, exact - dequantized) for every exact outlier of the tile's
+// slots [j0, n) (key or value half).  Returns false if an outlier position lies
+// outside its group (a corrupt page; that outlier is skipped).
+template <typename X, typename F>
+bool for_each_outlier(const PagedLayout& l, const PagedOffsets& o, const TileSlots& t, bool value, int j0, int n,
+                      F&& f) {
+  const int D = l.head_dim, G = l.group_size, k = o.num_outliers;
   bool ok = true;
-  for (int g = 0; g < groups && k > 0; ++g) {
-    const int begin = g * G, end = (g + 1) * G < D ? (g + 1) * G : D;
-    for (int j = 0; j < k; ++j) {
-      const int64_t m = int64_t(g) * k + j;
-      const int pos = begin + s.outlier_idx[m];
-      if (pos >= end) {
-        ok = false;
-        continue;
+  for (int j = j0; j < n && k > 0; ++j) {
+    const PagedSlot<X> s = paged_slot<X>(o, t.page[j], t.offset[j], value);
+    for (int g = 0; g < o.groups; ++g) {
+      const int begin = g * G, end = (g + 1) * G < D ? (g + 1) * G : D;
+      const uint8_t* idx = s.outlier_idx + int64_t(g) * k;
+      for (int m = 0; m < k; ++m) {
+        const int pos = begin + idx[m];
+        if (pos >= end) {
+          ok = false;
+          continue;
+        }
+        // A position listed twice (a group with fewer channels than k repeats
+        // one) holds one exact value: correct it once, as its last entry.
+        bool later = false;
+        for (int m2 = m + 1; m2 < k; ++m2) later |= idx[m2] == idx[m];
+        if (later) continue;
+        const float deq = t.codes[int64_t(j) * D + pos] * t.scale[g * kTile + j] + t.zero[g * kTile + j];
+        f(j, g, pos, to_float(s.outlier_val[int64_t(g) * k + m]) - deq);
       }
-      row[pos] = to_float(s.outlier_val[m]);  // a repeated slot writes the same value again
     }
   }
   return ok;
@@ -76,16 +106,20 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
   note_kernel_isa(kThisIsa);
   const PagedLayout& l = p.pool.layout;
   const PagedOffsets off(l);
-  const int D = l.head_dim, P = l.block_size, gq = p.gqa_group();
+  const int D = l.head_dim, P = l.block_size, gq = p.gqa_group(), G = l.group_size, Bg = off.groups;
   // Row i: q head (i / queries) of the group, query i % queries; padded to a
   // multiple of four rows (q = 0, nothing visible) for dot4x4 and pv_rows.
   const int64_t rows = int64_t(gq) * t.queries, rows4 = (rows + 3) / 4 * 4;
-  Buffer<float> q_buf(rows4 * D), acc_buf(rows4 * D), mx_buf(rows4), sum_buf(rows4), w_buf(rows4 * kTile);
-  Buffer<float> keys_buf(int64_t(kTile) * D), values_buf(int64_t(kTile) * D), s_buf(D), z_buf(D);
+  Buffer<float> q_buf(rows4 * D), qsum_buf(rows4 * Bg), acc_buf(rows4 * D), mx_buf(rows4), sum_buf(rows4);
+  Buffer<float> w_buf(rows4 * kTile), wg_buf(rows4 * kTile), zacc_buf(rows4 * Bg);
+  Buffer<float> kcodes_buf(int64_t(kTile) * D), vcodes_buf(int64_t(kTile) * D);
+  Buffer<float> kmeta_buf(2 * int64_t(Bg) * kTile), vmeta_buf(2 * int64_t(Bg) * kTile);
   Buffer<int64_t> qpos_buf(rows4);
   Buffer<uint8_t> bad_buf(rows4);
-  float *q = q_buf.data(), *acc = acc_buf.data(), *mx = mx_buf.data(), *sum = sum_buf.data(), *w = w_buf.data();
-  float *keys = keys_buf.data(), *values = values_buf.data();
+  float *q = q_buf.data(), *qsum = qsum_buf.data(), *acc = acc_buf.data(), *mx = mx_buf.data(), *sum = sum_buf.data();
+  float *w = w_buf.data(), *wg = wg_buf.data(), *zacc = zacc_buf.data();
+  TileSlots ks{kcodes_buf.data(), kmeta_buf.data(), kmeta_buf.data() + int64_t(Bg) * kTile, {}, {}};
+  TileSlots vs{vcodes_buf.data(), vmeta_buf.data(), vmeta_buf.data() + int64_t(Bg) * kTile, {}, {}};
   int64_t* qpos = qpos_buf.data();
   uint8_t* bad = bad_buf.data();
   bool corrupt = false;
@@ -96,6 +130,7 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
   int64_t key_begin = 0;
   if (p.window > 0 && first_pos - p.window + 1 > 0) key_begin = first_pos - p.window + 1;
   for (int64_t i = 0; i < rows4; ++i) qpos[i] = i < rows ? first_pos + i % t.queries : -1;
+  fill_f(q, rows4 * D, 0.f);
 
   for (int h = h_begin; h < h_end; ++h) {
     for (int64_t i = 0; i < rows; ++i) {
@@ -105,42 +140,58 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
       if (p.rotation_signs) hadamard_rotate_rows(row, row, 1, D, p.rotation_signs, false);
       for (int c = 0; c < D; ++c) row[c] *= p.scale;
     }
+    // sum(q_g) per row and key group: the zeros' share of a score.
+    for (int64_t i = 0; i < rows4; ++i)
+      for (int g = 0; g < Bg; ++g) {
+        const int b = g * G, e = b + G < D ? b + G : D;
+        qsum[i * Bg + g] = sum_f(q + i * D + b, e - b);
+      }
     fill_f(mx, rows4, kNegInf);
     fill_f(sum, rows4, 0.f);
     fill_f(acc, rows4 * D, 0.f);
+    fill_f(zacc, rows4 * Bg, 0.f);
     std::memset(bad, 0, size_t(rows4));
 
     for (int64_t k0 = key_begin / kTile * kTile; k0 < key_end; k0 += kTile) {
-      // Tokens [j0, n) of the tile are read; the other rows are zero (finite: p = 0 meets them).
+      // Tokens [j0, n) of the tile are read; the others are zero codes, scales and zeros (finite: p = 0 meets them).
       const int j0 = int(key_begin > k0 ? key_begin - k0 : 0);
       const int n = int(key_end - k0 < kTile ? key_end - k0 : kTile);
-      fill_f(keys, int64_t(j0) * D, 0.f);
-      fill_f(values, int64_t(j0) * D, 0.f);
-      fill_f(keys + int64_t(n) * D, int64_t(kTile - n) * D, 0.f);
-      fill_f(values + int64_t(n) * D, int64_t(kTile - n) * D, 0.f);
+      for (const TileSlots* ts : {&ks, &vs}) {
+        fill_f(ts->codes, int64_t(j0) * D, 0.f);
+        fill_f(ts->codes + int64_t(n) * D, int64_t(kTile - n) * D, 0.f);
+        if (j0 > 0 || n < kTile) fill_f(ts->scale, 2 * int64_t(Bg) * kTile, 0.f);  // scale and zero
+      }
       uint8_t* page = const_cast<uint8_t*>(p.pages) + p.token_page(t.req, k0 + j0, h);
       int offset = int((k0 + j0) % P);
       for (int j = j0; j < n; ++j) {
-        corrupt |= !dequantize_slot(l, off, paged_slot<X>(off, page, offset, false), l.key_bits, s_buf.data(),
-                                    z_buf.data(), keys + int64_t(j) * D);
-        corrupt |= !dequantize_slot(l, off, paged_slot<X>(off, page, offset, true), l.value_bits, s_buf.data(),
-                                    z_buf.data(), values + int64_t(j) * D);
+        ks.page[j] = vs.page[j] = page, ks.offset[j] = vs.offset[j] = offset;
+        load_slot(off, paged_slot<X>(off, page, offset, false), l.key_bits, D, j, ks);
+        load_slot(off, paged_slot<X>(off, page, offset, true), l.value_bits, D, j, vs);
         if (++offset == P && j + 1 < n) {  // the next token starts the next block
           offset = 0;
           page = const_cast<uint8_t*>(p.pages) + p.token_page(t.req, k0 + j + 1, h);
         }
       }
 
-      // Scores of four rows x four keys at a time, into w.
+      // Scores of four rows x four keys at a time, group by group, into w.
       for (int64_t r = 0; r < rows4; r += 4) {
-        const float* qr[4] = {q + r * D, q + (r + 1) * D, q + (r + 2) * D, q + (r + 3) * D};
         for (int j = 0; j < kTile; j += 4) {
-          float s16[16];
-          dot4x4(qr, keys + int64_t(j) * D, D, s16);
+          float s16[16] = {}, part[16];
+          for (int g = 0; g < Bg; ++g) {
+            const int b = g * G, e = b + G < D ? b + G : D;
+            const float* qr[4] = {q + r * D + b, q + (r + 1) * D + b, q + (r + 2) * D + b, q + (r + 3) * D + b};
+            dot4x4(qr, ks.codes + int64_t(j) * D + b, e - b, D, part);
+            const float *sc = ks.scale + g * kTile + j, *ze = ks.zero + g * kTile + j;
+            for (int a = 0; a < 4; ++a)
+              for (int c = 0; c < 4; ++c) s16[4 * a + c] += sc[c] * part[4 * a + c] + ze[c] * qsum[(r + a) * Bg + g];
+          }
           for (int a = 0; a < 4; ++a)
-            for (int b = 0; b < 4; ++b) w[(r + a) * kTile + j + b] = s16[4 * a + b];
+            for (int c = 0; c < 4; ++c) w[(r + a) * kTile + j + c] = s16[4 * a + c];
         }
       }
+      corrupt |= !for_each_outlier<X>(l, off, ks, false, j0, n, [&](int j, int, int pos, float delta) {
+        for (int64_t i = 0; i < rows4; ++i) w[i * kTile + j] += q[i * D + pos] * delta;
+      });
 
       // Mask, soft-cap, online softmax: w becomes the tile's weights exp(s - max).
       for (int64_t i = 0; i < rows4; ++i) {
@@ -175,22 +226,43 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
         if (correction != 1.f) {
           float* ar = acc + i * D;
           for (int c = 0; c < D; ++c) ar[c] *= correction;
+          for (int g = 0; g < Bg; ++g) zacc[i * Bg + g] *= correction;
           sum[i] *= correction;
         }
         mx[i] = new_max;
-        for (int j = 0; j < kTile; ++j) wr[j] = exp_nonpos(wr[j] - new_max);  // masked: exp(-inf) = 0
+        exp_shifted(wr, kTile, 0, kTile, new_max);  // masked: exp(-inf) = 0
         sum[i] += sum_f(wr, kTile);
       }
 
-      for (int64_t r = 0; r < rows4; r += 4) {
-        float* ar[4] = {acc + r * D, acc + (r + 1) * D, acc + (r + 2) * D, acc + (r + 3) * D};
-        const float* wr[4] = {w + r * kTile, w + (r + 1) * kTile, w + (r + 2) * kTile, w + (r + 3) * kTile};
-        pv_rows(4, ar, wr, 0, D, values, kTile, D);
+      // acc += (p * s_g) . codes_g; zacc_g += sum(p * z_g), added to group g's channels at the end.
+      for (int g = 0; g < Bg; ++g) {
+        const int b = g * G, e = b + G < D ? b + G : D;
+        const float *sc = vs.scale + g * kTile, *ze = vs.zero + g * kTile;
+        for (int64_t i = 0; i < rows4; ++i) {
+          const float* wr = w + i * kTile;
+          float* wgr = wg + i * kTile;
+          float part[8] = {};  // sum(p * z_g) in eight lanes (kTile % 8 == 0)
+          for (int j = 0; j < kTile; j += 8)
+            for (int c = 0; c < 8; ++c) wgr[j + c] = wr[j + c] * sc[j + c], part[c] += wr[j + c] * ze[j + c];
+          zacc[i * Bg + g] += ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+        }
+        for (int64_t r = 0; r < rows4; r += 4) {
+          float* ar[4] = {acc + r * D + b, acc + (r + 1) * D + b, acc + (r + 2) * D + b, acc + (r + 3) * D + b};
+          const float* wr[4] = {wg + r * kTile, wg + (r + 1) * kTile, wg + (r + 2) * kTile, wg + (r + 3) * kTile};
+          pv_rows(4, ar, wr, 0, e - b, vs.codes + b, kTile, e - b, D);
+        }
       }
+      corrupt |= !for_each_outlier<X>(l, off, vs, true, j0, n, [&](int j, int, int pos, float delta) {
+        for (int64_t i = 0; i < rows4; ++i) acc[i * D + pos] += w[i * kTile + j] * delta;
+      });
     }
 
     for (int64_t i = 0; i < rows; ++i) {
       float* ar = acc + i * D;
+      for (int g = 0; g < Bg; ++g) {
+        const int b = g * G, e = b + G < D ? b + G : D;
+        for (int c = b; c < e; ++c) ar[c] += zacc[i * Bg + g];
+      }
       // Every query sees its own key, so sum > 0 unless a score was not finite.
       const float inv = bad[i] || corrupt || !(sum[i] > 0.f) ? kQuietNaN : 1.f / sum[i];
       for (int c = 0; c < D; ++c) ar[c] *= inv;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "catch_compat.h"
@@ -16,108 +17,116 @@ using namespace nexuskv::core;
 
 TEST_CASE("paged write and attention against nq_compress and double attention", "[paged]") {
   const int D = 64, P = 16, H = 2, Hq = 4, T = 40, Q = 5, blocks = 6;
-  for (int window : {0, 9}) {
-    PagedLayout l;
-    l.head_dim = D, l.block_size = P, l.key_bits = 4, l.value_bits = 2, l.group_size = 32, l.num_outliers = 1;
-    l.x_bytes = 4;
-    PagedPool pool{l, blocks, H};
-    std::vector<uint8_t> pages(size_t(blocks * H * l.head_page_bytes()));
-    std::mt19937 rng(3);
-    std::normal_distribution<float> nd(0.f, 1.f);
-    std::vector<float> k(size_t(T * H * D)), v(k.size()), q(size_t(Q * Hq * D)), out(q.size());
-    for (auto* x : {&k, &v, &q})
-      for (auto& e : *x) e = nd(rng);
-    // Blocks 4, 1, 3 in that order; tokens written in a shuffled order.
-    const std::vector<int32_t> table = {4, 1, 3};
-    std::vector<int64_t> slots(T), order(T);
-    for (int t = 0; t < T; ++t) slots[size_t(t)] = int64_t(table[size_t(t / P)]) * P + t % P, order[size_t(t)] = t;
-    std::shuffle(order.begin(), order.end(), rng);
-    std::vector<float> ks(k.size()), vs(v.size());
-    std::vector<int64_t> ss(slots.size());
-    for (int i = 0; i < T; ++i) {
-      const int t = int(order[size_t(i)]);
-      std::memcpy(&ks[size_t(i * H * D)], &k[size_t(t * H * D)], sizeof(float) * H * D);
-      std::memcpy(&vs[size_t(i * H * D)], &v[size_t(t * H * D)], sizeof(float) * H * D);
-      ss[size_t(i)] = slots[size_t(t)];
-    }
-    PagedWrite<float> w;
-    w.pool = pool, w.pages = pages.data(), w.key = ks.data(), w.value = vs.data();
-    w.key_stride_t = w.value_stride_t = H * D, w.slot_mapping = ss.data(), w.num_tokens = T;
-    CompressStatus st;
-    paged_write_tokens(w, 0, T, &st);
-    REQUIRE(!st.non_finite_input);
-
-    // Each head's rows through nq_compress / nq_decompress: the bytes and values the pages must hold.
-    std::vector<std::vector<double>> dense(size_t(2 * H));
-    for (int h = 0; h < H; ++h)
-      for (int half = 0; half < 2; ++half) {
-        NQDims d = l.token_dims(half ? l.value_bits : l.key_bits);
-        d.tokens = T;
-        const int64_t rb = d.packed_row_bytes(), groups = d.groups_per_row(), kk = d.num_outliers;
-        std::vector<uint8_t> codes(static_cast<size_t>(T * rb)), idx(static_cast<size_t>(groups * kk));
-        std::vector<float> scale(static_cast<size_t>(groups)), zero(static_cast<size_t>(groups)),
-            val(static_cast<size_t>(groups * kk)), x(static_cast<size_t>(T * D));
-        const std::vector<float>& src = half ? v : k;
-        const int64_t offset = int64_t(h) * D;
-        nq_compress_tasks<float, float>(d, {src.data(), &offset, H * D, 1},
-                                        {codes.data(), scale.data(), zero.data(), idx.data(), val.data()}, 0,
-                                        nq_num_tasks(d), &st);
-        nq_decompress_tasks<float, float>(d, codes.data(), scale.data(), zero.data(), x.data(), 0, nq_num_tasks(d));
-        REQUIRE(nq_scatter_outliers<float, float>(d, idx.data(), val.data(), x.data(), 0, groups));
-        dense[size_t(2 * h + half)].assign(x.begin(), x.end());
-        const int G = int(d.meta_b());
-        for (int t = 0; t < T; ++t) {
-          const PagedSlot<float> s =
-              paged_slot<float>(l, pages.data() + pool.head_page(table[size_t(t / P)], h), t % P, half == 1);
-          CHECK(std::memcmp(s.codes, &codes[size_t(t * rb)], size_t(rb)) == 0);
-          CHECK(std::memcmp(s.scale, &scale[size_t(t * G)], sizeof(float) * G) == 0);
-          CHECK(std::memcmp(s.zero, &zero[size_t(t * G)], sizeof(float) * G) == 0);
-          CHECK(std::memcmp(s.outlier_idx, &idx[size_t(t * G * kk)], size_t(G * kk)) == 0);
-          CHECK(std::memcmp(s.outlier_val, &val[size_t(t * G * kk)], sizeof(float) * G * kk) == 0);
-        }
+  // Channel groups of 32 (one outlier); of 24, whose widths are not a multiple of
+  // the vector (the kernel's scalar tails) and the last group 16 channels; of 48
+  // with 20 outliers, more than the last group's 16 channels (positions repeat:
+  // each corrected once).
+  const std::pair<int, int> groupings[] = {{32, 1}, {24, 2}, {48, 20}};
+  for (auto [group_size, outliers] : groupings)
+    for (int window : {0, 9}) {
+      INFO("group " << group_size << ", outliers " << outliers);
+      PagedLayout l;
+      l.head_dim = D, l.block_size = P, l.key_bits = 4, l.value_bits = 2, l.group_size = group_size;
+      l.num_outliers = outliers;
+      l.x_bytes = 4;
+      PagedPool pool{l, blocks, H};
+      std::vector<uint8_t> pages(size_t(blocks * H * l.head_page_bytes()));
+      std::mt19937 rng(3);
+      std::normal_distribution<float> nd(0.f, 1.f);
+      std::vector<float> k(size_t(T * H * D)), v(k.size()), q(size_t(Q * Hq * D)), out(q.size());
+      for (auto* x : {&k, &v, &q})
+        for (auto& e : *x) e = nd(rng);
+      // Blocks 4, 1, 3 in that order; tokens written in a shuffled order.
+      const std::vector<int32_t> table = {4, 1, 3};
+      std::vector<int64_t> slots(T), order(T);
+      for (int t = 0; t < T; ++t) slots[size_t(t)] = int64_t(table[size_t(t / P)]) * P + t % P, order[size_t(t)] = t;
+      std::shuffle(order.begin(), order.end(), rng);
+      std::vector<float> ks(k.size()), vs(v.size());
+      std::vector<int64_t> ss(slots.size());
+      for (int i = 0; i < T; ++i) {
+        const int t = int(order[size_t(i)]);
+        std::memcpy(&ks[size_t(i * H * D)], &k[size_t(t * H * D)], sizeof(float) * H * D);
+        std::memcpy(&vs[size_t(i * H * D)], &v[size_t(t * H * D)], sizeof(float) * H * D);
+        ss[size_t(i)] = slots[size_t(t)];
       }
+      PagedWrite<float> w;
+      w.pool = pool, w.pages = pages.data(), w.key = ks.data(), w.value = vs.data();
+      w.key_stride_t = w.value_stride_t = H * D, w.slot_mapping = ss.data(), w.num_tokens = T;
+      CompressStatus st;
+      paged_write_tokens(w, 0, T, &st);
+      REQUIRE(!st.non_finite_input);
 
-    // The last Q tokens are the queries.
-    const int32_t seq_len = T, qsl[2] = {0, Q};
-    PagedAttention<float> p;
-    p.pool = pool, p.pages = pages.data(), p.q = q.data(), p.q_stride_t = Hq * D, p.q_stride_h = D;
-    p.out = out.data(), p.num_tokens = Q, p.q_heads = Hq, p.num_reqs = 1, p.max_blocks = 3;
-    p.block_table = table.data(), p.seq_lens = &seq_len, p.query_start_loc = qsl, p.scale = 0.125f;
-    p.window = window;
-    // Every instruction set this build and CPU have (paged_attention_kernel.cpp is compiled per ISA).
-    for (CpuIsa isa : {CpuIsa::kGeneric, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
-      if (!cpu_isa_supported(isa)) continue;
-      const CpuIsa previous = set_cpu_isa_cap(isa);
-      std::fill(out.begin(), out.end(), NAN);
-      for (int h = 0; h < H; ++h) REQUIRE(paged_attention_task(p, PagedTask{0, 0, Q}, h, h + 1));
-      set_cpu_isa_cap(previous);
-      REQUIRE(last_kernel_isa() == isa);
-      double worst = 0;
-      for (int i = 0; i < Q; ++i)
-        for (int hq = 0; hq < Hq; ++hq) {
-          const int h = hq / (Hq / H), pos = T - Q + i;
-          const std::vector<double>&kd = dense[size_t(2 * h)], &vd = dense[size_t(2 * h + 1)];
-          std::vector<double> s(size_t(pos + 1), -INFINITY);
-          double mx = -INFINITY, sum = 0;
-          for (int t = 0; t <= pos; ++t) {
-            if (window > 0 && t <= pos - window) continue;
-            double dot = 0;
-            for (int c = 0; c < D; ++c) dot += double(q[size_t((i * Hq + hq) * D + c)]) * kd[size_t(t * D + c)];
-            s[size_t(t)] = dot * 0.125;
-            mx = std::max(mx, s[size_t(t)]);
+      // Each head's rows through nq_compress / nq_decompress: the bytes and values the pages must hold.
+      std::vector<std::vector<double>> dense(size_t(2 * H));
+      for (int h = 0; h < H; ++h)
+        for (int half = 0; half < 2; ++half) {
+          NQDims d = l.token_dims(half ? l.value_bits : l.key_bits);
+          d.tokens = T;
+          const int64_t rb = d.packed_row_bytes(), groups = d.groups_per_row(), kk = d.num_outliers;
+          std::vector<uint8_t> codes(static_cast<size_t>(T * rb)), idx(static_cast<size_t>(groups * kk));
+          std::vector<float> scale(static_cast<size_t>(groups)), zero(static_cast<size_t>(groups)),
+              val(static_cast<size_t>(groups * kk)), x(static_cast<size_t>(T * D));
+          const std::vector<float>& src = half ? v : k;
+          const int64_t offset = int64_t(h) * D;
+          nq_compress_tasks<float, float>(d, {src.data(), &offset, H * D, 1},
+                                          {codes.data(), scale.data(), zero.data(), idx.data(), val.data()}, 0,
+                                          nq_num_tasks(d), &st);
+          nq_decompress_tasks<float, float>(d, codes.data(), scale.data(), zero.data(), x.data(), 0, nq_num_tasks(d));
+          REQUIRE(nq_scatter_outliers<float, float>(d, idx.data(), val.data(), x.data(), 0, groups));
+          dense[size_t(2 * h + half)].assign(x.begin(), x.end());
+          const int G = int(d.meta_b());
+          for (int t = 0; t < T; ++t) {
+            const PagedSlot<float> s =
+                paged_slot<float>(l, pages.data() + pool.head_page(table[size_t(t / P)], h), t % P, half == 1);
+            CHECK(std::memcmp(s.codes, &codes[size_t(t * rb)], size_t(rb)) == 0);
+            CHECK(std::memcmp(s.scale, &scale[size_t(t * G)], sizeof(float) * G) == 0);
+            CHECK(std::memcmp(s.zero, &zero[size_t(t * G)], sizeof(float) * G) == 0);
+            CHECK(std::memcmp(s.outlier_idx, &idx[size_t(t * G * kk)], size_t(G * kk)) == 0);
+            CHECK(std::memcmp(s.outlier_val, &val[size_t(t * G * kk)], sizeof(float) * G * kk) == 0);
           }
-          std::vector<double> o(D, 0.0);
-          for (int t = 0; t <= pos; ++t) {
-            if (s[size_t(t)] == -INFINITY) continue;
-            const double e = std::exp(s[size_t(t)] - mx);
-            sum += e;
-            for (int c = 0; c < D; ++c) o[size_t(c)] += e * vd[size_t(t * D + c)];
-          }
-          for (int c = 0; c < D; ++c)
-            worst = std::max(worst, std::abs(o[size_t(c)] / sum - out[size_t((i * Hq + hq) * D + c)]));
         }
-      INFO("window " << window << ", " << cpu_isa_name(isa) << ": max error " << worst);
-      CHECK(worst < 1e-5);
+
+      // The last Q tokens are the queries.
+      const int32_t seq_len = T, qsl[2] = {0, Q};
+      PagedAttention<float> p;
+      p.pool = pool, p.pages = pages.data(), p.q = q.data(), p.q_stride_t = Hq * D, p.q_stride_h = D;
+      p.out = out.data(), p.num_tokens = Q, p.q_heads = Hq, p.num_reqs = 1, p.max_blocks = 3;
+      p.block_table = table.data(), p.seq_lens = &seq_len, p.query_start_loc = qsl, p.scale = 0.125f;
+      p.window = window;
+      // Every instruction set this build and CPU have (paged_attention_kernel.cpp is compiled per ISA).
+      for (CpuIsa isa : {CpuIsa::kGeneric, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+        if (!cpu_isa_supported(isa)) continue;
+        const CpuIsa previous = set_cpu_isa_cap(isa);
+        std::fill(out.begin(), out.end(), NAN);
+        for (int h = 0; h < H; ++h) REQUIRE(paged_attention_task(p, PagedTask{0, 0, Q}, h, h + 1));
+        set_cpu_isa_cap(previous);
+        REQUIRE(last_kernel_isa() == isa);
+        double worst = 0;
+        for (int i = 0; i < Q; ++i)
+          for (int hq = 0; hq < Hq; ++hq) {
+            const int h = hq / (Hq / H), pos = T - Q + i;
+            const std::vector<double>&kd = dense[size_t(2 * h)], &vd = dense[size_t(2 * h + 1)];
+            std::vector<double> s(size_t(pos + 1), -INFINITY);
+            double mx = -INFINITY, sum = 0;
+            for (int t = 0; t <= pos; ++t) {
+              if (window > 0 && t <= pos - window) continue;
+              double dot = 0;
+              for (int c = 0; c < D; ++c) dot += double(q[size_t((i * Hq + hq) * D + c)]) * kd[size_t(t * D + c)];
+              s[size_t(t)] = dot * 0.125;
+              mx = std::max(mx, s[size_t(t)]);
+            }
+            std::vector<double> o(D, 0.0);
+            for (int t = 0; t <= pos; ++t) {
+              if (s[size_t(t)] == -INFINITY) continue;
+              const double e = std::exp(s[size_t(t)] - mx);
+              sum += e;
+              for (int c = 0; c < D; ++c) o[size_t(c)] += e * vd[size_t(t * D + c)];
+            }
+            for (int c = 0; c < D; ++c)
+              worst = std::max(worst, std::abs(o[size_t(c)] / sum - out[size_t((i * Hq + hq) * D + c)]));
+          }
+        INFO("window " << window << ", " << cpu_isa_name(isa) << ": max error " << worst);
+        CHECK(worst < 1e-5);
+      }
     }
-  }
 }

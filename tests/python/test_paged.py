@@ -258,8 +258,10 @@ def test_write_skips_slot_minus_one_and_leaves_other_slots():
         (paged.PagedFormat(8, 4, 64, 0, rotate=False), 1, 4, 23, None),
         (paged.PagedFormat(3, 8, 16, 2, rotate=False), 2, 2, 40, 30.0),
         (paged.PagedFormat(4, 2, 64, 0, rotate=True), 1, 12, None, None),
+        # Groups of 48: a last group of 16 channels with more outliers (20) than channels.
+        (paged.PagedFormat(4, 4, 48, 20, rotate=True), 2, 4, 50, None),
     ],
-    ids=["4bit-gqa3", "2bit-out1", "8-4-window", "3-8-window-softcap", "4-2-gqa12"],
+    ids=["4bit-gqa3", "2bit-out1", "8-4-window", "3-8-window-softcap", "4-2-gqa12", "group48-out20-window"],
 )
 def test_attention_matches_float64_over_a_serving_sequence(device, dtype, fmt, kv_heads, q_heads, window, softcap):
     """Prefill, chunked prefill and decode of three requests in ragged batches, against float64
