@@ -91,29 +91,15 @@ void attention_merge(const CpuAttentionParams<Meta, Val>& p, int64_t splits, con
                                            int64_t, int64_t);
 NEXUSKV_FOR_EACH_FLOAT_PAIR(NEXUSKV_INSTANTIATE_ATTENTION)
 
+// The rotation of the instruction set chosen at run time (hadamard_kernel.cpp,
+// compiled per ISA; every copy gives the same bits).
 void hadamard_rotate_rows(const float* x, float* y, int64_t rows, int64_t n, const float* signs, bool inverse) {
-  const float norm = 1.f / std::sqrt(float(n));
-  // The butterflies grow a row by up to n; below this bound they cannot
-  // overflow and the norm is applied last (as always: results unchanged).
-  const float safe = std::numeric_limits<float>::max() / float(n);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * n;
-    float* yr = y + r * n;
-    float amax = 0.f;
-    for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(xr[i]));
-    // A row near FLT_MAX is scaled first: the butterflies then grow it by at
-    // most sqrt(n), which overflows only where the exact result does too.
-    const bool prescale = amax > safe;
-    const float pre = prescale ? norm : 1.f, post = prescale ? 1.f : norm;
-    for (int64_t i = 0; i < n; ++i) yr[i] = (inverse ? xr[i] : xr[i] * signs[i]) * pre;
-    // In-place fast Walsh-Hadamard transform (Sylvester order; H is symmetric).
-    for (int64_t len = 1; len < n; len <<= 1)
-      for (int64_t i = 0; i < n; i += 2 * len)
-        for (int64_t j = i; j < i + len; ++j) {
-          const float a = yr[j], b = yr[j + len];
-          yr[j] = a + b, yr[j + len] = a - b;
-        }
-    for (int64_t i = 0; i < n; ++i) yr[i] *= inverse ? post * signs[i] : post;
+  switch (cpu_isa()) {
+#if defined(NEXUSKV_HAVE_X86_ISAS)
+    case CpuIsa::kAvx512: return avx512::hadamard_rotate_rows(x, y, rows, n, signs, inverse);
+    case CpuIsa::kAvx2: return avx2::hadamard_rotate_rows(x, y, rows, n, signs, inverse);
+#endif
+    default: return generic::hadamard_rotate_rows(x, y, rows, n, signs, inverse);
   }
 }
 

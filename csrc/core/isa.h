@@ -113,12 +113,16 @@ constexpr T min_of_list(const T& first, const More&... more) {
   return *min_element_of(list, list + 1 + sizeof...(More));
 }
 
-// std::tanh(float) and std::isfinite(float) are these builtins in libstdc++ and libc++.
+// std::tanh, std::sqrt, std::fabs and std::isfinite (float) are these builtins in libstdc++ and libc++.
 #if defined(__GNUC__) || defined(__clang__)
 NEXUSKV_INLINE float tanh_f(float x) { return __builtin_tanhf(x); }
+NEXUSKV_INLINE float sqrt_f(float x) { return __builtin_sqrtf(x); }
+NEXUSKV_INLINE float fabs_f(float x) { return __builtin_fabsf(x); }
 NEXUSKV_INLINE bool isfinite_f(float x) { return __builtin_isfinite(x); }
 #else  // (other compilers: the ISA rule is then not kept, nor checked)
 NEXUSKV_INLINE float tanh_f(float x) { return std::tanh(x); }
+NEXUSKV_INLINE float sqrt_f(float x) { return std::sqrt(x); }
+NEXUSKV_INLINE float fabs_f(float x) { return std::fabs(x); }
 NEXUSKV_INLINE bool isfinite_f(float x) { return std::isfinite(x); }
 #endif
 

@@ -34,6 +34,8 @@
   /* paged_attention_kernel.cpp: as paged_attention_task of paged.h */                                             \
   template <typename X>                                                                                            \
   bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_begin, int h_end);               \
+  /* hadamard_kernel.cpp: as hadamard_rotate_rows of attention.h */                                                \
+  void hadamard_rotate_rows(const float* x, float* y, int64_t rows, int64_t n, const float* signs, bool inverse);  \
   }
 
 NEXUSKV_DECLARE_ISA_KERNELS(generic)

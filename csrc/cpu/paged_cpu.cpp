@@ -49,15 +49,33 @@ void paged_kv_write_cpu(const at::Tensor& pages, const at::Tensor& key, const at
   check_paged_write_status(op, key.scalar_type(), non_finite, overflow);
 }
 
-// The attention's tasks (after its data checks): (request, block of queries).
+// The attention's tasks (after its data checks): (request, block of queries),
+// the most work first (queries x keys they see): the threads take them in that
+// order (below), so that the long ones do not come last.  Why: in a causal
+// prefill a block's keys grow with its position, and at::parallel_for's even
+// contiguous split gave one of two threads three quarters of the work.
 std::vector<core::PagedTask> paged_tasks(const char* op, const PagedAttentionShapes& s, const int32_t* qsl,
-                                         const int32_t* seq_lens, const int32_t* table) {
+                                         const int32_t* seq_lens, const int32_t* table, int64_t window) {
   check_paged_requests(op, s, qsl, seq_lens, table);
   std::vector<core::PagedTask> tasks;
-  for (int64_t r = 0; r < s.num_reqs; ++r)
-    for (int64_t i = 0; i < int64_t(qsl[r + 1]) - qsl[r]; i += core::kPagedQueryBlock)
-      tasks.push_back({r, i, std::min<int64_t>(core::kPagedQueryBlock, int64_t(qsl[r + 1]) - qsl[r] - i)});
-  return tasks;
+  std::vector<int64_t> work;
+  for (int64_t r = 0; r < s.num_reqs; ++r) {
+    const int64_t queries = int64_t(qsl[r + 1]) - qsl[r];
+    for (int64_t i = 0; i < queries; i += core::kPagedQueryBlock) {
+      const int64_t n = std::min<int64_t>(core::kPagedQueryBlock, queries - i);
+      const int64_t first = seq_lens[r] - queries + i, key_end = first + n;  // positions (PagedAttention's)
+      const int64_t key_begin = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+      tasks.push_back({r, i, n});
+      work.push_back(n * (key_end - key_begin));
+    }
+  }
+  std::vector<size_t> order(tasks.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return work[a] > work[b]; });
+  std::vector<core::PagedTask> sorted;
+  sorted.reserve(tasks.size());
+  for (size_t i : order) sorted.push_back(tasks[i]);
+  return sorted;
 }
 
 at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& pages, const at::Tensor& block_table,
@@ -71,7 +89,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& pages, con
                                  num_outliers, rotation_signs, scale, window, softcap);
   const at::Tensor table = block_table.contiguous(), lens = seq_lens.contiguous(), qsl = query_start_loc.contiguous();
   const std::vector<core::PagedTask> tasks =
-      paged_tasks(op, s, qsl.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), table.data_ptr<int32_t>());
+      paged_tasks(op, s, qsl.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), table.data_ptr<int32_t>(), s.window);
   const std::optional<at::Tensor> signs = float_signs(op, rotation_signs);
   const at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous();
   // The tasks write every row of the requests' queries; the rows past
@@ -83,8 +101,11 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& pages, con
   dispatch_core_float(q.scalar_type(), op, [&](auto tag) {
     using X = decltype(tag);
     const core::PagedAttention<X> p = make_paged_attention<X>(s, qc, pages, table, lens, qsl, signs, out);
-    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i)
+    // Each thread takes the next (task, kv head) until none is left (at::parallel_for
+    // alone would hand each thread one contiguous range, whatever its work).
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+      for (int64_t i = next++; i < n; i = next++)
         if (!core::paged_attention_task(p, tasks[size_t(i / H)], int(i % H), int(i % H) + 1)) corrupt = true;
     });
   });

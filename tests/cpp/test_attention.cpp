@@ -288,3 +288,50 @@ TEST_CASE("Hadamard rotation near FLT_MAX stays finite where the exact result is
   hadamard_rotate_rows(small.data(), a.data(), 1, n, signs.data(), false);
   REQUIRE((a[0] == 5.f && a[1] == -1.f && a[2] == -2.f && a[3] == 0.f));
 }
+
+TEST_CASE("Hadamard rotation: every ISA's copy gives the generic bits, and H (signs x) / sqrt(n)", "[attention]") {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (int64_t n : {1, 2, 4, 8, 16, 64, 128, 256}) {
+    const int64_t rows = 3;
+    std::vector<float> x(static_cast<size_t>(rows * n)), signs(static_cast<size_t>(n));
+    for (auto& e : x) e = nd(rng);
+    for (auto& e : signs) e = nd(rng) < 0.f ? -1.f : 1.f;
+    x[size_t(n)] = 3e38f;                   // row 1 near FLT_MAX: scaled before the butterflies
+    if (n > 1) x[size_t(2 * n + 1)] = NAN;  // row 2: a NaN is carried, not skipped
+    for (bool inverse : {false, true}) {
+      std::vector<float> want(x.size());
+      const CpuIsa previous = set_cpu_isa_cap(CpuIsa::kGeneric);
+      hadamard_rotate_rows(x.data(), want.data(), rows, n, signs.data(), inverse);
+      REQUIRE(last_kernel_isa() == CpuIsa::kGeneric);
+      set_cpu_isa_cap(previous);
+      // Row 0 against float64: y = H (s x) / sqrt(n), x = s H y / sqrt(n).
+      for (int64_t i = 0; i < n; ++i) {
+        double exact = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          const double h = __builtin_popcountll(uint64_t(i & j)) % 2 ? -1.0 : 1.0;
+          exact += h * (inverse ? double(x[size_t(j)]) : double(signs[size_t(j)]) * x[size_t(j)]);
+        }
+        exact /= std::sqrt(double(n));
+        if (inverse) exact *= signs[size_t(i)];
+        CHECK(std::fabs(want[size_t(i)] - exact) <= 1e-5 * std::sqrt(double(n)));
+      }
+      for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+        if (!cpu_isa_supported(isa)) continue;
+        INFO("n " << n << ", inverse " << inverse << ", " << cpu_isa_name(isa));
+        const CpuIsa prev = set_cpu_isa_cap(isa);
+        std::vector<float> got(x.size()), in_place = x;
+        hadamard_rotate_rows(x.data(), got.data(), rows, n, signs.data(), inverse);
+        REQUIRE(last_kernel_isa() == isa);
+        hadamard_rotate_rows(in_place.data(), in_place.data(), rows, n, signs.data(), inverse);
+        set_cpu_isa_cap(prev);
+        // Bit for bit (NaN where the generic copy has NaN).
+        for (size_t i = 0; i < x.size(); ++i) {
+          CHECK(std::isnan(got[i]) == std::isnan(want[i]));
+          if (!std::isnan(want[i])) CHECK(got[i] == want[i]);
+          if (!std::isnan(want[i])) CHECK(in_place[i] == want[i]);
+        }
+      }
+    }
+  }
+}
