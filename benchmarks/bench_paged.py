@@ -25,6 +25,17 @@ times themselves.
     python benchmarks/bench_paged.py                     # ~1-2 min on 2 cores
     python benchmarks/bench_paged.py --json results/bench_paged.json
     python benchmarks/bench_paged.py --baseline /tmp/old # side by side with an older install
+
+With --instructions the script counts instead of timing (the count does not move with the
+machine's load): valgrind's callgrind runs two decode cases (1 x 4096 tokens, both shapes) on one
+thread, collecting only inside the kernel (`--toggle-collect` of paged_attention_task: the
+task loop, its inlined and called helpers; not torch's argument checks or the thread pool),
+and the table gives executed instructions per call and per (key, kv head), for this install
+and, with --baseline, the older one.  Each count is one valgrind run (about two minutes,
+most of it importing torch under valgrind); AVX2 and generic kernels only (Debian's valgrind
+3.19 has no AVX-512).
+
+    python benchmarks/bench_paged.py --instructions --baseline /tmp/old --json results/paged_instructions.json
 """
 
 from __future__ import annotations
@@ -32,9 +43,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
+import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,6 +78,8 @@ CASES = [
     ("llama", 1, 512, 512),
 ]
 BLOCK = 16
+# The decode cases --instructions counts (each install's count is a valgrind run of ~2 minutes).
+INSTRUCTION_CASES = [("smollm", 1, 4096, 1), ("llama", 1, 4096, 1)]
 
 
 def cpu_model() -> str:
@@ -70,6 +88,14 @@ def cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
 
 
 def timeit(fn, budget: float) -> float:
@@ -135,6 +161,75 @@ def worker() -> int:
     return 0
 
 
+def count_worker(index: int, bits: int, calls: int) -> int:
+    """--count-worker: `calls` paged calls of CASES[index] on one thread (run under callgrind)."""
+    torch.set_num_threads(1)
+    fmt = paged.PagedFormat(bits, bits, 64)
+    b = case_data(index, fmt)
+    for _ in range(calls):
+        paged_call(b, fmt)
+    return 0
+
+
+def kernel_instructions(index: int, bits: int, path: str | None, calls: int = 4) -> float:
+    """Instructions executed inside paged_attention_task per call of CASES[index] (callgrind)."""
+    env = dict(os.environ)
+    if path:
+        env["PYTHONPATH"] = path
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "callgrind.out")
+        cmd = [
+            "valgrind",
+            "--tool=callgrind",
+            "--toggle-collect=bool nexuskv::core::paged_attention_task*",
+            f"--callgrind-out-file={out}",
+        ]
+        cmd += [sys.executable, __file__, "--count-worker", str(index), str(bits), str(calls)]
+        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        text = Path(out).read_text()
+    m = re.search(r"^(?:summary|totals): (\d+)", text, re.M)
+    if not m or int(m.group(1)) == 0:
+        raise RuntimeError(f"callgrind counted nothing inside paged_attention_task for case {index}")
+    return int(m.group(1)) / calls
+
+
+def instructions_table(args) -> int:
+    if not shutil.which("valgrind"):
+        print("valgrind is not installed (apt-get install valgrind)")
+        return 1
+    installs = [("this", None)] + ([("baseline", args.baseline)] if args.baseline else [])
+    rows = []
+    print(
+        f"{'shape':7} {'req':>3} {'ctx':>6} "
+        + "".join(f"{n + ' instr/call':>20} {'per key-head':>13}" for n, _ in installs)
+    )
+    for index, (shape, reqs, ctx, qlen) in enumerate(CASES):
+        if (shape, reqs, ctx, qlen) not in INSTRUCTION_CASES:
+            continue
+        hkv = SHAPES[shape][1]
+        counts = {name: kernel_instructions(index, args.bits, path) for name, path in installs}
+        row = dict(shape=shape, requests=reqs, context=ctx, bits=args.bits)
+        for name, n in counts.items():
+            row[f"{name}_instructions_per_call"] = n
+            row[f"{name}_instructions_per_key_head"] = n / (reqs * ctx * hkv)
+        rows.append(row)
+        cells = "".join(f"{n:>20,.0f} {n / (reqs * ctx * hkv):>13.1f}" for n in counts.values())
+        print(f"{shape:7} {reqs:>3} {ctx:>6} " + cells, flush=True)
+    meta = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        machine=cpu_model(),
+        kernel="avx512" if "avx512f" in cpu_flags() else "avx2" if "avx2" in cpu_flags() else "generic",
+        counter="valgrind callgrind, instructions inside paged_attention_task, 1 thread",
+        baseline=args.baseline,
+        bits=args.bits,
+    )
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
 def dequantized(b, reqs, ctx, hkv, d, fmt):
     """K and V [reqs, hkv, ctx, d] in float64 as the pages hold them: a slot is what
     nq_compress(row, bits, group, axis=-1) gives for the (rotated, rounded) row."""
@@ -157,10 +252,16 @@ def main() -> None:
     ap.add_argument("--json", default="results/bench_paged.json")
     ap.add_argument("--baseline", default=None, help="directory holding an older nexuskv package to time beside")
     ap.add_argument("--reps", type=int, default=31, help="with --baseline: timed calls per case and install")
+    ap.add_argument("--instructions", action="store_true", help="count the kernel's instructions (callgrind)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--count-worker", nargs=3, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker()
+    if args.count_worker:
+        return count_worker(*args.count_worker)
+    if args.instructions:
+        return instructions_table(args)
     torch.set_num_threads(args.threads)
     fmt = paged.PagedFormat(args.bits, args.bits, 64)
     with open("/proc/loadavg") as f:

@@ -4,12 +4,15 @@
 // Per task (request, block of queries, kv head):
 //   the GQA group's query rows in float32, rotated and scaled;
 //   for each tile of kTile keys at absolute positions (multiples of kTile):
-//     the tile's key and value codes widened to float once (no scale, no
-//     zero), shared by every query row of the task, and their per-(token,
-//     group) scales and zeros;
-//     q . K four query rows by four keys per channel group (attention_blocks.h),
-//     the group's scale and zero applied to the sums: score = sum_g s_g (q_g .
-//     codes_g) + z_g sum(q_g), then q * (exact - dequantized) per key outlier;
+//     the tile's value codes (and keys, but on the plane path) widened to
+//     float once (no scale, no zero), shared by every query row of the task,
+//     and their per-(token, group) scales and zeros;
+//     q . K: on AVX2, in groups of whole 16-channel planes, four query rows
+//     meet each key's packed planes read from the page and dequantized in
+//     registers (key_plane_scores); otherwise four rows by four widened keys
+//     per channel group (dot4x4, attention_blocks.h), the group's scale and
+//     zero applied to the sums: score = sum_g s_g (q_g . codes_g) + z_g
+//     sum(q_g); then q * (exact - dequantized) per key outlier;
 //     causal / sliding-window mask, soft-cap, online softmax in float32 (a
 //     NaN/Inf score marks its row NaN);
 //     acc += (p * s_g) . codes_g per value group, four query rows per load, and
@@ -39,18 +42,20 @@ namespace {
 constexpr int kTile = 32;  // keys per tile; a multiple of dot4x4's four keys
 
 // One tile's slots as the kernel reads them: codes widened to float [kTile, D]
-// and the slots' scales and zeros [Bg, kTile] in float (zero for tokens the
-// tile does not read), the head page and offset of every slot read, for the
-// outlier corrections.
+// (unless read from the page by the plane path) and the slots' scales and
+// zeros [Bg, kTile] in float (zero for tokens the tile does not read), the
+// head page and offset of every slot read, and its packed codes.
 struct TileSlots {
   float *codes, *scale, *zero;
   uint8_t* page[kTile];
   int offset[kTile];
+  const uint8_t* packed[kTile];
 };
 
 template <typename X>
-void load_slot(const PagedOffsets& o, const PagedSlot<X>& s, int bits, int D, int j, const TileSlots& t) {
-  codes_row_bits(bits, s.codes, D, t.codes + int64_t(j) * D);
+void load_slot(const PagedOffsets& o, const PagedSlot<X>& s, int bits, int D, int j, bool widen, TileSlots& t) {
+  t.packed[j] = s.codes;
+  if (widen) codes_row_bits(bits, s.codes, D, t.codes + int64_t(j) * D);
   for (int g = 0; g < o.groups; ++g)
     t.scale[g * kTile + j] = to_float(s.scale[g]), t.zero[g * kTile + j] = to_float(s.zero[g]);
 }
@@ -79,7 +84,8 @@ bool for_each_outlier(const PagedLayout& l, const PagedOffsets& o, const TileSlo
         bool later = false;
         for (int m2 = m + 1; m2 < k; ++m2) later |= idx[m2] == idx[m];
         if (later) continue;
-        const float deq = t.codes[int64_t(j) * D + pos] * t.scale[g * kTile + j] + t.zero[g * kTile + j];
+        const float code = float(layout::code_at(s.codes, value ? l.value_bits : l.key_bits, pos));
+        const float deq = code * t.scale[g * kTile + j] + t.zero[g * kTile + j];
         f(j, g, pos, to_float(s.outlier_val[int64_t(g) * k + m]) - deq);
       }
     }
@@ -99,6 +105,72 @@ inline float max_of_tile(const float* __restrict s) {
   return m;
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// The plane path of q . K (AVX2; the AVX-512 build keeps dot4x4, whose 16
+// accumulators fit its 32 registers): dot4x4 holds 4 x 4 accumulators and
+// four keys, more than AVX2's 16 registers, so it spilled, and it read every
+// code twice more (the widened store, then its load).  Here one key at a
+// time: each 16-code plane is widened and dequantized in registers
+// (plane_floats, then code * s_g + z_g: two FMAs shared by the four rows,
+// cheaper than reducing four rows' sums at every group's end) and meets four
+// query rows, two accumulators per row (lanes 0..7, 8..15) so that eight FMA
+// chains run side by side; one reduction per key.  Needs groups of whole
+// planes (G % 16 == 0) and D % 16 == 0.  Scores of keys outside [j0, n) are
+// 0 (masked later), as with zero codes and scales.
+template <int kBits>
+void key_plane_scores(const float* q, int64_t r, int D, int G, const TileSlots& ks, int j0, int n, float* w) {
+  constexpr int kPlanes = layout::kPlanes<kBits>, kChunkCh = layout::kChunkChannels<kBits>;
+  constexpr int kChunkBytes = layout::kChunkBytes<kBits>;
+  const float* qr[4] = {q + r * D, q + (r + 1) * D, q + (r + 2) * D, q + (r + 3) * D};
+  for (int j = 0; j < kTile; ++j) {
+    alignas(16) float out[4] = {};
+    if (j >= j0 && j < n) {
+      const uint8_t* key = ks.packed[j];
+      __m256 a[4][2];
+      for (int i = 0; i < 4; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
+      int g = 0, group_end = 0;
+      __m256 sc = _mm256_setzero_ps(), ze = _mm256_setzero_ps();
+      for (int c0 = 0; c0 < D; c0 += kChunkCh, key += kChunkBytes) {
+        NEXUSKV_UNROLL
+        for (int p = 0; p < kPlanes; ++p) {
+          const int c = c0 + 16 * p;
+          if (c >= D) break;
+          if (c == group_end) {  // the next group's scale and zero
+            sc = _mm256_set1_ps(ks.scale[g * kTile + j]), ze = _mm256_set1_ps(ks.zero[g * kTile + j]);
+            ++g, group_end += G;
+          }
+          __m256 lo, hi;
+          plane_floats<kBits>(key, p, lo, hi);
+          lo = _mm256_fmadd_ps(lo, sc, ze), hi = _mm256_fmadd_ps(hi, sc, ze);
+          for (int i = 0; i < 4; ++i) {
+            a[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[i] + c), lo, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[i] + c + 8), hi, a[i][1]);
+          }
+        }
+      }
+      const __m256 t0 = _mm256_add_ps(a[0][0], a[0][1]), t1 = _mm256_add_ps(a[1][0], a[1][1]);
+      const __m256 t2 = _mm256_add_ps(a[2][0], a[2][1]), t3 = _mm256_add_ps(a[3][0], a[3][1]);
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(t0, t1), _mm256_hadd_ps(t2, t3));
+      _mm_store_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+    for (int i = 0; i < 4; ++i) w[(r + i) * kTile + j] = out[i];
+  }
+}
+
+inline void key_plane_scores_bits(int bits, const float* q, int64_t r, int D, int G, const TileSlots& ks, int j0, int n,
+                                  float* w) {
+  switch (bits) {
+    case 2: key_plane_scores<2>(q, r, D, G, ks, j0, n, w); break;
+    case 3: key_plane_scores<3>(q, r, D, G, ks, j0, n, w); break;
+    case 4: key_plane_scores<4>(q, r, D, G, ks, j0, n, w); break;
+    default: key_plane_scores<8>(q, r, D, G, ks, j0, n, w); break;
+  }
+}
+constexpr bool kPlanePath = true;
+#else
+constexpr bool kPlanePath = false;
+#endif
+
 }  // namespace
 
 template <typename X>
@@ -110,6 +182,9 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
   // Row i: q head (i / queries) of the group, query i % queries; padded to a
   // multiple of four rows (q = 0, nothing visible) for dot4x4 and pv_rows.
   const int64_t rows = int64_t(gq) * t.queries, rows4 = (rows + 3) / 4 * 4;
+  // The plane path needs groups of whole 16-channel planes (key_plane_scores).
+  const bool planes = kPlanePath && G % 16 == 0 && D % 16 == 0;
+  note_paged_key_path(planes ? PagedKeyPath::kPlanes : PagedKeyPath::kWidened);
   Buffer<float> q_buf(rows4 * D), qsum_buf(rows4 * Bg), acc_buf(rows4 * D), mx_buf(rows4), sum_buf(rows4);
   Buffer<float> w_buf(rows4 * kTile), wg_buf(rows4 * kTile), zacc_buf(rows4 * Bg);
   Buffer<float> kcodes_buf(int64_t(kTile) * D), vcodes_buf(int64_t(kTile) * D);
@@ -165,16 +240,19 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
       int offset = int((k0 + j0) % P);
       for (int j = j0; j < n; ++j) {
         ks.page[j] = vs.page[j] = page, ks.offset[j] = vs.offset[j] = offset;
-        load_slot(off, paged_slot<X>(off, page, offset, false), l.key_bits, D, j, ks);
-        load_slot(off, paged_slot<X>(off, page, offset, true), l.value_bits, D, j, vs);
+        load_slot(off, paged_slot<X>(off, page, offset, false), l.key_bits, D, j, !planes, ks);
+        load_slot(off, paged_slot<X>(off, page, offset, true), l.value_bits, D, j, true, vs);
         if (++offset == P && j + 1 < n) {  // the next token starts the next block
           offset = 0;
           page = const_cast<uint8_t*>(p.pages) + p.token_page(t.req, k0 + j + 1, h);
         }
       }
 
-      // Scores of four rows x four keys at a time, group by group, into w.
-      for (int64_t r = 0; r < rows4; r += 4) {
+      // Scores into w: from the packed planes, or four rows x four widened keys at a time, group by group.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+      for (int64_t r = 0; r < rows4 && planes; r += 4) key_plane_scores_bits(l.key_bits, q, r, D, G, ks, j0, n, w);
+#endif
+      for (int64_t r = 0; r < rows4 && !planes; r += 4) {
         for (int j = 0; j < kTile; j += 4) {
           float s16[16] = {}, part[16];
           for (int g = 0; g < Bg; ++g) {

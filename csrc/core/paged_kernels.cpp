@@ -3,6 +3,7 @@
 // on each (token, kv head) row, pointed at its slot, so a slot holds exactly
 // what nq_compress gives for that token.  The attention dispatches to the
 // per-ISA kernel of paged_attention_kernel.cpp.
+#include <atomic>
 #include <vector>
 
 #include "isa_kernels.h"
@@ -14,12 +15,17 @@
 namespace nexuskv::core {
 namespace {
 
+std::atomic<int> last_key_path{int(PagedKeyPath::kNone)};
+
 template <typename X>
 void load_row(const X* src, int64_t n, float* dst) {
   for (int64_t c = 0; c < n; ++c) dst[c] = to_float(src[c]);
 }
 
 }  // namespace
+
+PagedKeyPath last_paged_key_path() { return PagedKeyPath(last_key_path.load(std::memory_order_relaxed)); }
+void note_paged_key_path(PagedKeyPath path) { last_key_path.store(int(path), std::memory_order_relaxed); }
 
 template <typename X>
 void paged_write_tokens(const PagedWrite<X>& w, int64_t begin, int64_t end, CompressStatus* status) {

@@ -20,13 +20,19 @@ TEST_CASE("paged write and attention against nq_compress and double attention", 
   // Channel groups of 32 (one outlier); of 24, whose widths are not a multiple of
   // the vector (the kernel's scalar tails) and the last group 16 channels; of 48
   // with 20 outliers, more than the last group's 16 channels (positions repeat:
-  // each corrected once).
-  const std::pair<int, int> groupings[] = {{32, 1}, {24, 2}, {48, 20}};
-  for (auto [group_size, outliers] : groupings)
+  // each corrected once).  Every key width: AVX2 multiplies queries by the packed
+  // planes of keys in groups of whole 16-channel planes (2 bits: one 64-channel
+  // chunk of four planes; 3 bits in groups of 16: a new scale at each plane of a
+  // chunk; 8 bits: one plane per chunk), and by widened keys otherwise.
+  struct Config {
+    int group_size, outliers, key_bits, value_bits;
+  };
+  const Config configs[] = {{32, 1, 4, 2}, {24, 2, 4, 2}, {48, 20, 4, 2}, {64, 0, 2, 4}, {16, 1, 3, 3}, {64, 2, 8, 8}};
+  for (auto [group_size, outliers, key_bits, value_bits] : configs)
     for (int window : {0, 9}) {
-      INFO("group " << group_size << ", outliers " << outliers);
+      INFO("group " << group_size << ", outliers " << outliers << ", bits " << key_bits << "/" << value_bits);
       PagedLayout l;
-      l.head_dim = D, l.block_size = P, l.key_bits = 4, l.value_bits = 2, l.group_size = group_size;
+      l.head_dim = D, l.block_size = P, l.key_bits = key_bits, l.value_bits = value_bits, l.group_size = group_size;
       l.num_outliers = outliers;
       l.x_bytes = 4;
       PagedPool pool{l, blocks, H};
@@ -101,6 +107,8 @@ TEST_CASE("paged write and attention against nq_compress and double attention", 
         for (int h = 0; h < H; ++h) REQUIRE(paged_attention_task(p, PagedTask{0, 0, Q}, h, h + 1));
         set_cpu_isa_cap(previous);
         REQUIRE(last_kernel_isa() == isa);
+        const bool planes = isa == CpuIsa::kAvx2 && group_size % 16 == 0;
+        REQUIRE(last_paged_key_path() == (planes ? PagedKeyPath::kPlanes : PagedKeyPath::kWidened));
         double worst = 0;
         for (int i = 0; i < Q; ++i)
           for (int hq = 0; hq < Hq; ++hq) {

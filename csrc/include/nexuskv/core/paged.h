@@ -114,4 +114,12 @@ struct PagedTask {
 template <typename X>
 bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_begin, int h_end);
 
+// How the last attention task multiplied queries by keys: from each key's
+// packed 16-code planes widened in registers (the AVX2 kernel, groups of whole
+// planes) or from the tile's keys widened to float first (every other case).
+// Noted by every task, so that a test can assert the path it meant to test.
+enum class PagedKeyPath : int { kNone = 0, kWidened = 1, kPlanes = 2 };
+PagedKeyPath last_paged_key_path();
+void note_paged_key_path(PagedKeyPath path);
+
 }  // namespace nexuskv::core
