@@ -232,8 +232,10 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
       const int j0 = int(key_begin > k0 ? key_begin - k0 : 0);
       const int n = int(key_end - k0 < kTile ? key_end - k0 : kTile);
       for (const TileSlots* ts : {&ks, &vs}) {
-        fill_f(ts->codes, int64_t(j0) * D, 0.f);
-        fill_f(ts->codes + int64_t(n) * D, int64_t(kTile - n) * D, 0.f);
+        if (ts != &ks || !planes) {  // (plane path: keys not widened, key_plane_scores gives 0 outside [j0, n))
+          fill_f(ts->codes, int64_t(j0) * D, 0.f);
+          fill_f(ts->codes + int64_t(n) * D, int64_t(kTile - n) * D, 0.f);
+        }
         if (j0 > 0 || n < kTile) fill_f(ts->scale, 2 * int64_t(Bg) * kTile, 0.f);  // scale and zero
       }
       uint8_t* page = const_cast<uint8_t*>(p.pages) + p.token_page(t.req, k0 + j0, h);
