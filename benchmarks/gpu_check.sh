@@ -3,7 +3,10 @@
 #   1. records the machine (GPU, driver, torch, nvcc) and which optional tools are there,
 #   2. builds nexuskv from this checkout for the GPU that is there
 #      (pip install --no-build-isolation --no-deps --no-index: no network needed; building
-#      here is also what matches the library to this machine's torch),
+#      here is also what matches the library to this machine's torch), or, with
+#      GPU_CHECK_WHEEL=FILE.whl, unpacks a wheel built elsewhere against this machine's torch
+#      (the build minutes are the lease's scarcest); a wheel that does not load is replaced
+#      by the build,
 #   3. stops with a clear message if torch sees no GPU (the first CUDA call),
 #   4. runs the CUDA test suites (tests/python/test_cuda_*.py, the CUDA cases of
 #      test_cache_device.py, test_attention.py and test_paged.py),
@@ -296,20 +299,52 @@ build() {
   step build "$BUILD_S" "$OUT/build.log" "$PY" -m pip install -v --no-build-isolation --no-deps --no-index \
     -Cbuild-dir=build/gpu_check "${ARCH_FLAG[@]}" . || { echo "gpu_check: the build failed (see build.log)"; exit 1; }
 }
-if [ -z "$DRY" ] || [ "${GPU_CHECK_BUILD:-0}" = 1 ]; then
+# A wheel built elsewhere (e.g. against torch 2.11.0+cu130 with NEXUSKV_CUDA_ARCHITECTURES=90-real
+# on a machine without a GPU): unpacked, not installed (its tag names another Python; the
+# library inside has no Python ABI), and put first on PYTHONPATH for every step.
+WHEEL=${GPU_CHECK_WHEEL:-}
+WHEEL_SITE=/tmp/nexuskv_wheel_site
+if [ -z "$DRY" ] && [ -n "$WHEEL" ]; then
+  [ -n "$ARCHS" ] && export NEXUSKV_CUDA_ARCHITECTURES="$ARCHS"
+  if step wheel 30 "$OUT/build.log" "$PY" -c "
+import shutil, sys, zipfile
+shutil.rmtree('$WHEEL_SITE', ignore_errors=True)
+zipfile.ZipFile('$WHEEL').extractall('$WHEEL_SITE')
+sys.path.insert(0, '$WHEEL_SITE')
+from nexuskv import _build_info as b
+print('unpacked $WHEEL: built for torch', b.TORCH_VERSION, '| CUDA architectures', b.CUDA_ARCHITECTURES)
+"; then
+    export PYTHONPATH="$WHEEL_SITE${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    WHEEL=
+    build
+  fi
+elif [ -z "$DRY" ] || [ "${GPU_CHECK_BUILD:-0}" = 1 ]; then
   build
 elif [ -n "$HAS_CUDA_KERNELS" ]; then
   skip build "dry: CUDA installed"
 else
   skip build "dry: no CUDA kernels"
 fi
-step loads "$LOADS_S" "$OUT/build.log" "$PY" -c "
+loads() {
+  step loads "$LOADS_S" "$OUT/build.log" "$PY" -c "
 import torch, nexuskv
 from nexuskv import _build_info as b
 assert b.WITH_CUDA, 'nexuskv was built without its CUDA kernels (CMake did not find nvcc or a CUDA torch)'
 assert torch._C._dispatch_has_kernel_for_dispatch_key('nexuskv::dgq_fused_attention', 'CUDA')
-print('nexuskv built for torch', b.TORCH_VERSION, 'CUDA architectures', b.CUDA_ARCHITECTURES)
-" || { [ -n "$DRY" ] && echo "gpu_check: GPU_CHECK_BUILD=1 builds nexuskv in the dry run"; exit 1; }
+print('nexuskv built for torch', b.TORCH_VERSION, 'CUDA architectures', b.CUDA_ARCHITECTURES, 'from', nexuskv.__file__)
+"
+}
+if ! loads; then
+  [ -n "$DRY" ] && echo "gpu_check: GPU_CHECK_BUILD=1 builds nexuskv in the dry run" && exit 1
+  [ -z "$WHEEL" ] && exit 1
+  echo "gpu_check: the wheel $WHEEL does not load here: building instead"
+  export PYTHONPATH=${PYTHONPATH#"$WHEEL_SITE"} && export PYTHONPATH=${PYTHONPATH#:}
+  WHEEL=
+  build
+  loads || exit 1
+  FAILED=0  # the wheel's failed load is on its summary line; the build replaced it
+fi
 
 # ---- dry run: what the GPU steps need, checked without a GPU ---------------------------
 if [ -n "$DRY" ]; then

@@ -34,6 +34,7 @@
 namespace nexuskv::cuda {
 
 constexpr int kPagedThreads = 128;
+static_assert(kPagedThreads % 32 == 0, "the attention kernel dequantizes one (half, key) row per warp");
 constexpr int kPagedTile = 32;         // keys per tile (the CPU's kTile)
 constexpr int kPagedMaxHeadDim = 256;  // paged_layout's bound on head_dim
 constexpr int kPagedScatterThreads = 64;
@@ -228,6 +229,7 @@ NKV_KERNEL void paged_attention_kernel(const NKV_GRID_CONSTANT core::PagedAttent
   float* l_s = m_s + heads_per_block;                                        // [R] running sum
   float* alpha_s = l_s + heads_per_block;     // [R] rescale of the tile; NaN: row not updated
   __shared__ int64_t page_s[kPagedTile];      // head page of each key of the tile, -1: not read
+  __shared__ int slot_s[kPagedTile];          // the key's slot in its page: position % block size
   __shared__ int bad_s[kPagedHeadsPerBlock];  // a visible score was not finite
   __shared__ float pre_s[kPagedHeadsPerBlock];
   __shared__ uint32_t flag;
@@ -279,7 +281,10 @@ NKV_KERNEL void paged_attention_kernel(const NKV_GRID_CONSTANT core::PagedAttent
   NKV_SYNC();
   if (signs) rotate_rows_smem(q_s, R, D, D, signs, false, pre_s);
 
-  const int G = l.groups(), k = l.num_outliers;
+  // The page's buffer offsets once per block: PagedLayout's accessors divide (64-bit), and
+  // evaluated per element they made the tile loop ~100x slower than its arithmetic.
+  const core::PagedOffsets off(l);
+  const int G = off.groups, k = off.num_outliers;
   for (int64_t k0 = key_begin / T * T; k0 < key_end; k0 += T) {
     const int n = int(key_end - k0 < T ? key_end - k0 : T);
     // Head pages of the tile's keys; positions before the window are not read.
@@ -293,20 +298,26 @@ NKV_KERNEL void paged_attention_kernel(const NKV_GRID_CONSTANT core::PagedAttent
           atomic_or(&flag, kBadBlock);
       }
       page_s[j] = page;
+      slot_s[j] = int((k0 + j) % P);
     }
     NKV_SYNC();
-    // Dense part: code * scale + zero; rows not read are 0.
-    for (int e = threadIdx.x; e < 2 * T * D; e += blockDim.x) {
-      const int half = e / (T * D), j = (e / D) % T, c = e % D;
-      float v = 0.f;
-      if (page_s[j] >= 0) {
-        const core::PagedSlot<X> s =
-            core::paged_slot<X>(l, const_cast<uint8_t*>(p.pages) + page_s[j], int((k0 + j) % P), half == 1);
-        const int g = c / l.group_size;
-        const uint32_t code = core::layout::code_at(s.codes, half ? l.value_bits : l.key_bits, c);
-        v = add_rn(mul_rn(float(code), core::to_float(s.scale[g])), core::to_float(s.zero[g]));
+    // Dense part: code * scale + zero; rows not read are 0.  One warp per (half, key) row,
+    // its lanes over the channels: the slot's pointers once per row, no division per element.
+    for (int row = int(threadIdx.x) / 32; row < 2 * T; row += int(blockDim.x) / 32) {
+      const int half = row >= T ? 1 : 0, j = row - half * T;
+      float* dst = (half ? v_s : k_s) + j * KS;
+      if (page_s[j] < 0) {
+        for (int c = int(threadIdx.x) % 32; c < D; c += 32) dst[c] = 0.f;
+        continue;
       }
-      (half ? v_s : k_s)[j * KS + c] = v;
+      const core::PagedSlot<X> s =
+          core::paged_slot<X>(off, const_cast<uint8_t*>(p.pages) + page_s[j], slot_s[j], half == 1);
+      const int bits = half ? l.value_bits : l.key_bits;
+      for (int c = int(threadIdx.x) % 32; c < D; c += 32) {
+        const int g = c / l.group_size;
+        const uint32_t code = core::layout::code_at(s.codes, bits, c);
+        dst[c] = add_rn(mul_rn(float(code), core::to_float(s.scale[g])), core::to_float(s.zero[g]));
+      }
     }
     NKV_SYNC();
     // Exact outliers: one thread per (half, key, group), its k in order (the
@@ -316,7 +327,7 @@ NKV_KERNEL void paged_attention_kernel(const NKV_GRID_CONSTANT core::PagedAttent
         const int half = e / (T * G), j = (e / G) % T, g = e % G;
         if (page_s[j] < 0) continue;
         const core::PagedSlot<X> s =
-            core::paged_slot<X>(l, const_cast<uint8_t*>(p.pages) + page_s[j], int((k0 + j) % P), half == 1);
+            core::paged_slot<X>(off, const_cast<uint8_t*>(p.pages) + page_s[j], slot_s[j], half == 1);
         const int begin = g * l.group_size, end = begin + l.group_size < D ? begin + l.group_size : D;
         float* row = (half ? v_s : k_s) + j * KS;
         for (int m = 0; m < k; ++m) {

@@ -174,24 +174,35 @@ class Case:
             self.q, self.k_cache, self.v_cache, self.k_format, self.v_format, self.comp_lens, **kw
         )
 
-    def reference(self):
+    def reference(self, value_magnitudes=False):
+        """The float64 output; with value_magnitudes, every value vector is replaced by its
+        root-mean-square (in every channel), so that each output element is the size of the
+        terms its sum adds up, sum_j p_j rms(v_j): the scale of the arithmetic error of a
+        float32 kernel, whichever orthonormal basis it computes in."""
         D = self.q.shape[-1]
         k = reference_dequantize(self.k_cache[:5], *self.k_format, D, segment_starts=self.k_starts)
         v = reference_dequantize(self.v_cache, *self.v_format, D)
         if self.signs is not None:
             R = rotation_matrix(self.signs)
             k, v = k @ R, v @ R  # rotate(x) = x R^T, so x = rotate(x) R
+        v_tail, v_sink = self.v_tail, self.v_sink
+        if value_magnitudes:
+
+            def rms(x):
+                return None if x is None else x.to(F64).pow(2).mean(-1, keepdim=True).sqrt().expand(x.shape)
+
+            v, v_tail, v_sink = rms(v), rms(v_tail), rms(v_sink)
         return reference_attention(
             self.q,
             k,
             v,
             self.comp_lens,
             self.k_tail,
-            self.v_tail,
+            v_tail,
             self.tail_lens,
             self.scale,
             self.k_sink,
-            self.v_sink,
+            v_sink,
             self.sink_lens,
             self.window,
             self.softcap,

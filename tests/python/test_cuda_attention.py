@@ -35,6 +35,15 @@ from test_attention import (
 pytestmark = requires_cuda
 
 MMA_BITS = (2, 4, 8)  # the tensor-core kernel's widths (3 bits: reference kernel)
+# How far apart the two kernels' float32 results may be, in units of the size of the terms
+# an output element sums (sum_j p_j rms(v_j)).  The reference kernel uses float32 FMAs; the
+# tensor-core kernel multiplies fp16 hi/lo halves of the folded queries and of the weights
+# (22 significant bits) by exact integer codes and accumulates in float32 over tiles of 64
+# keys, so its scores carry ~2^-20 of the terms they sum and p.V ~2^-20 of sum p|v|.
+MMA_GAP = 2.0**-14
+# Two runs of the tensor-core kernel (its outlier corrections add by atomics, in any order),
+# in units of the row's largest output.
+RERUN_GAP = 2.0**-18
 
 
 def on_cuda(case: Case) -> Case:
@@ -59,9 +68,22 @@ def run_cuda(case: Case, kernel: str, **overrides) -> torch.Tensor:
     fin = ~a.isnan()
     if kernel == "simple":
         assert torch.equal(a[fin], b[fin])
-    else:
+    elif case.q.dtype == torch.float32:
         assert rel_err(a[fin], b[fin].double()) <= 1e-6
+    else:
+        # Another order of the same float32 additions moves a sum by a few units of 2^-23 of
+        # the largest partial sum; rounded to 16 bits, an element on a rounding boundary then
+        # moves by one unit in the last place.
+        row = a.abs().nan_to_num().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        gap = beyond_one_ulp(a.nan_to_num(), b.nan_to_num(), case.q.dtype) / row
+        assert gap.max() <= RERUN_GAP, float(gap.max())
     return outs[0].cpu()
+
+
+def beyond_one_ulp(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """|a - b| beyond one unit in the last place of dtype (eps x the larger magnitude)."""
+    a, b = a.double(), b.double()
+    return ((a - b).abs() - torch.finfo(dtype).eps * torch.maximum(a.abs(), b.abs())).clamp_min(0)
 
 
 def mma_takes(case: Case) -> bool:
@@ -101,14 +123,11 @@ def check_case(case: Case, **overrides):
             assert rel_err(out, ref) <= tol, kernel
         assert rel_err(out, cpu.double()) <= 2 * tol, kernel
     if "mma" in outs:
-        # Both kernels compute the same float32 value to ~1e-6; after the rounding to the
-        # 16-bit output they differ only where a value sits at a rounding boundary, by one
-        # unit in the last place.  (An error of 1e-3 would change a quarter of them.)
-        a, b = outs["simple"].float(), outs["mma"].float()
-        differ = a != b
-        assert differ.float().mean() <= 0.01, float(differ.float().mean())
-        ulp = a.abs() * torch.finfo(case.q.dtype).eps + torch.finfo(case.q.dtype).tiny
-        assert torch.all((a - b).abs() <= ulp)
+        # Element by element: one unit in the last place of the 16-bit output (rounding
+        # boundaries) plus MMA_GAP x the size of the terms the element sums.
+        mag = case.reference(value_magnitudes=True) if not overrides else outs["simple"].double().abs().amax(-1, True)
+        gap = beyond_one_ulp(outs["simple"], outs["mma"], case.q.dtype) / mag.clamp_min(1e-300)
+        assert gap.max() <= MMA_GAP, float(gap.max())
     return kernels
 
 
@@ -382,7 +401,7 @@ def test_mixed_devices_are_a_clear_error():
     # Lengths too: on the CPU they would cost a synchronizing copy every call.
     with pytest.raises(RuntimeError, match=one_device.format("compressed_lens")):
         bad(gpu, compressed_lens=cpu.comp_lens)()
-    with pytest.raises(RuntimeError, match=r"rotation signs are on cpu"):
+    with pytest.raises(RuntimeError, match=one_device.format("rotation_signs")):
         bad(gpu, rotation_signs=torch.ones(64))()
     # The other way round: q on the CPU, the cache on the GPU.
     with pytest.raises(RuntimeError, match=r"all tensors must be on one device, q is on cpu but k_cache is on cuda"):

@@ -95,9 +95,9 @@ def test_hadamard_rotate_bad_input_on_cuda():
     x = torch.randn(4, 64, device="cuda")
     with pytest.raises(RuntimeError, match=r"signs must have shape \[64\]"):
         nexuskv.hadamard_rotate(x, torch.ones(32, device="cuda"))
-    with pytest.raises(RuntimeError, match="head_dim a power of two"):
+    with pytest.raises(RuntimeError, match=r"x's last dimension \(head_dim\) a power of two, got 48"):
         nexuskv.hadamard_rotate(torch.randn(4, 48, device="cuda"), torch.ones(48, device="cuda"))
-    with pytest.raises(RuntimeError, match="rotation signs are on cpu"):
+    with pytest.raises(RuntimeError, match=r"all tensors must be on one device, x is on cuda:\d but signs is on cpu"):
         nexuskv.hadamard_rotate(x, torch.ones(64))
     half = torch.full((64,), 0.5, device="cuda")
     with env(NEXUSKV_CUDA_CHECKS="1"), pytest.raises(RuntimeError, match=r"must all be \+1 or -1"):
