@@ -67,13 +67,26 @@ constexpr int kFpTile = 16;  // keys per full-precision (sink / tail) tile
 // flight to cover the memory latency.
 constexpr int kMmaMinBlocks = 3;
 
+// Bytes between two code rows of a tile in shared memory.  The fragments read the same
+// bytes of 8 rows (keys: lanes g = 0..7) or of 4 row pairs (values: lanes t = 0..3) at once;
+// with rows of 32 or 64 bytes (8 or 16 banks) those rows share banks, 2-4 ways (ncu on an
+// H200: 62 % of the kernel's shared-load wavefronts were conflicts at 4-bit D128).  16 more
+// bytes per row (still 16-byte aligned for cp.async) put the 8 rows on distinct pairs of
+// banks.  Rows of 16 bytes are conflict-free as they are; rows of 128 (8-bit D128) would be
+// too with the pad, but 4 KB more per block would drop that variant from 3 to 2 blocks per SM.
+template <int kRB>
+constexpr int code_row_stride() {
+  return kRB == 32 || kRB == 64 ? kRB + 16 : kRB;
+}
+
 // Shared memory of one block, for head_dim kD and row_bytes kRB.
 template <int kD, int kRB, typename Meta>
 struct alignas(16) MmaSmem {
   static constexpr int kBmMax = kD / 16;  // value channel groups per token (group_size >= 16)
-  struct alignas(16) Stage {              // 16-byte aligned: the cp.async targets
-    uint8_t k_codes[kMmaTile][kRB];       // packed K rows of the tile
-    uint8_t v_codes[kMmaTile][kRB];       // packed V rows
+  static constexpr int kRS = code_row_stride<kRB>();
+  struct alignas(16) Stage {         // 16-byte aligned: the cp.async targets
+    uint8_t k_codes[kMmaTile][kRS];  // packed K rows of the tile (kRB bytes used of each)
+    uint8_t v_codes[kMmaTile][kRS];  // packed V rows
     Meta k_scale[kMmaGroupsInSmem][kD], k_zero[kMmaGroupsInSmem][kD];  // meta rows of the tile's key groups
     Meta v_scale[kMmaTile][kBmMax], v_zero[kMmaTile][kBmMax];          // per token and channel group
     int32_t key_group[kMmaTile];  // key group of each key of the tile (of the last key past n)
@@ -165,6 +178,7 @@ struct MmaKernel {
   static constexpr int kC = core::layout::kChunkChannels<kBits>;
   static constexpr int kPlanes = core::layout::kPlanes<kBits>;
   static constexpr int kRB = int(core::row_bytes(kBits, kD));
+  static_assert(kRB % 16 == 0 && (kRB & (kRB - 1)) == 0, "code rows: whole 16-byte copies, a power of two");
   static constexpr int kKSteps = kD / 16;      // k-steps of q . K (channels)
   static constexpr int kMTiles = kD / 16 / 4;  // PV m-tiles (16 channels) per warp
   using Smem = MmaSmem<kD, kRB, Meta>;
@@ -225,8 +239,9 @@ struct MmaKernel {
     const uint8_t* kc = key_codes(t0);
     const uint8_t* vc = value_codes(t0);
     for (int o = tid * 16; o < n * kRB; o += kMmaThreads * 16) {
-      cp_async16(&S.k_codes[0][0] + o, kc + o);
-      cp_async16(&S.v_codes[0][0] + o, vc + o);
+      const int row = o / kRB, col = o % kRB;  // (kRB: a power of two)
+      cp_async16(&S.k_codes[row][col], kc + o);
+      cp_async16(&S.v_codes[row][col], vc + o);
     }
     NKV_SYNC();  // key_group written
     const int g0 = first_group(S), gn = group_count(S, n);
@@ -499,11 +514,12 @@ struct MmaKernel {
   NKV_DEVICE void value_fragment(const typename Smem::Stage& S, int mt, int kk, uint32_t (&av)[4]) const {
     const int j0 = 16 * kk + 2 * t;  // keys j0, j0 + 1, j0 + 8, j0 + 9
     const int plane = mt % kPlanes;
+    constexpr int kRS = Smem::kRS;
     const uint8_t* c0 = &S.v_codes[0][(16 * mt) / kC * 16];
-    av[0] = codes_half2<kBits>(c0[j0 * kRB + g], c0[(j0 + 1) * kRB + g], plane);
-    av[1] = codes_half2<kBits>(c0[j0 * kRB + g + 8], c0[(j0 + 1) * kRB + g + 8], plane);
-    av[2] = codes_half2<kBits>(c0[(j0 + 8) * kRB + g], c0[(j0 + 9) * kRB + g], plane);
-    av[3] = codes_half2<kBits>(c0[(j0 + 8) * kRB + g + 8], c0[(j0 + 9) * kRB + g + 8], plane);
+    av[0] = codes_half2<kBits>(c0[j0 * kRS + g], c0[(j0 + 1) * kRS + g], plane);
+    av[1] = codes_half2<kBits>(c0[j0 * kRS + g + 8], c0[(j0 + 1) * kRS + g + 8], plane);
+    av[2] = codes_half2<kBits>(c0[(j0 + 8) * kRS + g], c0[(j0 + 9) * kRS + g], plane);
+    av[3] = codes_half2<kBits>(c0[(j0 + 8) * kRS + g + 8], c0[(j0 + 9) * kRS + g + 8], plane);
   }
 
   // B fragment of P . V for query row `row` and keys 16 kk ..: the weights
