@@ -499,6 +499,13 @@ class NexusKVAttentionImpl(AttentionImpl[NexusKVAttentionMetadata]):
             self.key_center = center.to(device=key.device, dtype=key.dtype)
         return key - self.key_center
 
+    def _signs_on(self, device: torch.device) -> torch.Tensor | None:
+        """The rotation signs on the device of the cache (built on the host at start-up; the
+        operators want every tensor on one device), moved once, as the key center is."""
+        if self.signs is not None and self.signs.device != device:
+            self.signs = self.signs.to(device)
+        return self.signs
+
     def _pages(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """vLLM's per-layer cache as nexuskv's uint8 pages [num_blocks, kv_heads, block_size, C]."""
         pages = kv_cache.view(torch.uint8)
@@ -530,7 +537,7 @@ class NexusKVAttentionImpl(AttentionImpl[NexusKVAttentionMetadata]):
             s.value_bits,
             self.group_size,
             s.num_outliers,
-            self.signs,
+            self._signs_on(kv_cache.device),
         )
 
     def forward(
@@ -561,7 +568,7 @@ class NexusKVAttentionImpl(AttentionImpl[NexusKVAttentionMetadata]):
             s.value_bits,
             self.group_size,
             s.num_outliers,
-            self.signs,
+            self._signs_on(kv_cache.device),
             self.scale,
             self.sliding_window,
             self.logits_soft_cap,
