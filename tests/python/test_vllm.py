@@ -241,8 +241,8 @@ def engines(tmp_path_factory, text_ids, request):
         "ppl": {"prompt_token_ids": ids},
         "llm": {"dtype": "float32", "skip_tokenizer_init": True, "max_model_len": 512},
     }
-    if os.path.isfile(os.path.join(GEMMA, "config.json")):  # the real Gemma 3 (float32: see its test)
-        real = {"model": GEMMA, "greedy": {"prompts": PROMPTS[:3], "max_tokens": 32}, "llm": fp32}
+    if os.path.isfile(os.path.join(GEMMA, "config.json")):  # the real Gemma 3, bf16 as served
+        real = {"model": GEMMA, "greedy": {"prompts": PROMPTS[:3], "max_tokens": 32}}
         real["ppl"] = lambda: {"prompt_token_ids": text_ids_of(GEMMA)}
         jobs["gemma3_real_stock"] = (dict(real, nexuskv=None), None)
         jobs["gemma3_real_nq8"] = (dict(real, nexuskv=BITS8), None)
@@ -642,12 +642,15 @@ def test_sliding_window_and_softcap_through_vllm(engines, arch, other):
 
 @needs_engine
 def test_real_gemma3_8bit_matches_stock(engines):
-    """The real Gemma 3 270M (build/gemma3-hf) in float32: its 1024-token prompt runs far past
-    the 512-token windows of five layers in six.  nexuskv 8-bit gives stock CPU_ATTN's 32 greedy
-    tokens on the three short prompts (up to a near tie) and its prompt perplexity within 1 %
-    (bf16: -0.10 % on a Zen 3, -0.26 % on an AMX Xeon; 4-bit +5.5 %, docs/vllm.md).  Float32 as
-    for SmolLM2's greedy test: in bf16 the logits tie exactly at some steps (on the AMX Xeon two
-    of the three prompts reached a 0.0000-nat margin), where any rounding flips the token."""
+    """The real Gemma 3 270M served in bf16 (build/gemma3-hf): its 1024-token prompt runs far
+    past the 512-token windows of five layers in six.  nexuskv 8-bit gives stock CPU_ATTN's
+    32 greedy tokens on the three short prompts up to a near tie of stock's (a broken kernel
+    diverges where stock is sure) and its prompt perplexity within 1 % (measured -0.10 % on a
+    Zen 3, -0.26 % on an AMX Xeon; 4-bit +5.5 %, docs/vllm.md).  At least one prompt agrees all
+    through: in bf16 the logits tie exactly at some steps (on the AMX Xeon two of the three
+    prompts met a 0.0000-nat margin), where any rounding flips the token.  (Float32, as SmolLM2's
+    greedy test runs, needs more memory than CI has for this model's 262K-token vocabulary:
+    the prompt log-probabilities' engine was killed.)"""
     try:
         stock, nq8 = engines("gemma3_real_stock"), engines("gemma3_real_nq8")
     except KeyError:
@@ -656,7 +659,7 @@ def test_real_gemma3_8bit_matches_stock(engines):
     assert cfg["sliding_window"] < 1024 and "sliding_attention" in cfg["layer_types"]
     print(f"Gemma 3 270M prompt perplexity: stock {stock['ppl']['ppl']:.4f}, nexuskv 8-bit {nq8['ppl']['ppl']:.4f}")
     assert abs(nq8["ppl"]["ppl"] / stock["ppl"]["ppl"] - 1) < 0.01
-    assert greedy_agreeing(stock["greedy"], nq8["greedy"]) >= 2
+    assert greedy_agreeing(stock["greedy"], nq8["greedy"]) >= 1
 
 
 @needs_engine

@@ -89,6 +89,7 @@ def forkserver() -> None:
         if pid == 0:  # the engine's process
             code = 1
             try:
+                os.setpgid(0, 0)  # a group of its own: what it spawns goes with it (below)
                 log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(log, 1), os.dup2(log, 2)
                 sys.stdin.close()
@@ -104,7 +105,18 @@ def forkserver() -> None:
             finally:
                 sys.stdout.flush(), sys.stderr.flush()
                 os._exit(code)
+        try:  # (the child does it too: whichever runs first)
+            os.setpgid(pid, pid)
+        except OSError:  # the child has already done it, or has exited
+            pass
         _, status = os.waitpid(pid, 0)
+        # An engine with VLLM_ENABLE_V1_MULTIPROCESSING (the tensor-parallel jobs) runs its core
+        # and workers in processes of their own, which outlive the engine's os._exit (seen: three
+        # 1.7 GB workers left per tensor-parallel job, and a later engine killed for memory).
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:  # nothing left of the group
+            pass
         print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
 
 
