@@ -20,7 +20,15 @@ Shape: GQA 32/8, head_dim 128, q_len 1; batch 1, 16, 64; context 4K, 32K, 128K w
 GPU's memory allows (a config is skipped, and says so, when it would not fit).
 
 Timing: CUDA events around each call, after warm-up, with the L2 cache flushed (a buffer
-of twice the L2 size written) before every timed call; the median of --reps (>= 20).
+of twice the L2 size written) before every timed call; the median of --reps (>= 20).  Eager
+calls by default (the host's dispatch included: what eager callers see); --graphs captures
+each call once in a CUDA graph and times its replays (the GPU's time: what an engine that
+replays graphs sees; a call that cannot be captured is timed eagerly and listed in the JSON's
+info.not_captured).  The copy bandwidth and the compression are always timed eagerly.
+
+--paged also times the page format of the vLLM backend (nexuskv.paged.attention: keys and
+values per token in groups of 64, rotated, 16-token blocks in a shuffled block table) on the
+same K/V, one decode query per request (JSON "paged").
 Bytes: the compressed tensors the fused kernel reads (codes, scales, zeros of K and V up to
 the context) plus q and the output; SDPA: dense K and V.  GB/s = bytes / median time, and
 the percentage of a device-to-device copy (a 2 GiB buffer, bytes read + written) measured
@@ -32,6 +40,7 @@ step), keys per channel in groups of 64 tokens (one group per 64 steps), so a st
 
     python benchmarks/bench_cuda.py --json results/bench_cuda.json
     python benchmarks/bench_cuda.py --quick        # batch 1 and 16, 4K and 32K, 4-bit
+    python benchmarks/bench_cuda.py --batches 1,64 --contexts 4096,32768 --graphs --paged
 """
 
 from __future__ import annotations
