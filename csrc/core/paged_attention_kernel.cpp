@@ -7,8 +7,11 @@
 //     the tile's value codes (and keys, but on the plane path) widened to
 //     float once (no scale, no zero), shared by every query row of the task,
 //     and their per-(token, group) scales and zeros;
-//     q . K: on AVX2, in groups of whole 16-channel planes, four query rows
-//     meet each key's packed planes read from the page and dequantized in
+//     q . K: with AVX512-VNNI (2/4/8-bit keys in groups of whole 16-channel
+//     planes) integer dot products of the queries' int8 limbs with the packed
+//     codes read from the page, four keys' planes met by every block of four
+//     rows (paged_int_keys.h); on AVX2, in groups of whole planes, four query
+//     rows meet each key's packed planes read from the page and dequantized in
 //     registers (key_plane_scores); otherwise four rows by four widened keys
 //     per channel group (dot4x4, attention_blocks.h), the group's scale and
 //     zero applied to the sums: score = sum_g s_g (q_g . codes_g) + z_g
@@ -28,12 +31,14 @@
 // grows with the context.
 #include <cstring>
 #include <initializer_list>
+#include <type_traits>
 
 #include "attention_blocks.h"
 #include "isa.h"
 #include "isa_kernels.h"
 #include "nexuskv/core/attention.h"
 #include "nexuskv/core/paged.h"
+#include "paged_int_keys.h"
 #include "rows.h"
 
 namespace nexuskv::core::NEXUSKV_ISA {
@@ -184,7 +189,18 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
   const int64_t rows = int64_t(gq) * t.queries, rows4 = (rows + 3) / 4 * 4;
   // The plane path needs groups of whole 16-channel planes (key_plane_scores).
   const bool planes = kPlanePath && G % 16 == 0 && D % 16 == 0;
-  note_paged_key_path(planes ? PagedKeyPath::kPlanes : PagedKeyPath::kWidened);
+#if defined(__AVX512VNNI__)
+  // Integer q . K on the packed key codes (paged_int_keys.h), the same limits.
+  const bool int_k = l.key_bits != 3 && G % 16 == 0 && D % 16 == 0 && D <= kMaxHeadDim;
+  TokenKeyLimbs tkl(int_k ? rows4 : 0, D, int_k ? l.key_bits : 4, G, Bg, std::is_same_v<X, bf16_t> ? 2 : 3);
+  Buffer<float> qsum4_buf(int_k ? rows4 * Bg : 1), smax_buf(Bg);
+  Buffer<uint8_t> three_buf(rows4 / 4);                      // per block of four rows: three key limbs in this tile
+  Buffer<uint8_t> zero_key(int64_t(off.row_bytes[0]) + 64);  // the codes of keys a tile does not read
+  const uint8_t* key_rows[kTile];
+#else
+  const bool int_k = false;
+#endif
+  note_paged_key_path(int_k ? PagedKeyPath::kInteger : planes ? PagedKeyPath::kPlanes : PagedKeyPath::kWidened);
   Buffer<float> q_buf(rows4 * D), qsum_buf(rows4 * Bg), acc_buf(rows4 * D), mx_buf(rows4), sum_buf(rows4);
   Buffer<float> w_buf(rows4 * kTile), wg_buf(rows4 * kTile), zacc_buf(rows4 * Bg);
   Buffer<float> kcodes_buf(int64_t(kTile) * D), vcodes_buf(int64_t(kTile) * D);
@@ -221,6 +237,13 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
         const int b = g * G, e = b + G < D ? b + G : D;
         qsum[i * Bg + g] = sum_f(q + i * D + b, e - b);
       }
+#if defined(__AVX512VNNI__)
+    if (int_k) {
+      tkl.set(q);
+      for (int64_t i = 0; i < rows4; ++i)  // [rows4 / 4, Bg, 4]
+        for (int g = 0; g < Bg; ++g) qsum4_buf.p[((i / 4) * Bg + g) * 4 + i % 4] = qsum[i * Bg + g];
+    }
+#endif
     fill_f(mx, rows4, kNegInf);
     fill_f(sum, rows4, 0.f);
     fill_f(acc, rows4 * D, 0.f);
@@ -232,7 +255,8 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
       const int j0 = int(key_begin > k0 ? key_begin - k0 : 0);
       const int n = int(key_end - k0 < kTile ? key_end - k0 : kTile);
       for (const TileSlots* ts : {&ks, &vs}) {
-        if (ts != &ks || !planes) {  // (plane path: keys not widened, key_plane_scores gives 0 outside [j0, n))
+        // (plane and integer paths: keys not widened, their scores are 0 outside [j0, n))
+        if (ts != &ks || (!planes && !int_k)) {
           fill_f(ts->codes, int64_t(j0) * D, 0.f);
           fill_f(ts->codes + int64_t(n) * D, int64_t(kTile - n) * D, 0.f);
         }
@@ -242,7 +266,7 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
       int offset = int((k0 + j0) % P);
       for (int j = j0; j < n; ++j) {
         ks.page[j] = vs.page[j] = page, ks.offset[j] = vs.offset[j] = offset;
-        load_slot(off, paged_slot<X>(off, page, offset, false), l.key_bits, D, j, !planes, ks);
+        load_slot(off, paged_slot<X>(off, page, offset, false), l.key_bits, D, j, !planes && !int_k, ks);
         load_slot(off, paged_slot<X>(off, page, offset, true), l.value_bits, D, j, true, vs);
         if (++offset == P && j + 1 < n) {  // the next token starts the next block
           offset = 0;
@@ -254,7 +278,16 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
 #if defined(__AVX2__) && !defined(__AVX512F__)
       for (int64_t r = 0; r < rows4 && planes; r += 4) key_plane_scores_bits(l.key_bits, q, r, D, G, ks, j0, n, w);
 #endif
-      for (int64_t r = 0; r < rows4 && !planes; r += 4) {
+#if defined(__AVX512VNNI__)
+      if (int_k) {
+        for (int j = 0; j < kTile; ++j) key_rows[j] = j >= j0 && j < n ? ks.packed[j] : zero_key.p;
+        for (int g = 0; g < Bg; ++g) smax_buf.p[g] = max_range(ks.scale + g * kTile + j0, n - j0);
+        tkl.choose(smax_buf.p, three_buf.p);
+        token_key_scores_bits<kTile>(l.key_bits, tkl, rows4 / 4, three_buf.p, key_rows, ks.scale, ks.zero, qsum4_buf.p,
+                                     w);
+      }
+#endif
+      for (int64_t r = 0; r < rows4 && !planes && !int_k; r += 4) {
         for (int j = 0; j < kTile; j += 4) {
           float s16[16] = {}, part[16];
           for (int g = 0; g < Bg; ++g) {

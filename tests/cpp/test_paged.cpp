@@ -109,8 +109,12 @@ TEST_CASE("paged write and attention against nq_compress and double attention", 
         for (int h = 0; h < H; ++h) REQUIRE(paged_attention_task(p, PagedTask{0, 0, Q}, h, h + 1));
         set_cpu_isa_cap(previous);
         REQUIRE(last_kernel_isa() == isa);
-        const bool planes = isa == CpuIsa::kAvx2 && group_size % 16 == 0;
-        REQUIRE(last_paged_key_path() == (planes ? PagedKeyPath::kPlanes : PagedKeyPath::kWidened));
+        // AVX2: keys from their packed planes; AVX512-VNNI: integer q . K on the packed codes
+        // (2/4/8 bits); both in groups of whole 16-channel planes.
+        const bool whole = group_size % 16 == 0;
+        REQUIRE(last_paged_key_path() == (isa == CpuIsa::kAvx512 && whole && key_bits != 3 ? PagedKeyPath::kInteger
+                                          : isa == CpuIsa::kAvx2 && whole                  ? PagedKeyPath::kPlanes
+                                                                                           : PagedKeyPath::kWidened));
         double worst = 0;
         for (int i = 0; i < Q; ++i)
           for (int hq = 0; hq < Hq; ++hq) {

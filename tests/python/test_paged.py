@@ -295,12 +295,18 @@ def test_attention_matches_float64_over_a_serving_sequence(device, dtype, fmt, k
 
 
 @pytest.mark.parametrize("window", [None, 19])
-def test_chunked_prefill_gives_the_same_bits(window):
+@pytest.mark.parametrize("peaked", [False, True])
+def test_chunked_prefill_gives_the_same_bits(window, peaked):
     """A 150-token prompt in one step or in chunks of 37 (and shuffled write orders): the
-    same pages and, for every query, the same output bit for bit."""
+    same pages and, for every query, the same output bit for bit.  Peaked: every fifth query
+    40x larger, so that its rows take a third key limb on AVX512-VNNI (paged_int_keys.h) while
+    the rest of its block of four rows takes two."""
     fmt = paged.PagedFormat(4, 4, 64)
     g = torch.Generator().manual_seed(0)
-    q_all, k_all, v_all = (torch.randn(150, h, 64, generator=g).to(torch.bfloat16) for h in (4, 2, 2))
+    q_all, k_all, v_all = (torch.randn(150, h, 64, generator=g) for h in (4, 2, 2))
+    if peaked:
+        q_all[::5] *= 40
+    q_all, k_all, v_all = (x.to(torch.bfloat16) for x in (q_all, k_all, v_all))
     outs, pages = [], []
     for chunk in (150, 37, 16):
         pool = Pool(fmt, kv_heads=2, D=64, P=32, dtype=torch.bfloat16, seed=chunk)  # other write orders
@@ -315,6 +321,23 @@ def test_chunked_prefill_gives_the_same_bits(window):
         pages.append(pool.pages.clone())
     assert torch.equal(pages[0], pages[1]) and torch.equal(pages[0], pages[2])
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_peaked_scores_stay_within_the_bf16_bound(bits):
+    """bf16 queries 1000x larger than usual (scores in the thousands, a softmax of a few keys):
+    AVX512-VNNI's integer scores take a third query limb where two could move a score by more
+    than 2^-9 (paged_int_keys.h), so the output stays as close to float64 as elsewhere.  With
+    two limbs only, the 2-bit case fails here (measured: max error 0.036 > 0.022)."""
+    fmt = paged.PagedFormat(bits, 4, 64, 0, rotate=False)
+    pool = Pool(fmt, kv_heads=2, D=64, P=32, dtype=torch.bfloat16, seed=5)
+    r = pool.add_request()
+    g = torch.Generator().manual_seed(3)
+    reqs, table, lens, qsl = pool.step({r: 100})
+    q = (torch.randn(100, 4, 64, generator=g) * 1000).to(torch.bfloat16)
+    got = paged.attention(q, pool.pages, table, lens, qsl, fmt, pool.signs, scale=0.125)
+    want = reference(pool, reqs, table, lens, qsl, q, 4, 0.125)
+    check_close(got, want, torch.bfloat16, float(pool.v[r].abs().max()) * 1.5)
 
 
 def test_rotation_helps_per_token_keys_with_an_outlier_channel():

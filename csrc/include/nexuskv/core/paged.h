@@ -116,9 +116,12 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
 
 // How the last attention task multiplied queries by keys: from each key's
 // packed 16-code planes widened in registers (the AVX2 kernel, groups of whole
-// planes) or from the tile's keys widened to float first (every other case).
+// planes), as integer dot products of int8 query limbs with the packed codes
+// (kInteger: the AVX512-VNNI kernel, 2/4/8-bit keys in groups of whole planes:
+// paged_int_keys.h) or from the tile's keys widened to float first (every
+// other case).
 // Noted by every task, so that a test can assert the path it meant to test.
-enum class PagedKeyPath : int { kNone = 0, kWidened = 1, kPlanes = 2 };
+enum class PagedKeyPath : int { kNone = 0, kWidened = 1, kPlanes = 2, kInteger = 3 };
 PagedKeyPath last_paged_key_path();
 void note_paged_key_path(PagedKeyPath path);
 
