@@ -152,7 +152,7 @@ NEXUSKV_INLINE void token_key_rows(const TokenKeyLimbs& tl, int64_t r0, int j, c
 // four, three[rb]: block rb runs three limbs) and the kTile keys of a tile
 // (rows pointers; keys outside the tile's read range point at zeros, and their
 // scales are zero).  The planes of four keys are extracted once and met by
-// every block of rows (a prefill task has hundreds).
+// every block of rows (a prefill task has up to 16 queries x the GQA group).
 // qsum4: [row_blocks, groups, 4] sum(q_g) of each block's four rows.
 template <int kBits, int kTile>
 void token_key_scores(const TokenKeyLimbs& tl, int64_t row_blocks, const uint8_t* three, const uint8_t* const* keys,
