@@ -132,6 +132,25 @@ struct QueryLimbs {
   }
 };
 
+// Lane group k of acc[i][l] holds four partial sums of row i's limb-l dot
+// with key k (rows past R count as zero): adds them up, four rows at once, and
+// combines the limbs by Horner, f = sum_0 + (sum_1 + sum_2 / 254) / 254, so
+// that lane 4k + i of f is row i's dot with key k in limb units.  Also the
+// paged kernel's (paged_int_keys.h).
+template <int R, int L>
+NEXUSKV_INLINE __m512 limb_dot_floats(const __m512i (&acc)[R][L]) {
+  __m512 f = _mm512_setzero_ps();
+  for (int l = L - 1; l >= 0; --l) {
+    __m512i a4[4];
+    for (int i = 0; i < 4; ++i) a4[i] = i < R ? acc[i][l] : _mm512_setzero_si512();
+    const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a4[0], a4[1]), _mm512_unpackhi_epi32(a4[0], a4[1]));
+    const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a4[2], a4[3]), _mm512_unpackhi_epi32(a4[2], a4[3]));
+    const __m512i sum = _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
+    f = _mm512_fmadd_ps(f, _mm512_set1_ps(l == L - 1 ? 0.f : 1.f / 254.f), _mm512_cvtepi32_ps(sum));
+  }
+  return f;
+}
+
 // scores[(r0 + i) * kTileTokens + j0 + k] = q_i . key_k for R rows (R <= 4)
 // and the keys [j0, j0 + 4) of a tile (a partial block repeats its last key),
 // from the packed codes and the limbs: a_i * sum_l 254^-l * (l_l . codes) + bias_i.
@@ -162,18 +181,7 @@ void int_scores_block(const QueryLimbs& ql, int64_t r0, const uint8_t* const* ke
           acc[i][l] = _mm512_dpbusd_epi32(acc[i][l], plane, _mm512_loadu_si512(limbs[i][l] + 64 * (c * kPlanes + j)));
     }
   }
-  // Lane group k of acc[i][l] holds four partial sums of key k: add them up,
-  // four rows at once, so that lane 4k + i of sum[l] is row i's dot with key k.
-  __m512 f = _mm512_setzero_ps();
-  for (int l = L - 1; l >= 0; --l) {
-    __m512i a4[4];
-    for (int i = 0; i < 4; ++i) a4[i] = i < R ? acc[i][l] : _mm512_setzero_si512();
-    const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a4[0], a4[1]), _mm512_unpackhi_epi32(a4[0], a4[1]));
-    const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a4[2], a4[3]), _mm512_unpackhi_epi32(a4[2], a4[3]));
-    const __m512i sum = _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
-    // Horner over the limbs: f = sum_0 + (sum_1 + sum_2 / 254) / 254.
-    f = _mm512_fmadd_ps(f, _mm512_set1_ps(l == L - 1 ? 0.f : 1.f / 254.f), _mm512_cvtepi32_ps(sum));
-  }
+  __m512 f = limb_dot_floats(acc);
   alignas(64) float a4[4] = {}, b4[4] = {};
   for (int i = 0; i < R; ++i) a4[i] = ql.a[r0 + i], b4[i] = bias[r0 + i];
   f = _mm512_fmadd_ps(f, _mm512_broadcast_f32x4(_mm_load_ps(a4)), _mm512_broadcast_f32x4(_mm_load_ps(b4)));

@@ -128,16 +128,8 @@ NEXUSKV_INLINE void token_key_rows(const TokenKeyLimbs& tl, int64_t r0, int j, c
       for (int i = 0; i < 4; ++i)
         for (int l = 0; l < L; ++l)
           acc[i][l] = _mm512_dpbusd_epi32(acc[i][l], plane[cb], _mm512_loadu_si512(ql.block(r0 + i, l, cb)));
-    // Group g: lane 4k + i of each limb's sum = row i's dot with key k.
-    __m512 f = _mm512_setzero_ps();  // Horner over the limbs, as int_scores_block
-    for (int l = L - 1; l >= 0; --l) {
-      const __m512i t01 =
-          _mm512_add_epi32(_mm512_unpacklo_epi32(acc[0][l], acc[1][l]), _mm512_unpackhi_epi32(acc[0][l], acc[1][l]));
-      const __m512i t23 =
-          _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2][l], acc[3][l]), _mm512_unpackhi_epi32(acc[2][l], acc[3][l]));
-      const __m512i sum = _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
-      f = _mm512_fmadd_ps(f, _mm512_set1_ps(l == L - 1 ? 0.f : 1.f / 254.f), _mm512_cvtepi32_ps(sum));
-    }
+    // Group g: lane 4k + i of f = row i's dot with key k (attention_int_keys.h).
+    const __m512 f = limb_dot_floats(acc);
     score = _mm512_fmadd_ps(_mm512_mul_ps(f, av), sk[g], score);
     score = _mm512_fmadd_ps(zk[g], _mm512_broadcast_f32x4(_mm_loadu_ps(qsum4 + 4 * g)), score);
   }
