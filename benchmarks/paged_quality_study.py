@@ -82,6 +82,7 @@ class Row:
     per_channel_keys: bool = False
     window: int = 0  # each query's newest W keys / values exact
     transform: str = ""  # "full" / "diag": a fitted M, q -> M q, k - m -> M^-T (k - m) (see above)
+    fit: str = ""  # least-squares fitted ranges (nq_compress fit_range): "keys" or "all", as NEXUSKV_VLLM_FIT_RANGE
 
     @property
     def kv_bits(self) -> tuple[int, int]:
@@ -106,6 +107,14 @@ ROWS = [
     Row("8-bit keys, 2-bit values", key_bits=8, value_bits=2),
     Row("2-bit, recipe", bits=2, center=True),
     Row("2-bit, recipe, exact window 32", bits=2, center=True, window=32),
+    Row("4-bit, fitted key ranges", fit="keys"),
+    Row("4-bit, fitted ranges", fit="all"),
+    Row("4-bit, recipe, fitted key ranges", center=True, fit="keys"),
+    Row("3-bit, recipe", bits=3, center=True),
+    Row("3-bit, recipe, fitted key ranges", bits=3, center=True, fit="keys"),
+    Row("3-bit, recipe, fitted ranges", bits=3, center=True, fit="all"),
+    Row("2-bit, recipe, fitted key ranges", bits=2, center=True, fit="keys"),
+    Row("2-bit, recipe, fitted ranges", bits=2, center=True, fit="all"),
 ]
 
 
@@ -178,18 +187,18 @@ class Study:
         self.signs = None
         self.transforms: dict = {}  # fitted_transforms()
 
-    def per_token(self, x: torch.Tensor, bits: int) -> torch.Tensor:
+    def per_token(self, x: torch.Tensor, bits: int, fit: bool) -> torch.Tensor:
         """x [1, heads, T, D] (bf16) as a bf16 page returns it: rotated, quantized per token,
         dequantized and un-rotated in float32."""
         group = min(self.row.group or self.group, x.shape[-1])
         r = hadamard_rotate(x, self.signs)  # rounded to x's dtype, as the write does
-        p = nq_compress(r, bits, group, -1)
+        p = nq_compress(r, bits, group, -1, fit_range=fit)
         back = nq_decompress(*p, bits, group, -1, x.shape[-1], out_dtype=torch.float32)
         return hadamard_rotate(back, self.signs, inverse=True)
 
     @staticmethod
-    def per_channel(x: torch.Tensor, bits: int) -> torch.Tensor:
-        p = nq_compress(x, bits, CHANNEL_GROUP, -2)
+    def per_channel(x: torch.Tensor, bits: int, fit: bool) -> torch.Tensor:
+        p = nq_compress(x, bits, CHANNEL_GROUP, -2, fit_range=fit)
         return nq_decompress(*p, bits, CHANNEL_GROUP, -2, x.shape[-1], out_dtype=torch.float32)
 
     def __call__(self, module, q, k, v, mask, **kw):
@@ -208,9 +217,10 @@ class Study:
         kq, vq = k.float(), v.float()
         kb, vb = row.kv_bits
         if row.keys:
-            kq = self.per_channel(k, kb) if row.per_channel_keys else self.per_token(k, kb)
+            fit = row.fit in ("keys", "all")
+            kq = self.per_channel(k, kb, fit) if row.per_channel_keys else self.per_token(k, kb, fit)
         if row.values:
-            vq = self.per_token(v, vb)
+            vq = self.per_token(v, vb, row.fit == "all")
         if not row.window:
             return sdpa_attention_forward(module, q, kq, vq, mask, **kw)
         # Query i sees keys j <= i (within the layer's sliding window); those with i - j < W

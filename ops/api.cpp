@@ -18,11 +18,11 @@ c10::TypedOperatorHandle<Sig> find_op(const char* name) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> nq_compress(
     const at::Tensor& x, int64_t bits, int64_t group_size, int64_t axis, int64_t num_outliers,
-    std::optional<at::ScalarType> meta_dtype) {
+    std::optional<at::ScalarType> meta_dtype, bool fit_range) {
   using Sig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-      const at::Tensor&, int64_t, int64_t, int64_t, int64_t, std::optional<at::ScalarType>);
+      const at::Tensor&, int64_t, int64_t, int64_t, int64_t, std::optional<at::ScalarType>, bool);
   static const auto op = find_op<Sig>("nexuskv::nq_compress");
-  return op.call(x, bits, group_size, axis, num_outliers, meta_dtype);
+  return op.call(x, bits, group_size, axis, num_outliers, meta_dtype, fit_range);
 }
 
 at::Tensor nq_decompress(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zero,
@@ -36,11 +36,12 @@ at::Tensor nq_decompress(const at::Tensor& codes, const at::Tensor& scale, const
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgq_compress(
     const at::Tensor& x, int64_t bits, int64_t group_size, int64_t granule, std::optional<int64_t> max_len,
-    int64_t num_outliers, std::optional<at::ScalarType> meta_dtype) {
+    int64_t num_outliers, std::optional<at::ScalarType> meta_dtype, bool fit_range) {
   using Sig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-      const at::Tensor&, int64_t, int64_t, int64_t, std::optional<int64_t>, int64_t, std::optional<at::ScalarType>);
+      const at::Tensor&, int64_t, int64_t, int64_t, std::optional<int64_t>, int64_t, std::optional<at::ScalarType>,
+      bool);
   static const auto op = find_op<Sig>("nexuskv::dgq_compress");
-  return op.call(x, bits, group_size, granule, max_len, num_outliers, meta_dtype);
+  return op.call(x, bits, group_size, granule, max_len, num_outliers, meta_dtype, fit_range);
 }
 
 at::Tensor dgq_decompress(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zero,
@@ -90,11 +91,13 @@ int64_t paged_slot_bytes(int64_t head_dim, int64_t key_bits, int64_t value_bits,
 
 void paged_kv_write_(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
                      const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits, int64_t group_size,
-                     int64_t num_outliers, const std::optional<at::Tensor>& rotation_signs) {
+                     int64_t num_outliers, const std::optional<at::Tensor>& rotation_signs, bool key_fit_range,
+                     bool value_fit_range) {
   using Sig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                   int64_t, int64_t, const std::optional<at::Tensor>&);
+                   int64_t, int64_t, const std::optional<at::Tensor>&, bool, bool);
   static const auto op = find_op<Sig>("nexuskv::paged_kv_write_");
-  op.call(pages, key, value, slot_mapping, key_bits, value_bits, group_size, num_outliers, rotation_signs);
+  op.call(pages, key, value, slot_mapping, key_bits, value_bits, group_size, num_outliers, rotation_signs,
+          key_fit_range, value_fit_range);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pages, const at::Tensor& block_table,

@@ -18,10 +18,12 @@ void define_operators(torch::Library& m, const std::vector<at::Tag>& tags) {
   // NQ block quantization; the compressed format is documented in
   // csrc/include/nexuskv/core/nq_format.h.  axis = -2: groups of group_size
   // tokens per channel (keys); axis = -1: groups of group_size channels per
-  // token (values).  Allocates its outputs.
+  // token (values).  fit_range: least-squares fitted ranges instead of
+  // min/max (nq_format.h, "Fitted ranges"; the same format for readers).
+  // Allocates its outputs.
   m.def(
       "nq_compress(Tensor x, int bits, int group_size, int axis, int num_outliers=0, "
-      "ScalarType? meta_dtype=None) -> "
+      "ScalarType? meta_dtype=None, bool fit_range=False) -> "
       "(Tensor codes, Tensor scale, Tensor zero, Tensor outlier_idx, Tensor outlier_val)",
       tags);
   // Inverse of nq_compress: x_hat [..., tokens, head_dim] in out_dtype
@@ -41,7 +43,7 @@ void define_operators(torch::Library& m, const std::vector<at::Tag>& tags) {
   // segment_starts [..., S] (int32).  Allocates its outputs.
   m.def(
       "dgq_compress(Tensor x, int bits, int group_size, int granule=16, int? max_len=None, int num_outliers=0, "
-      "ScalarType? meta_dtype=None) -> "
+      "ScalarType? meta_dtype=None, bool fit_range=False) -> "
       "(Tensor codes, Tensor scale, Tensor zero, Tensor outlier_idx, Tensor outlier_val, Tensor segment_starts)",
       tags);
   m.def(
@@ -94,10 +96,13 @@ void define_operators(torch::Library& m, const std::vector<at::Tag>& tags) {
   // paged_slot_bytes.  The write quantizes key / value [num_tokens, kv_heads,
   // head_dim] per token (groups of group_size channels, scales in their dtype)
   // into slot_mapping[t] = block * block_size + offset (-1: skip); with
-  // rotation_signs it stores hadamard_rotate(x, signs).  Mutates pages.
+  // rotation_signs it stores hadamard_rotate(x, signs); key_fit_range /
+  // value_fit_range: fitted ranges as nq_compress's (the same slots for
+  // readers).  Mutates pages.
   m.def(
       "paged_kv_write_(Tensor(a!) pages, Tensor key, Tensor value, Tensor slot_mapping, int key_bits, "
-      "int value_bits, int group_size, int num_outliers=0, Tensor? rotation_signs=None) -> ()",
+      "int value_bits, int group_size, int num_outliers=0, Tensor? rotation_signs=None, bool key_fit_range=False, "
+      "bool value_fit_range=False) -> ()",
       tags);
   // Fused attention over the pages of ragged requests (vLLM's varlen batch):
   //   out = softmax(softcap(q . K^T * scale) + causal / window mask) . V   [num_tokens, q_heads, head_dim]
@@ -137,18 +142,20 @@ TORCH_LIBRARY(nexuskv, m) {
   // that many tokens (the quantization arguments are then unused).
   // meta_dtype: dtype of the scales/zeros (default: the input dtype).
   // window: sliding window (tokens a query sees, itself included).
+  // key_fit_range / value_fit_range: least-squares fitted ranges (nq_format.h).
   m.class_<nexuskv::KVCache>("KVCache")
       .def(torch::init([](int64_t key_bits, int64_t key_group_size, int64_t key_axis, int64_t key_outliers,
                           bool key_dynamic, int64_t value_bits, int64_t value_group_size, int64_t value_axis,
                           int64_t value_outliers, int64_t residual, bool rotate, int64_t seed, int64_t sinks,
                           int64_t external_chunk, std::optional<at::ScalarType> meta_dtype,
-                          std::optional<int64_t> window) {
+                          std::optional<int64_t> window, bool key_fit_range, bool value_fit_range) {
              nexuskv::CacheOptions o;
              o.keys.bits = key_bits, o.keys.group_size = key_group_size, o.keys.axis = key_axis;
              o.keys.num_outliers = key_outliers, o.keys.dynamic = key_dynamic;
              o.values.bits = value_bits, o.values.group_size = value_group_size, o.values.axis = value_axis;
              o.values.num_outliers = value_outliers;
              o.keys.meta_dtype = o.values.meta_dtype = meta_dtype;
+             o.keys.fit_range = key_fit_range, o.values.fit_range = value_fit_range;
              o.residual = residual, o.rotate = rotate, o.seed = seed, o.sinks = sinks;
              o.external_chunk = external_chunk, o.window = window;
              return c10::make_intrusive<nexuskv::KVCache>(std::move(o));
@@ -158,7 +165,8 @@ TORCH_LIBRARY(nexuskv, m) {
             torch::arg("key_dynamic"), torch::arg("value_bits"), torch::arg("value_group_size"),
             torch::arg("value_axis"), torch::arg("value_outliers"), torch::arg("residual"), torch::arg("rotate"),
             torch::arg("seed"), torch::arg("sinks") = 0, torch::arg("external_chunk") = 0,
-            torch::arg("meta_dtype") = torch::arg::none(), torch::arg("window") = torch::arg::none()})
+            torch::arg("meta_dtype") = torch::arg::none(), torch::arg("window") = torch::arg::none(),
+            torch::arg("key_fit_range") = false, torch::arg("value_fit_range") = false})
       .def("append", &nexuskv::KVCache::append, "",
            {torch::arg("k"), torch::arg("v"), torch::arg("valid") = torch::arg::none()})
       .def("attend", &nexuskv::KVCache::attend, "",

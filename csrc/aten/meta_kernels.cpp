@@ -17,7 +17,7 @@ namespace nexuskv {
 namespace {
 
 NQTensors nq_compress_meta(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t axis, int64_t num_outliers,
-                           std::optional<at::ScalarType> meta_dtype) {
+                           std::optional<at::ScalarType> meta_dtype, bool /*fit_range*/) {
   const core::NQDims d = nq_compress_dims(x, bits, group_size, axis, num_outliers);
   return nq_allocate_outputs(d, x, nq_meta_dtype(x.scalar_type(), meta_dtype));
 }
@@ -33,7 +33,7 @@ at::Tensor nq_decompress_meta(const at::Tensor& codes, const at::Tensor& scale, 
 
 DGQTensors dgq_compress_meta(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t granule,
                              std::optional<int64_t> max_len, int64_t num_outliers,
-                             std::optional<at::ScalarType> meta_dtype) {
+                             std::optional<at::ScalarType> meta_dtype, bool /*fit_range*/) {
   const core::NQDims d = nq_compress_dims(x, bits, group_size, -2, num_outliers);
   dgq_compress_params(d, granule, max_len);
   auto [codes, scale, zero, idx, val] = nq_allocate_outputs(d, x, nq_meta_dtype(x.scalar_type(), meta_dtype));
@@ -79,7 +79,8 @@ void static_kv_append_meta(at::TensorList k_store, at::TensorList v_store, const
 
 void paged_kv_write_meta(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
                          const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits, int64_t group_size,
-                         int64_t num_outliers, const std::optional<at::Tensor>& rotation_signs) {
+                         int64_t num_outliers, const std::optional<at::Tensor>& rotation_signs, bool /*key_fit_range*/,
+                         bool /*value_fit_range*/) {
   check_paged_write_args(pages, key, value, slot_mapping, key_bits, value_bits, group_size, num_outliers,
                          rotation_signs);
 }

@@ -62,8 +62,8 @@ void check_same_device(const char* op, const char* first_name, const at::Tensor&
                 " is on ", first.device(), " but ", name, " is on ", t->device());
 }
 
-core::NQDims nq_compress_dims(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t axis,
-                              int64_t num_outliers) {
+core::NQDims nq_compress_dims(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t axis, int64_t num_outliers,
+                              bool fit_range) {
   constexpr const char* op = "nq_compress";
   TORCH_CHECK(x.defined(), op, ": x is an undefined tensor");
   TORCH_CHECK(x.dim() >= 2, op, ": x must have shape [..., tokens, head_dim] (at least 2 dims), got shape ", x.sizes());
@@ -79,6 +79,7 @@ core::NQDims nq_compress_dims(const at::Tensor& x, int64_t bits, int64_t group_s
   d.group_size = int(group_size);
   d.axis = to_group_axis(axis);
   d.num_outliers = int(num_outliers);
+  d.fit_range = fit_range;
   return d;
 }
 

@@ -33,8 +33,8 @@ void check_same_device(const char* op, const char* first_name, const at::Tensor&
 
 // Checks x and the parameters of nq_compress (every int on its int64 value,
 // before any narrowing); returns the sizes of the result.
-core::NQDims nq_compress_dims(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t axis,
-                              int64_t num_outliers);
+core::NQDims nq_compress_dims(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t axis, int64_t num_outliers,
+                              bool fit_range = false);
 
 // The meta dtype: the one asked for, else the input dtype.
 at::ScalarType nq_meta_dtype(at::ScalarType x_dtype, std::optional<at::ScalarType> meta_dtype);

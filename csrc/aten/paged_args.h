@@ -56,7 +56,7 @@ at::Tensor paged_rows(const at::Tensor& t);
 template <typename X>
 core::PagedWrite<X> make_paged_write(const PagedWriteShapes& s, const at::Tensor& pages, const at::Tensor& key,
                                      const at::Tensor& value, const at::Tensor& slot_mapping,
-                                     const std::optional<at::Tensor>& signs) {
+                                     const std::optional<at::Tensor>& signs, bool key_fit_range, bool value_fit_range) {
   core::PagedWrite<X> w;
   w.pool = s.pool;
   w.pages = pages.data_ptr<uint8_t>();
@@ -67,6 +67,7 @@ core::PagedWrite<X> make_paged_write(const PagedWriteShapes& s, const at::Tensor
   w.slot_mapping = slot_mapping.data_ptr<int64_t>();
   w.rotation_signs = signs ? signs->data_ptr<float>() : nullptr;
   w.num_tokens = s.num_tokens;
+  w.key_fit_range = key_fit_range, w.value_fit_range = value_fit_range;
   return w;
 }
 

@@ -9,6 +9,7 @@
 //   config.storage             0 fused, 1 chunk (C++ compressors), 2 external
 //   config.{key,value}_{bits,group_size,axis,outliers,dynamic,granule}
 //   config.{key,value}_meta_dtype   (absent: the input dtype)
+//   config.{key,value}_fit_range    1 (absent: min/max ranges, as before it existed)
 //   config.{residual,sinks,rotate,seed,external_chunk}
 //   config.window              (absent: no window)
 //   config.{key,value}_compressor   uint8 text of describe() (chunk storage)
@@ -85,6 +86,7 @@ void put_spec(State& st, const char* name, const QuantSpec& s) {
   st.insert(p + "dynamic", int_entry(s.dynamic));
   st.insert(p + "granule", int_entry(s.granule));
   if (s.meta_dtype) st.insert(p + "meta_dtype", dtype_entry(*s.meta_dtype));
+  if (s.fit_range) st.insert(p + "fit_range", int_entry(1));  // absent (older states): min/max
 }
 
 QuantSpec spec_of(const State& st, const char* name) {
@@ -94,6 +96,7 @@ QuantSpec spec_of(const State& st, const char* name) {
   s.num_outliers = int_of(st, p + "outliers"), s.dynamic = int_of(st, p + "dynamic") != 0;
   s.granule = int_of(st, p + "granule");
   if (has(st, p + "meta_dtype")) s.meta_dtype = dtype_of(st, p + "meta_dtype");
+  s.fit_range = has(st, p + "fit_range") && int_of(st, p + "fit_range") != 0;
   return s;
 }
 

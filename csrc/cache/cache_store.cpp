@@ -55,12 +55,12 @@ StoreParts store_rows(const StoreParts& parts, const QuantSpec& spec, int64_t b0
 StoreParts compress_rows(const QuantSpec& spec, const at::Tensor& x, int64_t offset) {
   if (spec.dynamic) {
     auto t = dgq_compress(x, spec.bits, spec.group_size, spec.granule, spec.dgq_max_len(), spec.num_outliers,
-                          spec.meta_dtype);
+                          spec.meta_dtype, spec.fit_range);
     // Segment starts count tokens of the buffer, not of x.
     return {std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t), std::get<4>(t),
             std::get<5>(t).add(int32_t(offset))};
   }
-  auto t = nq_compress(x, spec.bits, spec.group_size, spec.axis, spec.num_outliers, spec.meta_dtype);
+  auto t = nq_compress(x, spec.bits, spec.group_size, spec.axis, spec.num_outliers, spec.meta_dtype, spec.fit_range);
   return {std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t), std::get<4>(t)};
 }
 

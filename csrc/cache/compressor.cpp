@@ -71,6 +71,7 @@ std::string spec_text(const char* name, const QuantSpec& s) {
   std::ostringstream o;
   o << name << s.bits << " g" << s.group_size << (s.axis == -2 ? " per-channel" : " per-token");
   if (s.num_outliers) o << " k" << s.num_outliers;
+  if (s.fit_range) o << " fit";
   return o.str();
 }
 
@@ -83,7 +84,7 @@ NQCompressor::NQCompressor(QuantSpec spec) : spec_(spec) {
 
 CompressedTensor NQCompressor::compress(const at::Tensor& x) const {
   auto [codes, scale, zero, idx, val] =
-      nq_compress(x, spec_.bits, spec_.group_size, spec_.axis, spec_.num_outliers, spec_.meta_dtype);
+      nq_compress(x, spec_.bits, spec_.group_size, spec_.axis, spec_.num_outliers, spec_.meta_dtype, spec_.fit_range);
   return wrap({codes, scale, zero, idx, val}, x);
 }
 
@@ -105,7 +106,7 @@ DGQCompressor::DGQCompressor(QuantSpec spec) : spec_(spec) {
 CompressedTensor DGQCompressor::compress(const at::Tensor& x) const {
   auto [codes, scale, zero, idx, val, starts] =
       dgq_compress(x, spec_.bits, spec_.group_size, spec_.granule, spec_.dgq_max_len(), spec_.num_outliers,
-                   spec_.meta_dtype);
+                   spec_.meta_dtype, spec_.fit_range);
   return wrap({codes, scale, zero, idx, val, starts}, x);
 }
 

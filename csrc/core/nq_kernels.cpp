@@ -20,6 +20,7 @@
 #include "isa_kernels.h"
 #include "nexuskv/core/nq_kernels.h"
 #include "nexuskv/core/nq_layout.h"
+#include "nq_fit.h"
 #include "nq_outliers.h"
 #include "nq_range.h"
 #include "rows.h"
@@ -33,16 +34,6 @@ NEXUSKV_INLINE void merge(MetaFlags& into, const MetaFlags& f) {
 }
 
 // ---- quantization -------------------------------------------------------------------------
-
-// code = clamp(round((v - zero) / scale), 0, qmax), rounding halves up.
-NEXUSKV_INLINE uint8_t quantize(float v, float zero, float inv_scale, float qmax) {
-  // v >= zero for dense entries; the clamp covers outliers and float error.
-  // Written as the selects that map onto max/min instructions; NaN gives 0.
-  float c = (v - zero) * inv_scale + 0.5f;
-  c = c > 0.f ? c : 0.f;
-  c = qmax < c ? qmax : c;
-  return uint8_t(int32_t(c));
-}
 
 // Codes of n values: zero / inv_scale per value (arrays) or one pair for all.
 NEXUSKV_INLINE void quantize_codes(const float* v, const float* zero, const float* inv, float qmax, int64_t n,
@@ -98,11 +89,17 @@ NEXUSKV_INLINE void compress_token_groups(const NQDims& d, const StridedRows<In>
   const float qmax = float((1 << d.bits) - 1);
   // Without outliers the token group is read twice (min/max, then codes),
   // converting one row at a time: its input stays in cache and the float
-  // scratch is one row.  Outlier selection needs the whole group as floats.
+  // scratch is one row.  Outlier selection and fitted ranges need the whole
+  // group as floats (the fit with a 0/1 mask of its dense entries).
   const int64_t Gmax = d.max_group_tokens();  // G, or up to kMaxGroupSize with DGQ segments
-  Scratch scratch((k == 0 ? 1 : Gmax) * D + 4 * D, Dp + D * int64_t(sizeof(In)));
-  float* block = scratch.f.data();  // [G, D] (outliers) or [1, D] float rows
-  float *mn = block + (k == 0 ? 1 : Gmax) * D, *mx = mn + D, *zero = mx + D, *inv = zero + D;
+  const bool whole = k > 0 || d.fit_range;
+  const int64_t rows_held = whole ? Gmax : 1;
+  Scratch scratch(rows_held * D + 4 * D + (d.fit_range ? Gmax * D + fit_work_floats(D) : 0),
+                  Dp + D * int64_t(sizeof(In)));
+  float* block = scratch.f.data();  // [G, D] (whole groups) or [1, D] float rows
+  float *mn = block + rows_held * D, *mx = mn + D, *zero = mx + D, *inv = zero + D;
+  float* dense = inv + D;  // [G, D] 1 / 0 per entry (fitted ranges)
+  float* fit_work = dense + Gmax * D;
   uint8_t* codes = scratch.b.data();
   In* gather = reinterpret_cast<In*>(codes + Dp);
   LaneLists lanes(k == 0 ? 0 : D, k);
@@ -114,11 +111,15 @@ NEXUSKV_INLINE void compress_token_groups(const NQDims& d, const StridedRows<In>
     const In* base = x.data + x.row_offset[n] + t0 * x.stride_t;
     const int64_t g0 = (n * A + a) * D;  // first group (channel 0) of this token group
     if (k == 0) {
-      bad |= load_x_row(x, base, D, mn, gather);
-      std::memcpy(mx, mn, size_t(D) * sizeof(float));
+      // Fitted ranges keep every row (block + t * D); otherwise row 0 is reused.
+      const int64_t held = whole ? D : 0;
+      bad |= load_x_row(x, base, D, block, gather);
+      std::memcpy(mn, block, size_t(D) * sizeof(float));
+      std::memcpy(mx, block, size_t(D) * sizeof(float));
       for (int64_t t = 1; t < nt; ++t) {
-        bad |= load_x_row(x, base + t * x.stride_t, D, block, gather);
-        for (int64_t c = 0; c < D; ++c) mn[c] = min_f(mn[c], block[c]), mx[c] = max_f(mx[c], block[c]);
+        float* row = block + t * held;
+        bad |= load_x_row(x, base + t * x.stride_t, D, row, gather);
+        for (int64_t c = 0; c < D; ++c) mn[c] = min_f(mn[c], row[c]), mx[c] = max_f(mx[c], row[c]);
       }
     } else {
       for (int64_t t = 0; t < nt; ++t) bad |= load_x_row(x, base + t * x.stride_t, D, block + t * D, gather);
@@ -134,10 +135,19 @@ NEXUSKV_INLINE void compress_token_groups(const NQDims& d, const StridedRows<In>
       }
     }
     merge(flags, make_meta<Meta>(mn, mx, D, qmax, out.scale + g0, out.zero + g0, zero, inv));
+    if (d.fit_range) {
+      // A group of n <= k entries is all outliers (nothing dense).
+      const float all = nt > k ? 1.f : 0.f;
+      for (int64_t i = 0; i < nt * D; ++i) dense[i] = all;
+      const uint8_t* pos = out.outlier_idx + g0 * k;
+      for (int64_t c = 0; c < D && nt > k; ++c)
+        for (int s = 0; s < k; ++s) dense[pos[c * k + s] * D + c] = 0.f;
+      fit_ranges<Meta>(block, dense, nt, D, qmax, out.scale + g0, out.zero + g0, zero, inv, fit_work);
+    }
     uint8_t* packed = out.codes + (n * d.tokens + t0) * rb;
     for (int64_t t = 0; t < nt; ++t) {
       const float* row = block + t * D;
-      if (k == 0) {
+      if (!whole) {
         load_x_row(x, base + t * x.stride_t, D, block, gather);
         row = block;
       }
@@ -162,13 +172,20 @@ NEXUSKV_INLINE void compress_channel_groups(const NQDims& d, const StridedRows<I
   const float qmax = float((1 << d.bits) - 1);
   // With outliers and whole groups, a block's groups are transposed into
   // lanes ([G, R*B]) and selected together; more tokens per block then make
-  // longer vector loops.
+  // longer vector loops (so too for fitted ranges).
   const bool lanes_ok = k > 0 && D % G == 0 && G > k;
-  const int64_t Dp = layout::padded_channels(d.bits, D), R = lanes_ok ? 4 * kTokenBlock : kTokenBlock;
-  Scratch scratch(R * D * (lanes_ok ? 2 : 1) + 4 * R * B, Dp + D * int64_t(sizeof(In)));
+  const int64_t Dp = layout::padded_channels(d.bits, D);
+  const int64_t R = lanes_ok || d.fit_range ? 4 * kTokenBlock : kTokenBlock;
+  // Fitted ranges hold a block's groups as lanes too: [Gn, R*B] values and 0/1 dense marks,
+  // a partial last group padded with unmarked zeros.
+  const int64_t Gn = min_i(G, D), lanes_floats = lanes_ok || d.fit_range ? R * B * Gn : 0;
+  Scratch scratch(R * D + 4 * R * B + lanes_floats + (d.fit_range ? lanes_floats + fit_work_floats(R * B) : 0),
+                  Dp + D * int64_t(sizeof(In)));
   float* block = scratch.f.data();  // [R, D] float rows
   float *mn = block + R * D, *mx = mn + R * B, *zero = mx + R * B, *inv = zero + R * B;
-  float* lane_vals = inv + R * B;  // [G, R*B] when lanes_ok
+  float* lane_vals = inv + R * B;           // [Gn, R*B] when lanes_ok or fitting
+  float* dense = lane_vals + lanes_floats;  // [Gn, R*B] when fitting
+  float* fit_work = dense + lanes_floats;
   uint8_t* codes = scratch.b.data();
   In* gather = reinterpret_cast<In*>(codes + Dp);
   LaneLists lanes(lanes_ok ? R * B : 0, k);
@@ -211,6 +228,22 @@ NEXUSKV_INLINE void compress_channel_groups(const NQDims& d, const StridedRows<I
       }
     }
     merge(flags, make_meta<Meta>(mn, mx, nr * B, qmax, out.scale + task0 * B, out.zero + task0 * B, zero, inv));
+    if (d.fit_range) {
+      const int64_t L = nr * B;
+      for (int64_t r = 0; r < nr; ++r) {
+        for (int64_t b = 0; b < B; ++b) {
+          const int64_t g = r * B + b, c0 = b * G, nc = min_i(G, D - c0);
+          const float on = nc > k ? 1.f : 0.f;  // a group of nc <= k entries is all outliers
+          for (int64_t j = 0; j < Gn; ++j) {
+            lane_vals[j * L + g] = j < nc ? block[r * D + c0 + j] : 0.f;
+            dense[j * L + g] = j < nc ? on : 0.f;
+          }
+          const uint8_t* pos = out.outlier_idx + ((task0 + r) * B + b) * k;
+          for (int s = 0; s < k && nc > k; ++s) dense[pos[s] * L + g] = 0.f;
+        }
+      }
+      fit_ranges<Meta>(lane_vals, dense, Gn, L, qmax, out.scale + task0 * B, out.zero + task0 * B, zero, inv, fit_work);
+    }
     for (int64_t r = 0; r < nr; ++r) {
       for (int64_t b = 0; b < B; ++b) {
         const int64_t c0 = b * G, nc = min_i(G, D - c0);

@@ -62,6 +62,18 @@ NEXUSKV_INLINE void min_max(const float* v, int64_t n, float* mn, float* mx) {
   *mn = lo, *mx = hi;
 }
 
+// code = clamp(round((v - zero) / scale), 0, qmax), rounding halves up.
+NEXUSKV_INLINE uint8_t quantize(float v, float zero, float inv_scale, float qmax) {
+  // v >= zero for dense entries; the clamp covers outliers and float error.
+  // Written as the selects that map onto max/min instructions; NaN gives 0.
+  // (As a uint8_t result the loops vectorize; converted back to float right
+  // away, GCC 12 turns the selects into branches.)
+  float c = (v - zero) * inv_scale + 0.5f;
+  c = c > 0.f ? c : 0.f;
+  c = qmax < c ? qmax : c;
+  return uint8_t(int32_t(c));
+}
+
 // What make_meta found wrong with a block of groups.
 struct MetaFlags {
   bool range_overflow = false;  // max - min of a group is not finite in float32

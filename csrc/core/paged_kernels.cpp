@@ -51,7 +51,8 @@ void paged_write_tokens(const PagedWrite<X>& w, int64_t begin, int64_t end, Comp
           src = rx.data();
         }
         const PagedSlot<X> s = paged_slot<X>(l, page, offset, half == 1);
-        const NQDims d = l.token_dims(half ? l.value_bits : l.key_bits);
+        NQDims d = l.token_dims(half ? l.value_bits : l.key_bits);
+        d.fit_range = half ? w.value_fit_range : w.key_fit_range;
         const StridedRows<X> x{src, &zero_offset, 0, 1};
         const NQBuffers<X, X> out{s.codes, s.scale, s.zero, s.outlier_idx, s.outlier_val};
         nq_compress_tasks<X, X>(d, x, out, 0, 1, status);

@@ -20,9 +20,9 @@ namespace {
 
 DGQTensors dgq_compress_cpu(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t granule,
                             std::optional<int64_t> max_len_arg, int64_t num_outliers,
-                            std::optional<at::ScalarType> meta_dtype) {
+                            std::optional<at::ScalarType> meta_dtype, bool fit_range) {
   constexpr const char* op = "dgq_compress";
-  core::NQDims d = nq_compress_dims(x, bits, group_size, -2, num_outliers);
+  core::NQDims d = nq_compress_dims(x, bits, group_size, -2, num_outliers, fit_range);
   const core::DGQParams params = dgq_compress_params(d, granule, max_len_arg);
   const at::ScalarType meta = nq_meta_dtype(x.scalar_type(), meta_dtype);
   NQTensors nq = nq_allocate_outputs(d, x, meta);

@@ -22,8 +22,8 @@ int64_t grain_for(int64_t elements_per_task) {
 }
 
 NQTensors nq_compress_cpu(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t axis, int64_t num_outliers,
-                          std::optional<at::ScalarType> meta_dtype) {
-  const core::NQDims d = nq_compress_dims(x, bits, group_size, axis, num_outliers);
+                          std::optional<at::ScalarType> meta_dtype, bool fit_range) {
+  const core::NQDims d = nq_compress_dims(x, bits, group_size, axis, num_outliers, fit_range);
   const at::ScalarType meta = nq_meta_dtype(x.scalar_type(), meta_dtype);
   NQTensors out = nq_allocate_outputs(d, x, meta);
   const std::vector<int64_t> row_offset = leading_row_offsets(x);

@@ -25,7 +25,8 @@ std::optional<at::Tensor> float_signs(const char* op, const std::optional<at::Te
 
 void paged_kv_write_cpu(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
                         const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits, int64_t group_size,
-                        int64_t num_outliers, const std::optional<at::Tensor>& rotation_signs) {
+                        int64_t num_outliers, const std::optional<at::Tensor>& rotation_signs, bool key_fit_range,
+                        bool value_fit_range) {
   constexpr const char* op = "paged_kv_write_";
   const PagedWriteShapes s = check_paged_write_args(pages, key, value, slot_mapping, key_bits, value_bits, group_size,
                                                     num_outliers, rotation_signs);
@@ -38,7 +39,7 @@ void paged_kv_write_cpu(const at::Tensor& pages, const at::Tensor& key, const at
   std::atomic<bool> non_finite{false}, overflow{false};
   dispatch_core_float(key.scalar_type(), op, [&](auto tag) {
     using X = decltype(tag);
-    const core::PagedWrite<X> w = make_paged_write<X>(s, pages, k, v, slots, signs);
+    const core::PagedWrite<X> w = make_paged_write<X>(s, pages, k, v, slots, signs, key_fit_range, value_fit_range);
     at::parallel_for(0, s.num_tokens, 16, [&](int64_t begin, int64_t end) {
       core::CompressStatus st;
       core::paged_write_tokens(w, begin, end, &st);

@@ -1,4 +1,5 @@
-// NQ compression on the GPU (format: nq_format.h), in two kernels:
+// NQ compression on the GPU (format: nq_format.h), in two kernels (three with
+// fitted ranges):
 //
 //   meta: one scale/zero (and the outliers) per group, written in the meta
 //     dtype.  Without outliers one thread per group (min/max over its
@@ -7,6 +8,8 @@
 //     group, which ranks the group's entries by (value, position) in shared
 //     memory and applies the CPU's rule (the k entries whose removal shrinks
 //     the range most: i from the bottom, k - i from the top, the first best i).
+//   fit (fitted ranges only): one thread per group refines its scale and zero
+//     by least squares, as the CPU's nq_fit.h.
 //   pack: one thread per (row, token, chunk) quantizes the chunk's channels
 //     with the stored scale/zero and packs them with nq_layout.h's pack_chunk,
 //     one 16-byte (3 bits: 24-byte) store.
@@ -212,6 +215,61 @@ NKV_KERNEL void nq_meta_outlier_kernel(core::NQDims d, RowsView<In> x, float qma
   }
 }
 
+// ---- fitted ranges (d.fit_range): one thread per group ------------------------------------
+
+// The CPU's fit_ranges (csrc/core/nq_fit.h) for one group, in the same order
+// with exactly rounded operations: min/max's stored scale and zero, then up
+// to kFitSteps least-squares refits on the previous candidate's codes rounded
+// to nearest in Meta; the candidate of least squared error over the dense
+// entries (not an outlier) is stored.  A poisoned group (NaN) is left as is.
+constexpr int kFitSteps = 4;  // as nq_fit.h
+
+template <typename In, typename Meta>
+NKV_KERNEL void nq_fit_kernel(core::NQDims d, RowsView<In> x, float qmax, int64_t groups,
+                              Meta* __restrict__ scale,                 // [N, A, B]
+                              Meta* __restrict__ zero,                  // [N, A, B]
+                              const uint8_t* __restrict__ outlier_idx)  // [N, A, B, k]
+{
+  const int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (g >= groups) return;
+  constexpr float kMinScale = 1.17549435e-38f;
+  const GroupSpan sp = group_span(d, g);
+  const int k = d.num_outliers;
+  const uint8_t* pos = outlier_idx + g * k;
+  float s = core::to_float(scale[g]), z = core::to_float(zero[g]);
+  if (non_finite(s) || non_finite(z) || sp.len <= k) return;
+  float iv = inverse_scale(s), bs = s, bz = z, best = 0.f;
+  for (int step = 0; step <= kFitSteps; ++step) {
+    float e = 0.f, sn = 0.f, sc = 0.f, sx = 0.f, scc = 0.f, scx = 0.f;
+    for (int64_t i = 0; i < sp.len; ++i) {
+      bool outlier = false;
+      for (int j = 0; j < k; ++j) outlier |= pos[j] == i;
+      if (outlier) continue;
+      const float v = core::to_float(entry(x, sp, i));
+      const float c = float(quantize_code(v, z, iv, qmax));
+      const float dv = sub_rn(v, add_rn(mul_rn(c, s), z));
+      e = add_rn(e, mul_rn(dv, dv));
+      sn = add_rn(sn, 1.f);
+      sc = add_rn(sc, c);
+      sx = add_rn(sx, v);
+      scc = add_rn(scc, mul_rn(c, c));
+      scx = add_rn(scx, mul_rn(c, v));
+    }
+    if (step == 0 || e < best) best = e, bs = s, bz = z;
+    if (step == kFitSteps) break;
+    const float den = sub_rn(mul_rn(sn, scc), mul_rn(sc, sc));
+    const float ns = div_rn(sub_rn(mul_rn(sn, scx), mul_rn(sc, sx)), den);
+    const float nz = div_rn(sub_rn(sx, mul_rn(ns, sc)), sn);
+    // A rejected candidate leaves the current one, whose next pass would repeat this one: done.
+    if (!(den > 0.f && ns >= kMinScale && !non_finite(ns) && !non_finite(nz))) break;
+    const float rs = core::to_float(core::from_float<Meta>(ns)), rz = core::to_float(core::from_float<Meta>(nz));
+    if (!(rs >= kMinScale && !non_finite(rs) && !non_finite(rz))) break;
+    s = rs, z = rz, iv = inverse_scale(s);
+  }
+  scale[g] = core::from_float<Meta>(bs);
+  zero[g] = core::from_float<Meta>(bz);
+}
+
 // ---- codes ----------------------------------------------------------------------------------
 
 // One thread per (row, token, chunk of C channels): rows along grid.y (a loop past
@@ -274,6 +332,11 @@ void launch_nq_compress(const NQCompressArgs<In, Meta>& a, Stream stream) {
     launch(nq_meta_outlier_kernel<In, Meta>, Dim3(unsigned(core::ceil_div(groups, kOutlierWarps))),
            Dim3(kOutlierWarps * kWarp), 0, stream, d, a.x, qmax, groups, a.scale, a.zero, a.outlier_idx, a.outlier_val,
            a.status);
+  }
+  if (d.fit_range) {
+    constexpr int kThreads = 128;
+    launch(nq_fit_kernel<In, Meta>, Dim3(unsigned(core::ceil_div(groups, kThreads))), Dim3(kThreads), 0, stream, d, a.x,
+           qmax, groups, a.scale, a.zero, static_cast<const uint8_t*>(a.outlier_idx));
   }
   const DType meta = sizeof(Meta) == 4              ? DType::kFloat32
                      : std::is_same_v<Meta, half_t> ? DType::kFloat16

@@ -16,8 +16,8 @@ namespace {
 using cuda::DeviceStatus;
 
 NQTensors nq_compress_cuda(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t axis, int64_t num_outliers,
-                           std::optional<at::ScalarType> meta_dtype) {
-  core::NQDims d = nq_compress_dims(x, bits, group_size, axis, num_outliers);
+                           std::optional<at::ScalarType> meta_dtype, bool fit_range) {
+  core::NQDims d = nq_compress_dims(x, bits, group_size, axis, num_outliers, fit_range);
   const at::ScalarType meta = nq_meta_dtype(x.scalar_type(), meta_dtype);
   const c10::cuda::CUDAGuard guard(x.device());
   NQTensors out = nq_allocate_outputs(d, x, meta);

@@ -45,7 +45,8 @@ void check_attention_data_host(const char* op, const PagedAttentionShapes& s, co
 
 void paged_kv_write_cuda(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
                          const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits, int64_t group_size,
-                         int64_t num_outliers, const std::optional<at::Tensor>& rotation_signs) {
+                         int64_t num_outliers, const std::optional<at::Tensor>& rotation_signs, bool key_fit_range,
+                         bool value_fit_range) {
   constexpr const char* op = "paged_kv_write_";
   const PagedWriteShapes s = check_paged_write_args(pages, key, value, slot_mapping, key_bits, value_bits, group_size,
                                                     num_outliers, rotation_signs);
@@ -66,7 +67,7 @@ void paged_kv_write_cuda(const at::Tensor& pages, const at::Tensor& key, const a
   const DeviceStatus status(pages);
   dispatch_core_float(key.scalar_type(), op, [&](auto tag) {
     using X = decltype(tag);
-    const core::PagedWrite<X> w = make_paged_write<X>(s, pages, k, v, slots, signs);
+    const core::PagedWrite<X> w = make_paged_write<X>(s, pages, k, v, slots, signs, key_fit_range, value_fit_range);
     cuda::launch_paged_write<X>(w, scratch.data_ptr<uint8_t>(), status.ptr(), cuda::current_stream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

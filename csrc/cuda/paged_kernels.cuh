@@ -186,6 +186,7 @@ void launch_paged_write(const core::PagedWrite<X>& w, uint8_t* scratch, uint32_t
     a.dims = l.token_dims(half ? l.value_bits : l.key_bits);
     a.dims.rows = w.num_tokens;  // [tokens, kv heads, D], per-token groups: each (token, head) row alone
     a.dims.tokens = H;
+    a.dims.fit_range = half ? w.value_fit_range : w.key_fit_range;
     a.x = src[half];
     a.codes = scratch + s.codes[half];
     a.scale = reinterpret_cast<X*>(scratch + s.scale[half]);

@@ -33,7 +33,8 @@ def make_cache(key_bits: int = 4, key_group_size: int = 64, key_axis: int = -2, 
                key_dynamic: bool = False, value_bits: int = 4, value_group_size: int = 64, value_axis: int = -1,
                value_outliers: int = 0, residual: int = 128, sinks: int = 0, rotate: bool = False, seed: int = 0,
                meta_dtype: Optional[torch.dtype] = None, window: Optional[int] = None,
-               external_chunk: int = 0) -> torch.ScriptObject:
+               external_chunk: int = 0, key_fit_range: bool = False,
+               value_fit_range: bool = False) -> torch.ScriptObject:
     """A new compressed cache (torch.classes.nexuskv.KVCache); every argument is checked.
 
     Keys: ``key_bits``-bit codes (2, 3, 4, 8) over groups of ``key_group_size`` (1..256)
@@ -46,9 +47,13 @@ def make_cache(key_bits: int = 4, key_group_size: int = 64, key_axis: int = -2, 
     (the query at position p sees keys (p - window, p]; compressed chunks no query can see
     are dropped; needs sinks=0); ``external_chunk`` > 0: no compression here, chunks of that
     many tokens are handed to the caller (take_due_chunks) with the same policy.
+    ``key_fit_range`` / ``value_fit_range``: each group's scale and zero fitted by least
+    squares instead of min/max (nq_format.h, "Fitted ranges": the same format, about half
+    the squared error at 2 bits; entries past the fitted range decode to its end levels).
 
     The cache takes the device and dtype of its first append."""
-    for name, value in (("key_dynamic", key_dynamic), ("rotate", rotate)):
+    for name, value in (("key_dynamic", key_dynamic), ("rotate", rotate), ("key_fit_range", key_fit_range),
+                        ("value_fit_range", value_fit_range)):
         if not isinstance(value, bool):
             raise TypeError(f"make_cache: {name} must be a bool, got {type(value).__name__}")
     for name, value in (("key_bits", key_bits), ("key_group_size", key_group_size), ("key_axis", key_axis),
@@ -68,7 +73,8 @@ def make_cache(key_bits: int = 4, key_group_size: int = 64, key_axis: int = -2, 
         raise ValueError(f"make_cache: meta_dtype must be torch.float32, torch.float16, torch.bfloat16 or None, got "
                          f"{meta_dtype}")
     return KVCache(key_bits, key_group_size, key_axis, key_outliers, key_dynamic, value_bits, value_group_size,
-                   value_axis, value_outliers, residual, rotate, seed, sinks, external_chunk, meta_dtype, window)
+                   value_axis, value_outliers, residual, rotate, seed, sinks, external_chunk, meta_dtype, window,
+                   key_fit_range, value_fit_range)
 
 
 def from_state_dict(state: Dict[str, torch.Tensor]) -> torch.ScriptObject:

@@ -62,6 +62,11 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--sinks", type=positive("--sinks", 0), default=0, help="sink tokens the bit map is allocated for")
     p.add_argument(
+        "--fit-range",
+        action="store_true",
+        help="allocate for fitted key ranges (cache_for(fit_range=True)): measured with them, recorded in the header",
+    )
+    p.add_argument(
         "--sensitivity-from",
         default=None,
         help="a recipe file with a bit map: allocate from its measured sensitivity (same model, choices, groups, tail "
@@ -137,7 +142,12 @@ def reuse_sensitivity(path: str, model, allocated_for: dict):
     old.check_model(model_facts(model.config), "this model")
     if old.sensitivity is None:
         raise ValueError(f"--sensitivity-from {path}: it holds no measured sensitivity (no bit map)")
-    differ = {k: (old.bits.get(k), v) for k, v in allocated_for.items() if k != "choices" and old.bits.get(k) != v}
+    # recipes from before fitted ranges existed were measured without them
+    differ = {
+        k: (old.bits.get(k, False if k == "fit_range" else None), v)
+        for k, v in allocated_for.items()
+        if k != "choices" and old.bits.get(k, False if k == "fit_range" else None) != v
+    }
     if differ:
         raise ValueError(
             f"--sensitivity-from {path}: measured with other settings: "
@@ -161,7 +171,7 @@ def add_bit_map(recipe, model, windows, choices, args) -> None:
     from .eval_caches import head_dim_of, meta_dtype_for
     from .hf_compat import text_config
 
-    settings = dict(group_size=args.group_size, residual=args.residual, sinks=args.sinks)
+    settings = dict(group_size=args.group_size, residual=args.residual, sinks=args.sinks, fit_range=args.fit_range)
     meta = meta_dtype_for(model.dtype)
 
     head_dim = head_dim_of(text_config(model))
@@ -169,7 +179,9 @@ def add_bit_map(recipe, model, windows, choices, args) -> None:
     costs = {b: ba.tensor_bits(b, head_dim, args.group_size, args.group_size, meta, model.dtype) for b in choices}
     cost = costs.__getitem__
 
-    allocated_for = dict(choices=choices, group_size=args.group_size, residual=args.residual, sinks=args.sinks)
+    allocated_for = dict(
+        choices=choices, group_size=args.group_size, residual=args.residual, sinks=args.sinks, fit_range=args.fit_range
+    )
     if args.sensitivity_from:
         scores, measured_on = reuse_sensitivity(args.sensitivity_from, model, allocated_for)
         print(f"sensitivity: from {args.sensitivity_from}")

@@ -163,7 +163,8 @@ class _Quantizer:
         return c.nbytes
 
     def _suffix(self) -> str:
-        return (f" k{self.num_outliers}" if self.num_outliers else "") + (" rot" if self.rotate else "")
+        return ((f" k{self.num_outliers}" if self.num_outliers else "") + (" rot" if self.rotate else "")
+                + (" fit" if self.fit_range else ""))
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,9 @@ class NQ(_Quantizer):
     ``per="channel"``: each channel gets its own scale/zero over groups of consecutive
     tokens (KIVI's key quantization).  ``per="token"``: each token gets its own
     scale/zero over groups of consecutive channels (value quantization).
-    ``rotate=True`` quantizes in a randomized Hadamard basis (spreads outlier channels)."""
+    ``rotate=True`` quantizes in a randomized Hadamard basis (spreads outlier channels).
+    ``fit_range=True`` fits each group's scale and zero by least squares instead of
+    min/max (ops.nq_compress; the same format and bytes)."""
 
     bits: int = 4
     group_size: int = 64
@@ -183,6 +186,7 @@ class NQ(_Quantizer):
     meta_dtype: Optional[torch.dtype] = field(default=None)
     rotate: bool = False
     seed: int = 0
+    fit_range: bool = False
 
     def __post_init__(self):
         if self.per not in _AXIS_OF_PER:
@@ -202,7 +206,8 @@ class NQ(_Quantizer):
 
     def compress(self, x: torch.Tensor) -> NQTensor:
         xr, signs = self._rotate(x)
-        parts = nq_compress(xr, self.bits, self.group_size, self.axis, self.num_outliers, self.meta_dtype)
+        parts = nq_compress(xr, self.bits, self.group_size, self.axis, self.num_outliers, self.meta_dtype,
+                            self.fit_range)
         return NQTensor(parts, self.bits, self.group_size, self.axis, x.shape, x.dtype, signs)
 
     def decompress(self, c: NQTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -230,7 +235,8 @@ class DGQ(_Quantizer):
     """Per-channel quantization over token groups chosen from the data (dynamic groups):
     as many groups as fixed groups of ``group_size`` would make, each a whole number of
     ``granule`` tokens and at most ``max_len`` (default 2 * group_size), boundaries where
-    the data's per-channel range changes.  For keys (or per-channel values)."""
+    the data's per-channel range changes.  For keys (or per-channel values).
+    ``fit_range`` as for NQ."""
 
     bits: int = 4
     group_size: int = 64
@@ -240,6 +246,7 @@ class DGQ(_Quantizer):
     seed: int = 0
     granule: int = 16
     max_len: Optional[int] = None
+    fit_range: bool = False
 
     @property
     def axis(self) -> int:
@@ -248,7 +255,7 @@ class DGQ(_Quantizer):
     def compress(self, x: torch.Tensor) -> NQTensor:
         xr, signs = self._rotate(x)
         parts = dgq_compress(xr, self.bits, self.group_size, self.granule, self.max_len, self.num_outliers,
-                             self.meta_dtype)
+                             self.meta_dtype, self.fit_range)
         return NQTensor(parts, self.bits, self.group_size, self.axis, x.shape, x.dtype, signs, dynamic=True)
 
     def decompress(self, c: NQTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:

@@ -54,6 +54,8 @@ class Setting:
     meta: Optional[str] = None
     window_residual: Optional[int] = None  # the tail of sliding-window layers (None: `residual` there too)
     recipe: Optional[str] = None  # a recipe file with a bit map: each layer's K/V bits (`bits` is then 0)
+    fit_range: bool = False  # keys' ranges fitted by least squares instead of min/max (same bytes)
+    value_fit_range: bool = False  # the values' too
 
     @property
     def name(self) -> str:
@@ -67,7 +69,8 @@ class Setting:
         extra = "".join([f" K+{self.key_outliers}out" if self.key_outliers else "",
                          f" V+{self.value_outliers}out" if self.value_outliers else "",
                          " rot" if self.rotate else "", " DGQ" if self.dgq else "",
-                         f" sinks {self.sinks}" if self.sinks else "",
+                         f" sinks {self.sinks}" if self.sinks else "", " K fit" if self.fit_range else "",
+                         " V fit" if self.value_fit_range else "",
                          f" window tail {self.window_residual}" if self.window_residual is not None else ""])
         width = f"recipe {os.path.basename(self.recipe)}" if self.recipe else f"{self.bits}-bit"
         return f"nexuskv {width} tail {self.residual} {groups}{extra}{meta}"
@@ -94,7 +97,8 @@ def from_recipe(path: str) -> Setting:
     b = recipe.bits
     return Setting(NEXUSKV, bits=0, residual=int(b.get("residual", 128)), group_size=int(b.get("group_size", 64)),
                    value_group_size=int(b.get("value_group_size", b.get("group_size", 64))),
-                   sinks=int(b.get("sinks", 0)), recipe=path)
+                   sinks=int(b.get("sinks", 0)), recipe=path, fit_range=bool(b.get("fit_range", False)),
+                   value_fit_range=bool(b.get("value_fit_range", False)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,17 +115,20 @@ def quanto(bits: int, meta: Optional[str] = None) -> Setting:
 DENSE_SETTING = Setting(DENSE)
 # The knobs `eval` switches on alone and in combination (on a 128-token tail): one exact
 # outlier per group in K and V, the randomized Hadamard rotation, data-chosen key groups
-# (DGQ), the first 4 tokens kept exact (attention sinks).
+# (DGQ), the first 4 tokens kept exact (attention sinks), least-squares fitted ranges of the
+# keys (the values' measured higher on SmolLM2: benchmarks/RESULTS.md, "Fitted ranges").
 KNOBS = {"outliers": dict(key_outliers=1, value_outliers=1), "rotate": dict(rotate=True), "dgq": dict(dgq=True),
-         "sinks": dict(sinks=4)}
+         "sinks": dict(sinks=4), "fit": dict(fit_range=True)}
 COMBINATIONS = ("alone", "all", "leave-one-out")
 # The 2-bit setting recommended because it holds on every model measured (benchmarks/RESULTS.md,
-# SmolLM2-135M and Gemma 3 270M, 3 x 1024 tokens each): a knob is in it only if, alone at
-# <= 2.6 bits, it lowered ΔPPL beyond the noise on each model.  4 sinks did (SmolLM2 +21.6 %
-# -> +9.6 %, Gemma 3 +16.4 % -> +9.6 %); the rotation did on SmolLM2 (-> +10.3 %, +2.9 % with
-# sinks) but made Gemma 3 far worse (-> +83.7 %, +44.6 % with sinks), so it stays a per-model
-# choice.  tests/python/test_eval_protocol.py re-derives this from the committed eval JSONs.
-RECOMMENDED_2BIT = nexuskv(2, 128, sinks=4)
+# SmolLM2-135M and Gemma 3 270M, the Debian manual and songs / poems, 3 x 1024 tokens each), chosen
+# by forward selection: a knob is in it only if, switched on together with the knobs already in,
+# it lowered ΔPPL beyond the noise in every run.  4 sinks first (alone: SmolLM2 +19.6 % -> +8.2 %,
+# Gemma 3 +13.4 % -> +7.6 % on the manual); then fitted key ranges on top of them (2.5 bits: e.g.
+# Gemma 3's poems +15.4 % -> +4.8 %); the rotation helped SmolLM2 but made Gemma 3 far worse, so it
+# stays a per-model choice.  tests/python/test_eval_protocol.py re-derives this from the committed
+# runs (eval*.json, knobs2*.json).
+RECOMMENDED_2BIT = nexuskv(2, 128, sinks=4, fit_range=True)
 
 
 def with_knobs(bits: int, knobs, residual: int = 128, group_size: int = 64) -> Setting:
@@ -136,7 +143,7 @@ def with_knobs(bits: int, knobs, residual: int = 128, group_size: int = 64) -> S
 
 
 def grid(bits=(8, 4, 3, 2), tails=(0, 128), ablation_bits=(4, 2),
-         ablations=("outliers", "rotate", "dgq", "sinks"), combinations=COMBINATIONS, best_2bit: bool = True,
+         ablations=("outliers", "rotate", "dgq", "sinks", "fit"), combinations=COMBINATIONS, best_2bit: bool = True,
          quanto_bits=(4, 2), equal_bits: bool = True, window_tails=(), group_sizes=(64,)) -> List[Setting]:
     """The default comparison: every bit width at each tail (and, for each of `window_tails`,
     with that tail on the sliding-window layers instead); at `ablation_bits` (128-token
@@ -268,7 +275,8 @@ def make_cache(model, s: Setting, direct: bool = False, seed: int = 0):
                         residual=s.residual, outliers=s.key_outliers, value_outliers=s.value_outliers,
                         dynamic_keys=s.dgq, rotate=s.rotate, seed=seed, sinks=s.sinks,
                         meta_dtype=setting_meta_dtype(s, model.dtype), fused=False if direct else None,
-                        window_residual=s.window_residual, recipe=_recipe(s.recipe) if s.recipe else None)
+                        window_residual=s.window_residual, recipe=_recipe(s.recipe) if s.recipe else None,
+                        fit_range=s.fit_range, value_fit_range=s.value_fit_range)
 
 
 def _element_bytes(dtype: torch.dtype) -> int:

@@ -248,14 +248,22 @@ def group_effects(rows: List[Dict]) -> List[Dict]:
 
 
 def recipe_effects(rows: List[Dict]) -> List[Dict]:
-    """Each recipe row (a bit map) against every uniform nexuskv row of the same tail, sinks
-    and groups and no other knob: is mixed precision lower than one width everywhere?"""
+    """Each recipe row (a bit map) against every uniform nexuskv row of the same tail, sinks,
+    groups and ranges (min/max or fitted) and no other knob: is mixed precision lower than
+    one width everywhere?  And a recipe's map with fitted ranges against the same map
+    without ("uniform" is then that row)."""
     out = []
-    for m in (r for r in rows if r["kind"] == ec.NEXUSKV and r.get("recipe")):
-        same = ("residual", "sinks", "group_size", "value_group_size", "window_residual", "meta")
+    recipes = [r for r in rows if r["kind"] == ec.NEXUSKV and r.get("recipe")]
+    for m in recipes:
+        same = ("residual", "sinks", "group_size", "value_group_size", "window_residual", "meta", "fit_range",
+                "value_fit_range")
         for u in rows:
             if u["kind"] == ec.NEXUSKV and not u.get("recipe") and all(u.get(f) == m.get(f) for f in same) and \
-                    set(u["knobs"]) <= {"sinks"}:
+                    set(u["knobs"]) <= {"sinks", "fit"}:
+                out.append(dict(paired_verdict(m, u), recipe=m["name"], recipe_bits=m["effective_bits"]["kv"],
+                                uniform=u["name"], uniform_bits=u["effective_bits"]["kv"]))
+        for u in recipes:
+            if m.get("fit_range") and not u.get("fit_range") and u["recipe"] == m["recipe"]:
                 out.append(dict(paired_verdict(m, u), recipe=m["name"], recipe_bits=m["effective_bits"]["kv"],
                                 uniform=u["name"], uniform_bits=u["effective_bits"]["kv"]))
     return out
@@ -518,6 +526,8 @@ def settings_from_args(args, sixteen_bit_model: bool = False) -> List[ec.Setting
     with the plain rows and are left out."""
     equal = not args.no_equal_bits and not sixteen_bit_model
     recipes = [ec.from_recipe(path) for path in args.recipes.split(",") if path]
+    if args.fit_recipes:  # each recipe's map with fitted key ranges too (and without, whichever it has)
+        recipes += [dataclasses.replace(r, fit_range=not r.fit_range) for r in recipes]
     if args.quick:
         return ec.grid(bits=(4,), tails=(0,), ablation_bits=(), best_2bit=False,
                        quanto_bits=() if args.no_quanto else (4,), equal_bits=equal) + recipes
@@ -617,7 +627,7 @@ def add_arguments(p, text_default: Optional[str] = None) -> None:
                         "groups of that many channels, at most one per head_dim: fewer scale and zero bits)")
     # DGQ is not a default knob: in this chunked evaluation every append compresses one group,
     # which leaves it no boundary to choose (it measured identical to fixed groups, RESULTS.md).
-    p.add_argument("--ablations", default="outliers,rotate,sinks", help="knobs: outliers, rotate, dgq, sinks")
+    p.add_argument("--ablations", default="outliers,rotate,sinks,fit", help="knobs: outliers, rotate, dgq, sinks, fit")
     p.add_argument("--combinations", default=",".join(ec.COMBINATIONS),
                    help="knob rows: alone (each knob), all (every knob), leave-one-out (all but each)")
     p.add_argument("--no-best-2bit", action="store_true",
@@ -625,6 +635,8 @@ def add_arguments(p, text_default: Optional[str] = None) -> None:
     p.add_argument("--recipes", default="",
                    help="comma-separated recipe files with a bit map (calibrate --bits-budget): one row each, with "
                    "the groups, tail and sinks it was allocated for")
+    p.add_argument("--fit-recipes", action="store_true",
+                   help="each recipe row also with fitted key ranges flipped (on for a recipe made without them)")
     p.add_argument("--quanto-bits", default="4,2", help="transformers QuantizedCache (optimum-quanto) rows")
     p.add_argument("--no-quanto", action="store_true", help="leave out the quanto rows")
     p.add_argument("--no-equal-bits", action="store_true",

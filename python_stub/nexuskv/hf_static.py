@@ -154,9 +154,15 @@ def claim(module) -> Optional[NexusKVStaticLayer]:
 
 def static_settings(quant: dict, window: Optional[int]) -> dict:
     """StaticKVCache keywords from cache_for's make_cache keywords (see _layer_settings)."""
-    if quant.get("rotate") or quant.get("sinks") or quant.get("external_chunk"):
+    if (
+        quant.get("rotate")
+        or quant.get("sinks")
+        or quant.get("external_chunk")
+        or quant.get("key_fit_range")
+        or quant.get("value_fit_range")
+    ):
         raise ValueError(
-            "nexuskv: cache_for(model, static=True) takes no rotate, sinks or Python compressor "
+            "nexuskv: cache_for(model, static=True) takes no rotate, sinks, fit_range or Python compressor "
             "(the dynamic cache does)"
         )
     return dict(

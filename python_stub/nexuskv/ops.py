@@ -55,6 +55,7 @@ def nq_compress(
     axis: int,
     num_outliers: int = 0,
     meta_dtype: Optional[torch.dtype] = None,
+    fit_range: bool = False,
 ) -> NQParts:
     """Block-quantizes x[..., tokens, head_dim] (float32, float16 or bfloat16).
 
@@ -66,6 +67,10 @@ def nq_compress(
             consecutive channels of one token (per-token quantization, for values).
         num_outliers: k < group_size entries per group kept exactly (dense-and-sparse).
         meta_dtype: dtype of scale and zero; default x.dtype (never overflows).
+        fit_range: each group's scale and zero fitted by least squares on its own codes
+            instead of min/max (nq_format.h, "Fitted ranges"): the same format, about half
+            the squared error at 2 bits; every non-outlier decodes to the nearest of its
+            group's 2^bits levels, entries past the fitted range to its end levels.
 
     Rejects NaN/Inf in x.  Inference only: x must not require grad under grad mode.
     """
@@ -78,6 +83,7 @@ def nq_compress(
             _int(op, "axis", axis),
             _int(op, "num_outliers", num_outliers),
             meta_dtype,
+            _bool(op, "fit_range", fit_range),
         )
     )
 
@@ -128,13 +134,15 @@ def dgq_compress(
     max_len: Optional[int] = None,
     num_outliers: int = 0,
     meta_dtype: Optional[torch.dtype] = None,
+    fit_range: bool = False,
 ) -> DGQParts:
     """Per-channel quantization of x[..., tokens, head_dim] over token groups that follow the
     data (DGQ): S = ceil(tokens / group_size) segments per row, each a whole number of
     ``granule`` tokens and at most ``max_len`` (default: the smallest multiple of granule
     >= 2 * group_size; at most 256) tokens, cut
     where merging would raise the quantization error most (changes of per-channel range).
-    Same bits per element as nq_compress(x, bits, group_size, -2) plus one int32 per segment."""
+    Same bits per element as nq_compress(x, bits, group_size, -2) plus one int32 per segment;
+    ``fit_range`` as there."""
     op = "dgq_compress"
     return DGQParts(
         *torch.ops.nexuskv.dgq_compress(
@@ -145,6 +153,7 @@ def dgq_compress(
             _int(op, "max_len", max_len),
             _int(op, "num_outliers", num_outliers),
             meta_dtype,
+            _bool(op, "fit_range", fit_range),
         )
     )
 
@@ -260,6 +269,12 @@ def _int(op: str, name: str, v):
     return v
 
 
+def _bool(op: str, name: str, v):
+    if not isinstance(v, bool):
+        raise TypeError(f"{op}: {name} must be a bool, got {type(v).__name__} {v!r}")
+    return v
+
+
 def _ints(op: str, name: str, v):
     if any(isinstance(e, bool) for e in v):
         raise TypeError(f"{op}: {name} must hold ints, got {list(v)}")
@@ -358,8 +373,8 @@ def _check_params(op: str, bits: int, group_size: int, axis: int) -> None:
 
 
 @torch.library.register_fake("nexuskv::nq_compress")
-def _nq_compress_fake(x, bits, group_size, axis, num_outliers=0, meta_dtype=None):
-    args = (x, bits, group_size, axis, num_outliers, meta_dtype)
+def _nq_compress_fake(x, bits, group_size, axis, num_outliers=0, meta_dtype=None, fit_range=False):
+    args = (x, bits, group_size, axis, num_outliers, meta_dtype, fit_range)
     if _concrete(args):
         return _like(x, _meta_outputs("nq_compress", args))
     _check_params("nq_compress", bits, group_size, axis)
@@ -404,8 +419,8 @@ def _nq_decompress_fake(codes, scale, zero, outlier_idx, outlier_val, bits, grou
 
 
 @torch.library.register_fake("nexuskv::dgq_compress")
-def _dgq_compress_fake(x, bits, group_size, granule=16, max_len=None, num_outliers=0, meta_dtype=None):
-    args = (x, bits, group_size, granule, max_len, num_outliers, meta_dtype)
+def _dgq_compress_fake(x, bits, group_size, granule=16, max_len=None, num_outliers=0, meta_dtype=None, fit_range=False):
+    args = (x, bits, group_size, granule, max_len, num_outliers, meta_dtype, fit_range)
     if _concrete(args):
         return _like(x, _meta_outputs("dgq_compress", args))
     parts = _nq_compress_fake(x, bits, group_size, -2, num_outliers, meta_dtype)
@@ -506,11 +521,33 @@ def _static_kv_append_fake(k_store, v_store, k_tail, v_tail, lengths, k, v, k_fo
 
 @torch.library.register_fake("nexuskv::paged_kv_write_")
 def _paged_kv_write_fake(
-    pages, key, value, slot_mapping, key_bits, value_bits, group_size, num_outliers=0, rotation_signs=None
+    pages,
+    key,
+    value,
+    slot_mapping,
+    key_bits,
+    value_bits,
+    group_size,
+    num_outliers=0,
+    rotation_signs=None,
+    key_fit_range=False,
+    value_fit_range=False,
 ):
     named = [("pages", pages), ("key", key), ("value", value), ("slot_mapping", slot_mapping)]
     _one_device("paged_kv_write_", named + [("rotation_signs", rotation_signs)])
-    args = (pages, key, value, slot_mapping, key_bits, value_bits, group_size, num_outliers, rotation_signs)
+    args = (
+        pages,
+        key,
+        value,
+        slot_mapping,
+        key_bits,
+        value_bits,
+        group_size,
+        num_outliers,
+        rotation_signs,
+        key_fit_range,
+        value_fit_range,
+    )
     if _concrete(args):
         _meta_outputs("paged_kv_write_", args)
     return None

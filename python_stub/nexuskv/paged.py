@@ -34,6 +34,8 @@ class PagedFormat:
 
     rotate: keys and values are stored Hadamard-rotated (signs from ``seed``), which spreads
     outlier channels over the group and makes per-token 4-bit and 2-bit keys far better.
+    key_fit_range / value_fit_range: each key / value group's scale and zero fitted by least
+    squares (nexuskv.ops.nq_compress's fit_range) when written; the same slots and attention.
     """
 
     key_bits: int = 4
@@ -42,6 +44,8 @@ class PagedFormat:
     num_outliers: int = 0
     rotate: bool = True
     seed: int = 0
+    key_fit_range: bool = False
+    value_fit_range: bool = False
 
     def signs(self, head_dim: int, device=None) -> Optional[torch.Tensor]:
         if not self.rotate:
@@ -91,6 +95,8 @@ def write_(
         fmt.group_size,
         fmt.num_outliers,
         signs if fmt.rotate else None,
+        fmt.key_fit_range,
+        fmt.value_fit_range,
     )
 
 

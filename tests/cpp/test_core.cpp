@@ -425,6 +425,108 @@ TEST_CASE("corrupt outlier indices are reported, not written out of bounds") {
   REQUIRE_FALSE(nq_scatter_outliers<float, float>(d, c.idx.data(), c.val.data(), out.data(), 0, 16));
 }
 
+// Fitted ranges (nq_format.h): against a double reference of what the format
+// promises: outliers as min/max chooses them, every dense entry decoded to the
+// nearest of its group's 2^bits levels (z + c*s, c = 0..qmax, with the STORED
+// scale and zero), no group with more squared error than min/max's; and the
+// point of it: far less error than min/max on bell-shaped data.  Returns the
+// squared error of the dense entries (fit, min/max).
+template <typename In, typename Meta>
+std::pair<double, double> check_fitted_ranges(NQDims d, const std::vector<In>& x) {
+  d.fit_range = false;
+  const Compressed<In, Meta> mm(d, x);
+  d.fit_range = true;
+  const Compressed<In, Meta> fit(d, x);
+  REQUIRE(fit.idx == mm.idx);
+  REQUIRE(std::memcmp(fit.val.data(), mm.val.data(), fit.val.size() * sizeof(In)) == 0);
+  const auto xf = fit.decompress(), xm = mm.decompress();
+  const int64_t groups = d.rows * d.groups_per_row(), k = d.num_outliers;
+  std::vector<double> sse_fit(size_t(groups), 0.0), sse_mm(size_t(groups), 0.0);
+  const int qmax = (1 << d.bits) - 1;
+  for (int64_t n = 0; n < d.rows; ++n)
+    for (int64_t t = 0; t < d.tokens; ++t)
+      for (int64_t c = 0; c < d.head_dim; ++c) {
+        const int64_t i = (n * d.tokens + t) * d.head_dim + c, g = fit.group_of(n, t, c);
+        const int64_t pos = fit.pos_in_group(t, c);
+        bool outlier = false;
+        for (int64_t j = 0; j < k; ++j) outlier |= fit.idx[size_t(g * k + j)] == pos;
+        const double xv = to_float(x[size_t(i)]);
+        if (outlier) {
+          REQUIRE(xf[size_t(i)] == float(xv));
+          continue;
+        }
+        const double s = to_float(fit.scale[size_t(g)]), z = to_float(fit.zero[size_t(g)]);
+        REQUIRE(std::isfinite(s));
+        REQUIRE(std::isfinite(z));
+        REQUIRE(s >= 0.0);
+        double nearest = INFINITY;
+        for (int code = 0; code <= qmax; ++code) nearest = std::min(nearest, std::fabs(xv - (z + code * s)));
+        // float32 arithmetic of the code and of code * s + z: a few ulps of the magnitudes
+        const double eps = 4 * 1.2e-7 * (std::fabs(xv) + std::fabs(z) + qmax * s);
+        INFO("element " << i << " x=" << xv << " x_hat=" << xf[size_t(i)] << " scale=" << s << " zero=" << z);
+        REQUIRE(std::fabs(xv - xf[size_t(i)]) <= nearest + eps);
+        sse_fit[size_t(g)] += (xv - xf[size_t(i)]) * (xv - xf[size_t(i)]);
+        sse_mm[size_t(g)] += (xv - xm[size_t(i)]) * (xv - xm[size_t(i)]);
+      }
+  double total_fit = 0, total_mm = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    INFO("group " << g);
+    // the kernel compares float32 sums; the double ones may differ by their rounding
+    REQUIRE(sse_fit[size_t(g)] <= sse_mm[size_t(g)] * (1 + 1e-5) + 1e-30);
+    total_fit += sse_fit[size_t(g)], total_mm += sse_mm[size_t(g)];
+  }
+  return {total_fit, total_mm};
+}
+
+TEST_CASE("fitted ranges: nearest levels, never more error than min/max, far less on bell-shaped data") {
+  std::mt19937 rng(11);
+  // squared-error ratio fit / min-max on normal data that a fit must reach (measured:
+  // 2 bits 0.53-0.57, 3 bits 0.80-0.81, 4 bits 0.88-0.89 at groups of 64)
+  const double most[] = {0, 0, 0.65, 0.88, 0.95};
+  for (int bits : {2, 3, 4, 8})
+    for (GroupAxis axis : {GroupAxis::kTokens, GroupAxis::kChannels})
+      for (int k : {0, 2}) {
+        INFO("bits=" << bits << " axis=" << int(axis) << " k=" << k);
+        const NQDims d = dims(3, 133, 80, bits, 64, axis, k);  // partial groups on both axes
+        const auto xf = random_input<float>(d, rng);
+        const auto [fit, mm] = check_fitted_ranges<float, bf16_t>(d, xf);
+        check_fitted_ranges<float, float>(d, xf);
+        check_fitted_ranges<half_t, half_t>(d, random_input<half_t>(d, rng));
+        check_fitted_ranges<bf16_t, bf16_t>(d, random_input<bf16_t>(d, rng));
+        INFO("fit " << fit << " min/max " << mm);
+        if (bits <= 4) REQUIRE(fit < most[bits] * mm);
+      }
+}
+
+TEST_CASE("fitted ranges: constant groups, groups of k entries or fewer, outliers") {
+  {  // constant groups stay exact
+    NQDims d = dims(1, 16, 32, 2, 16, GroupAxis::kTokens, 0);
+    d.fit_range = true;
+    const std::vector<float> x(16 * 32, -1.25f);
+    const Compressed<float, bf16_t> c(d, x);
+    for (float v : c.decompress()) REQUIRE(v == -1.25f);
+  }
+  {  // 5 tokens, groups of 4, k = 2: the last token group is all outliers (exact)
+    NQDims d = dims(1, 5, 16, 2, 4, GroupAxis::kTokens, 2);
+    d.fit_range = true;
+    std::mt19937 rng(12);
+    const auto x = random_input<float>(d, rng);
+    const Compressed<float, float> c(d, x);
+    const auto xh = c.decompress();
+    for (int64_t ch = 0; ch < 16; ++ch) REQUIRE(xh[size_t(4 * 16 + ch)] == x[size_t(4 * 16 + ch)]);
+    check_fitted_ranges<float, float>(d, x);
+  }
+  {  // a planted outlier per group keeps its exact value; the rest is still fitted
+    std::mt19937 rng(13);
+    for (GroupAxis axis : {GroupAxis::kTokens, GroupAxis::kChannels}) {
+      const NQDims d = dims(2, 64, 64, 2, 32, axis, 1);
+      auto x = random_input<float>(d, rng, 1.f);
+      for (size_t i = 0; i < x.size(); i += 97) x[i] = 1000.f + float(i);
+      check_fitted_ranges<float, bf16_t>(d, x);
+    }
+  }
+}
+
 TEST_CASE("the kernels of the ISA under test run", "[isa]") {
   // ctest runs this binary with NEXUSKV_CPU_ISA=generic and =avx2 too: the
   // kernels that ran must be that path (NQ is built up to AVX2), not merely
@@ -456,35 +558,38 @@ TEST_CASE("NQ kernels give identical bits on every ISA") {
   std::mt19937 rng(9);
   for (int bits : {2, 3, 4, 8})
     for (GroupAxis axis : {GroupAxis::kTokens, GroupAxis::kChannels})
-      for (int k : {0, 2}) {
-        const NQDims d = dims(2, 45, 80, bits, 16, axis, k);
-        const auto xh = random_input<half_t>(d, rng);
-        const auto xf = random_input<float>(d, rng);
-        std::vector<std::vector<uint8_t>> seen_h, seen_f;
-        std::vector<std::vector<float>> back;
-        for (CpuIsa isa : isas) {
-          set_cpu_isa_cap(isa);
-          const Compressed<half_t, half_t> ch(d, xh);  // fp16: F16C on AVX2, half.h on the portable path
-          const Compressed<float, bf16_t> cf(d, xf);
-          REQUIRE(last_kernel_isa() == (int(isa) < int(CpuIsa::kAvx2) ? isa : CpuIsa::kAvx2));
-          auto bytes = [](const auto&... v) {
-            std::vector<uint8_t> all;
-            (all.insert(all.end(), reinterpret_cast<const uint8_t*>(v.data()),
-                        reinterpret_cast<const uint8_t*>(v.data()) + v.size() * sizeof(v[0])),
-             ...);
-            return all;
-          };
-          seen_h.push_back(bytes(ch.codes, ch.scale, ch.zero, ch.idx, ch.val));
-          seen_f.push_back(bytes(cf.codes, cf.scale, cf.zero, cf.idx, cf.val));
-          back.push_back(ch.decompress());
+      for (int k : {0, 2})
+        for (bool fit : {false, true}) {
+          NQDims d = dims(2, 45, 80, bits, fit ? 24 : 16, axis, k);  // groups of 24: partial channel groups
+          d.fit_range = fit;
+          const auto xh = random_input<half_t>(d, rng);
+          const auto xf = random_input<float>(d, rng);
+          std::vector<std::vector<uint8_t>> seen_h, seen_f;
+          std::vector<std::vector<float>> back;
+          for (CpuIsa isa : isas) {
+            set_cpu_isa_cap(isa);
+            const Compressed<half_t, half_t> ch(d, xh);  // fp16: F16C on AVX2, half.h on the portable path
+            const Compressed<float, bf16_t> cf(d, xf);
+            REQUIRE(last_kernel_isa() == (int(isa) < int(CpuIsa::kAvx2) ? isa : CpuIsa::kAvx2));
+            auto bytes = [](const auto&... v) {
+              std::vector<uint8_t> all;
+              (all.insert(all.end(), reinterpret_cast<const uint8_t*>(v.data()),
+                          reinterpret_cast<const uint8_t*>(v.data()) + v.size() * sizeof(v[0])),
+               ...);
+              return all;
+            };
+            seen_h.push_back(bytes(ch.codes, ch.scale, ch.zero, ch.idx, ch.val));
+            seen_f.push_back(bytes(cf.codes, cf.scale, cf.zero, cf.idx, cf.val));
+            back.push_back(ch.decompress());
+          }
+          for (size_t i = 1; i < isas.size(); ++i) {
+            INFO("bits=" << bits << " axis=" << int(axis) << " k=" << k << " fit=" << fit
+                         << " isa=" << cpu_isa_name(isas[i]));
+            REQUIRE(seen_h[i] == seen_h[0]);
+            REQUIRE(seen_f[i] == seen_f[0]);
+            REQUIRE(std::memcmp(back[i].data(), back[0].data(), back[0].size() * sizeof(float)) == 0);
+          }
         }
-        for (size_t i = 1; i < isas.size(); ++i) {
-          INFO("bits=" << bits << " axis=" << int(axis) << " k=" << k << " isa=" << cpu_isa_name(isas[i]));
-          REQUIRE(seen_h[i] == seen_h[0]);
-          REQUIRE(seen_f[i] == seen_f[0]);
-          REQUIRE(std::memcmp(back[i].data(), back[0].data(), back[0].size() * sizeof(float)) == 0);
-        }
-      }
   set_cpu_isa_cap(saved);
 }
 

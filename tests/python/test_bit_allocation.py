@@ -353,6 +353,19 @@ def test_calibrate_cli_allocates_a_bit_map_and_reuses_its_sensitivity(tmp_path, 
     other = ["--group-size", "16", "--residual", "32"] + reuse[4:]
     assert main(args + other + ["--bits-choices", "2,4", "--bits-budget", "6.0"]) == 1
     assert "measured with other settings: residual 16 (now 32)" in capsys.readouterr().err
+    assert main(args + reuse + ["--bits-choices", "2,4", "--bits-budget", "6.0", "--fit-range"]) == 1
+    assert "measured with other settings: fit_range False (now True)" in capsys.readouterr().err
+    # --fit-range: measured with fitted key ranges (other scores), recorded for eval --recipes
+    fitted = str(tmp_path / "f.safetensors")
+    assert (
+        main(args + settings + ["--bits-choices", "2,4", "--bits-budget", "5.0", "--fit-range", "--out", fitted]) == 0
+    )
+    f = Recipe.load(fitted)
+    assert f.bits["fit_range"] is True and not torch.equal(f.sensitivity, a.sensitivity)
+    assert a.bits["fit_range"] is False
+    from nexuskv import eval_caches as ec
+
+    assert ec.from_recipe(fitted).fit_range and not ec.from_recipe(first).fit_range
 
 
 @requires_model[0]

@@ -205,8 +205,9 @@ def test_slot_bytes_of_the_common_formats():
         paged.PagedFormat(4, 4, 64, 0, rotate=False),
         paged.PagedFormat(2, 3, 32, 2, rotate=False),
         paged.PagedFormat(8, 2, 64, 1, rotate=True, seed=5),
+        paged.PagedFormat(2, 4, 32, 1, rotate=True, seed=2, key_fit_range=True, value_fit_range=True),
     ],
-    ids=["4-4", "2-3-out2", "8-2-rot"],
+    ids=["4-4", "2-3-out2", "8-2-rot", "2-4-out1-rot-fit"],
 )
 def test_write_stores_each_token_as_nq_compress_does(device, dtype, fmt):
     pool = Pool(fmt, kv_heads=3, D=64, P=16, dtype=dtype, device=device, seed=1)
@@ -219,7 +220,8 @@ def test_write_stores_each_token_as_nq_compress_does(device, dtype, fmt):
                 if fmt.rotate:
                     x = hadamard_rotate(x, pool.signs.cpu())
                 bits = fmt.value_bits if value else fmt.key_bits
-                want = nq_compress(x, bits, fmt.group_size, -1, fmt.num_outliers)
+                fit = fmt.value_fit_range if value else fmt.key_fit_range
+                want = nq_compress(x, bits, fmt.group_size, -1, fmt.num_outliers, fit_range=fit)
                 got = token_buffers(pool.pages.cpu(), pool.tables[r], range(x.shape[0]), h, fmt, 64, dtype, value)
                 for name, a, b in zip(("codes", "scale", "zero", "outlier_idx", "outlier_val"), got, want):
                     assert torch.equal(a.reshape(b.shape), b), (r, h, value, name)
@@ -260,8 +262,17 @@ def test_write_skips_slot_minus_one_and_leaves_other_slots():
         (paged.PagedFormat(4, 2, 64, 0, rotate=True), 1, 12, None, None),
         # Groups of 48: a last group of 16 channels with more outliers (20) than channels.
         (paged.PagedFormat(4, 4, 48, 20, rotate=True), 2, 4, 50, None),
+        (paged.PagedFormat(2, 3, 32, 1, rotate=True, seed=3, key_fit_range=True), 2, 4, None, None),
     ],
-    ids=["4bit-gqa3", "2bit-out1", "8-4-window", "3-8-window-softcap", "4-2-gqa12", "group48-out20-window"],
+    ids=[
+        "4bit-gqa3",
+        "2bit-out1",
+        "8-4-window",
+        "3-8-window-softcap",
+        "4-2-gqa12",
+        "group48-out20-window",
+        "2-3-out1-fit",
+    ],
 )
 def test_attention_matches_float64_over_a_serving_sequence(device, dtype, fmt, kv_heads, q_heads, window, softcap):
     """Prefill, chunked prefill and decode of three requests in ragged batches, against float64
@@ -375,6 +386,10 @@ def test_opcheck(device):
     torch.library.opcheck(
         torch.ops.nexuskv.paged_kv_write_.default,
         (pool.pages, k.to(device), v.to(device), slots, 4, 4, 64, 0, pool.signs),
+    )
+    torch.library.opcheck(
+        torch.ops.nexuskv.paged_kv_write_.default,
+        (pool.pages, k.to(device), v.to(device), slots, 4, 4, 64, 0, pool.signs, True, False),
     )
     q = torch.randn(20, 4, 64, dtype=torch.float16, device=device)
     args = (q, pool.pages, table.to(device), lens.to(device), qsl.to(device), 4, 4, 64, 0, pool.signs, None, 8, None)

@@ -337,6 +337,7 @@ def test_selection_refuses(change, message):
         ({"NEXUSKV_VLLM_GROUP_SIZE": "48"}, "NEXUSKV_VLLM_GROUP_SIZE=48 neither divides head_size 64"),
         ({"NEXUSKV_VLLM_OUTLIERS": "64", "NEXUSKV_VLLM_GROUP_SIZE": "64"}, "must be below the group size 64"),
         ({"NEXUSKV_VLLM_ROTATE": "yes"}, "NEXUSKV_VLLM_ROTATE='yes' is not supported"),
+        ({"NEXUSKV_VLLM_FIT_RANGE": "1"}, "NEXUSKV_VLLM_FIT_RANGE='1' is not supported; use one of none, keys, all"),
     ],
 )
 def test_settings_refused(monkeypatch, env, message):
@@ -353,6 +354,9 @@ def test_settings_refused(monkeypatch, env, message):
 def test_settings_defaults_and_group(monkeypatch):
     s = nexuskv_vllm.settings()
     assert (s.key_bits, s.value_bits, s.group_size, s.num_outliers, s.rotate) == (4, 4, 64, 0, "auto")
+    assert s.fit_range == "none"
+    monkeypatch.setenv("NEXUSKV_VLLM_FIT_RANGE", "keys")
+    assert nexuskv_vllm.settings().fit_range == "keys"
     assert s.rotates(64) and not s.rotates(96) and s.group_for(32) == 32 and s.group_for(128) == 64
     monkeypatch.setenv("NEXUSKV_VLLM_ROTATE", "1")
     monkeypatch.setenv("NEXUSKV_VLLM_GROUP_SIZE", "32")  # divides 96
@@ -460,6 +464,34 @@ def test_recipe_centers_the_keys_written(tmp_path, monkeypatch):
         nexuskv_vllm.NexusKVAttentionImpl(4, 64, 0.125, 2).do_kv_cache_update(
             SimpleNamespace(layer_name="attn"), key, value, pages[0], slots
         )
+
+
+@pytest.mark.skipif(not HAS_OPS, reason="nexuskv built without the paged operators")
+def test_fit_range_writes_fitted_pages(monkeypatch):
+    """NEXUSKV_VLLM_FIT_RANGE=keys / all: the pages written are, byte for byte, paged.write_
+    with fitted key (and value) ranges, and not the min/max ones."""
+    from types import SimpleNamespace
+
+    from nexuskv import paged
+
+    g = torch.Generator().manual_seed(2)
+    key, value = torch.randn(6, 2, 64, generator=g).bfloat16(), torch.randn(6, 2, 64, generator=g).bfloat16()
+    slots = torch.tensor([0, 3, 4, 16, 20, 31])
+    layer = SimpleNamespace(layer_name="model.layers.0.self_attn.attn")
+    c = nexuskv_vllm.slot_bytes(nexuskv_vllm.settings(), 64, torch.bfloat16)
+    written = {}
+    for setting in ("none", "keys", "all"):
+        monkeypatch.setenv("NEXUSKV_VLLM_FIT_RANGE", setting)
+        pages = torch.zeros(2, 2, 16, c, dtype=torch.uint8)
+        nexuskv_vllm.NexusKVAttentionImpl(4, 64, 0.125, 2).do_kv_cache_update(layer, key, value, pages, slots)
+        written[setting] = pages
+        fmt = paged.PagedFormat(
+            4, 4, 64, 0, rotate=True, seed=0, key_fit_range=setting != "none", value_fit_range=setting == "all"
+        )
+        want = torch.zeros_like(pages)
+        paged.write_(want, key, value, slots, fmt)
+        assert torch.equal(pages, want), setting
+    assert not torch.equal(written["none"], written["keys"]) and not torch.equal(written["keys"], written["all"])
 
 
 def test_recipe_heads_follow_vllms_tensor_parallel_split():

@@ -26,6 +26,9 @@ struct QuantSpec {
   // dtype of scale/zero; unset: the input dtype.  A 16-bit meta keeps an fp32
   // model's cache at bits + 32/group_size effective bits instead of + 64.
   std::optional<at::ScalarType> meta_dtype;
+  // Least-squares fitted ranges instead of min/max (nq_format.h, "Fitted
+  // ranges"): the same format, about half the squared error at 2 bits.
+  bool fit_range = false;
   // Tokens that one compression step must cover: whole token groups.
   int64_t token_multiple() const { return axis == -2 ? group_size : 1; }
   // DGQ's longest segment: 2 * group_size rounded up to whole granules (so

@@ -13,10 +13,11 @@ namespace nexuskv {
 
 // NQ block quantization, format in nexuskv/core/nq_format.h.
 // axis: -2 = groups of tokens per channel (keys), -1 = groups of channels per token (values).
+// fit_range: least-squares fitted ranges (nq_format.h, "Fitted ranges").
 // Returns (codes, scale, zero, outlier_idx, outlier_val).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> nq_compress(
     const at::Tensor& x, int64_t bits, int64_t group_size, int64_t axis, int64_t num_outliers = 0,
-    std::optional<at::ScalarType> meta_dtype = std::nullopt);
+    std::optional<at::ScalarType> meta_dtype = std::nullopt, bool fit_range = false);
 
 at::Tensor nq_decompress(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zero,
                          const at::Tensor& outlier_idx, const at::Tensor& outlier_val, int64_t bits, int64_t group_size,
@@ -27,7 +28,7 @@ at::Tensor nq_decompress(const at::Tensor& codes, const at::Tensor& scale, const
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgq_compress(
     const at::Tensor& x, int64_t bits, int64_t group_size, int64_t granule = 16,
     std::optional<int64_t> max_len = std::nullopt, int64_t num_outliers = 0,
-    std::optional<at::ScalarType> meta_dtype = std::nullopt);
+    std::optional<at::ScalarType> meta_dtype = std::nullopt, bool fit_range = false);
 
 at::Tensor dgq_decompress(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zero,
                           const at::Tensor& outlier_idx, const at::Tensor& outlier_val,
@@ -56,7 +57,8 @@ int64_t paged_slot_bytes(int64_t head_dim, int64_t key_bits, int64_t value_bits,
                          int64_t num_outliers, at::ScalarType dtype);
 void paged_kv_write_(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
                      const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits, int64_t group_size,
-                     int64_t num_outliers = 0, const std::optional<at::Tensor>& rotation_signs = std::nullopt);
+                     int64_t num_outliers = 0, const std::optional<at::Tensor>& rotation_signs = std::nullopt,
+                     bool key_fit_range = false, bool value_fit_range = false);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pages, const at::Tensor& block_table,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t key_bits,
                            int64_t value_bits, int64_t group_size, int64_t num_outliers = 0,

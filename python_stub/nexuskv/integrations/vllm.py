@@ -41,6 +41,11 @@ process inherits them from the one started):
                                  Refused on another model and with soft-capping.
                                  Under tensor parallelism each rank takes its
                                  kv heads' means (recipe_heads).
+    NEXUSKV_VLLM_FIT_RANGE=none  keys = each key group's scale and zero fitted by
+                                 least squares when written (nexuskv.ops.nq_compress's
+                                 fit_range), all = the values' too: the same page
+                                 bytes and attention (benchmarks/RESULTS.md, "Fitted
+                                 ranges")
 
 A setting or a model that the backend cannot serve stops the engine at start-up
 with a ValueError that names the layer and the reason: MLA, encoder / cross
@@ -110,6 +115,7 @@ class Settings:
     rotate: str = "auto"  # "auto", "1" or "0"
     rotation_seed: int = 0
     recipe: str = ""  # a recipe file's path, "" = none
+    fit_range: str = "none"  # least-squares fitted ranges when K/V are written: "none", "keys" or "all"
 
     def rotates(self, head_size: int) -> bool:
         return self.rotate == "1" or (self.rotate == "auto" and head_size & (head_size - 1) == 0)
@@ -171,6 +177,7 @@ def settings() -> Settings:
         rotate=_env_choice("NEXUSKV_VLLM_ROTATE", "auto", ("auto", "1", "0")),
         rotation_seed=_env_int("NEXUSKV_VLLM_ROTATION_SEED", 0, lo=0, hi=2**63 - 1),
         recipe=os.environ.get("NEXUSKV_VLLM_RECIPE", "").strip(),
+        fit_range=_env_choice("NEXUSKV_VLLM_FIT_RANGE", "none", ("none", "keys", "all")),
     )
 
 
@@ -538,6 +545,8 @@ class NexusKVAttentionImpl(AttentionImpl[NexusKVAttentionMetadata]):
             self.group_size,
             s.num_outliers,
             self._signs_on(kv_cache.device),
+            s.fit_range != "none",
+            s.fit_range == "all",
         )
 
     def forward(

@@ -32,6 +32,16 @@
 // past 65504), fp32 -> fp32.  A narrower meta dtype may be asked for; the
 // compressor then checks that every scale and zero is finite.
 //
+// Fitted ranges (optional, a compressor setting: readers do not see it): the
+// min/max scale and zero above are then only the first candidate; up to
+// kFitSteps (csrc/core/nq_fit.h) least-squares refits of (zero, scale) on the
+// previous candidate's codes follow, each rounded to nearest in the meta
+// dtype, and the group keeps the candidate of least squared error over its
+// dense entries.  Entries outside [zero, zero + qmax*scale] then decode to
+// the nearest end level: every dense entry decodes to the nearest of the
+// group's 2^bits levels (|x - x_hat| <= scale/2 only inside the range), and
+// the group's squared error is at most min/max's.
+//
 // Outliers (dense-and-sparse): per group, the k entries whose removal shrinks
 // the min/max range the most (i from the bottom, k-i from the top, best i)
 // are excluded from min/max and stored exactly.  Why not "largest |x|": for
@@ -123,7 +133,8 @@ struct NQDims {
   int bits = 4;
   int group_size = 64;  // G
   GroupAxis axis = GroupAxis::kTokens;
-  int num_outliers = 0;  // k
+  int num_outliers = 0;    // k
+  bool fit_range = false;  // compress only: least-squares fitted ranges ("Fitted ranges" above)
 
   NEXUSKV_HD_INLINE int64_t packed_row_bytes() const { return row_bytes(bits, head_dim); }
   // A: groups (or tokens) along the first meta dim of one row.

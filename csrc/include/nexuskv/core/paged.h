@@ -52,6 +52,8 @@ struct PagedWrite {
   const int64_t* slot_mapping = nullptr;         // [num_tokens]
   const float* rotation_signs = nullptr;         // [D] or null
   int64_t num_tokens = 0;
+  // least-squares fitted ranges (nq_format.h) instead of min/max, of the keys / values
+  bool key_fit_range = false, value_fit_range = false;
 };
 
 // The attention problem.
