@@ -96,9 +96,9 @@ template <typename Meta>
 NEXUSKV_INLINE void fit_ranges(const float* v, const float* dense, int64_t n, int64_t L, float qmax, Meta* scale_m,
                                Meta* zero_m, float* zero, float* inv, float* work) {
   float *s = work, *z = s + L, *iv = z + L, *e = iv + L, *best = e + L;  // current candidate, its error, best error
-  float* sums = best + L;                            // [L, 5]: n, sum c, sum x, sum c^2, sum c x per group
-  float *ns = sums + 5 * L, *nz = ns + L;            // the next candidate
-  float *bs = nz + L, *bz = bs + L;                  // best scale and zero
+  float* sums = best + L;                           // [L, 5]: n, sum c, sum x, sum c^2, sum c x per group
+  float *ns = sums + 5 * L, *nz = ns + L;           // the next candidate
+  float *bs = nz + L, *bz = bs + L;                 // best scale and zero
   Meta* rounded = reinterpret_cast<Meta*>(bz + L);  // L Meta values (sizeof(Meta) <= sizeof(float))
   Rows<Meta>::load(scale_m, L, s);
   for (int64_t g = 0; g < L; ++g) z[g] = zero[g], iv[g] = inv[g];

@@ -35,14 +35,14 @@ def random_x(shape, dtype=torch.float32, seed=0) -> torch.Tensor:
     return x.to(dtype)
 
 
-def compress_on_both(x, bits, group, axis, k, meta):
+def compress_on_both(x, bits, group, axis, k, meta, fit_range=False):
     """CPU result, then the CUDA result twice (into poisoned memory); checks devices and
     that the two CUDA runs agree bit for bit; returns (cpu, cuda) parts."""
-    cpu = nexuskv.nq_compress(x, bits, group, axis, k, meta)
+    cpu = nexuskv.nq_compress(x, bits, group, axis, k, meta, fit_range)
     runs = []
     for _ in range(2):
         poison_cuda_cache()
-        runs.append(nexuskv.nq_compress(x.cuda(), bits, group, axis, k, meta))
+        runs.append(nexuskv.nq_compress(x.cuda(), bits, group, axis, k, meta, fit_range))
     for a, b in zip(*runs):
         assert is_cuda(a) and torch.equal(a, b)
     return cpu, runs[0]
@@ -66,6 +66,21 @@ def test_compress_is_bit_identical_to_the_cpu(bits, axis, group, dtype):
             x = random_x(shape, dtype, seed=bits * 7 + group + len(shape))
             cpu, gpu = compress_on_both(x, bits, group, axis, k, meta)
             assert_parts_equal(cpu, gpu)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("axis,group", [(-2, 32), (-2, 128), (-1, 64), (-1, 40)])
+def test_fitted_ranges_are_bit_identical_to_the_cpu(bits, axis, group):
+    """nq_fit_kernel against the CPU's nq_fit.h: the same candidates, the same choice."""
+    for shape, k, dtype in itertools.product(SHAPES, (0, 1, 3), FLOATS):
+        x = random_x(shape, dtype, seed=bits * 11 + group + len(shape))
+        cpu, gpu = compress_on_both(x, bits, group, axis, k, None, fit_range=True)
+        assert_parts_equal(cpu, gpu)
+    x = random_x((2, 3, 300, 64), torch.bfloat16, seed=9)  # DGQ segments too
+    cpu = nexuskv.dgq_compress(x, 2, 64, fit_range=True)
+    gpu = nexuskv.dgq_compress(x.cuda(), 2, 64, fit_range=True)
+    for name, c, g in zip(("codes", "scale", "zero", "outlier_idx", "outlier_val", "segment_starts"), cpu, gpu):
+        assert torch.equal(g.cpu(), c), name
 
 
 def test_compress_of_strided_views_and_groups_with_fewer_entries_than_slots():
