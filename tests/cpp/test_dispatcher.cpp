@@ -43,7 +43,8 @@ TEST_CASE("nq_compress / nq_decompress through the public header") {
 TEST_CASE("operators are reachable by name through the dispatcher") {
   auto op = c10::Dispatcher::singleton().findSchemaOrThrow("nexuskv::nq_compress", "");
   REQUIRE(op.schema().returns().size() == 5);
-  torch::jit::Stack stack{torch::randn({4, 16}), int64_t(8), int64_t(16), int64_t(-1), int64_t(0), c10::IValue()};
+  // every argument of the schema, defaults included (the boxed convention): fit_range last
+  torch::jit::Stack stack{torch::randn({4, 16}), int64_t(8), int64_t(16), int64_t(-1), int64_t(0), c10::IValue(), true};
   op.callBoxed(&stack);
   REQUIRE(stack.size() == 5);
   REQUIRE(stack[0].toTensor().sizes() == at::IntArrayRef({4, 16}));
@@ -75,13 +76,13 @@ TEST_CASE("int arguments are range-checked on their int64 value") {
 TEST_CASE("the meta kernels run the kernels' checks (nexuskv_meta)") {
   auto op = c10::Dispatcher::singleton().findSchemaOrThrow("nexuskv_meta::nq_compress", "");
   torch::jit::Stack ok{
-      torch::empty({4, 100, 64}, torch::kMeta), int64_t(4), int64_t(32), int64_t(-2), int64_t(1), c10::IValue()};
+      torch::empty({4, 100, 64}, torch::kMeta), int64_t(4), int64_t(32), int64_t(-2), int64_t(1), c10::IValue(), false};
   op.callBoxed(&ok);
   REQUIRE(ok.size() == 5);
   REQUIRE(ok[0].toTensor().is_meta());
   REQUIRE(ok[0].toTensor().sizes() == at::IntArrayRef({4, 100, 32}));  // the real kernel's sizes
   REQUIRE(ok[1].toTensor().sizes() == at::IntArrayRef({4, 4, 64}));
   torch::jit::Stack empty{
-      torch::empty({4, 0, 64}, torch::kMeta), int64_t(4), int64_t(32), int64_t(-2), int64_t(0), c10::IValue()};
+      torch::empty({4, 0, 64}, torch::kMeta), int64_t(4), int64_t(32), int64_t(-2), int64_t(0), c10::IValue(), false};
   REQUIRE(error_of([&] { op.callBoxed(&empty); }).find("nq_compress: x must not be empty") != std::string::npos);
 }
