@@ -52,16 +52,16 @@ NEXUSKV_INLINE void group_sums8(const float* v, const float* dense, int64_t n, i
                                 const float* z, const float* iv, float qmax, float* e_out, float* sums_out) {
   typedef float f8 __attribute__((vector_size(32)));
   typedef int32_t i8 __attribute__((vector_size(32)));
-  const auto load = [](const float* p) {
-    f8 r;
-    std::memcpy(&r, p, sizeof(f8));
-    return r;
-  };
   const f8 zero = {}, one = zero + 1.f, half = zero + 0.5f, top = zero + qmax;
-  const f8 cs = load(s + g0), cz = load(z + g0), ci = load(iv + g0);
+  f8 cs, cz, ci;  // memcpy: no function returns a 32-byte vector (an ABI note without AVX)
+  std::memcpy(&cs, s + g0, sizeof(f8));
+  std::memcpy(&cz, z + g0, sizeof(f8));
+  std::memcpy(&ci, iv + g0, sizeof(f8));
   f8 e = zero, sn = zero, sc = zero, sx = zero, scc = zero, scx = zero;
   for (int64_t j = 0; j < n; ++j) {
-    const f8 x = load(v + j * L + g0), w = load(dense + j * L + g0);
+    f8 x, w;
+    std::memcpy(&x, v + j * L + g0, sizeof(f8));
+    std::memcpy(&w, dense + j * L + g0, sizeof(f8));
     f8 c = (x - cz) * ci + half;  // quantize(): the selects, then truncation
     c = c > zero ? c : zero;
     c = top < c ? top : c;
@@ -104,11 +104,11 @@ NEXUSKV_INLINE void fit_ranges(const float* v, const float* dense, int64_t n, in
   for (int64_t g = 0; g < L; ++g) z[g] = zero[g], iv[g] = inv[g];
   constexpr float kMinScale = 1.17549435e-38f;  // as make_meta: 1 / scale stays finite
   for (int step = 0; step <= kFitSteps; ++step) {
-    int64_t g = 0;
+    int64_t first = 0;  // groups summed so far: 8 at a time, then one at a time
 #if defined(__GNUC__) || defined(__clang__)
-    for (; g + 8 <= L; g += 8) group_sums8(v, dense, n, L, g, s, z, iv, qmax, e, sums);
+    for (; first + 8 <= L; first += 8) group_sums8(v, dense, n, L, first, s, z, iv, qmax, e, sums);
 #endif
-    for (; g < L; ++g) group_sums_scalar(v, dense, n, L, g, s, z, iv, qmax, e, sums);
+    for (; first < L; ++first) group_sums_scalar(v, dense, n, L, first, s, z, iv, qmax, e, sums);
     for (int64_t g = 0; g < L; ++g) {
       const bool better = step == 0 || e[g] < best[g];
       best[g] = better ? e[g] : best[g];
