@@ -18,16 +18,13 @@
 
 namespace nexuskv::core::NEXUSKV_ISA {
 
-// Least-squares refits tried per group after min/max (each one pass over the group).
-constexpr int kFitSteps = 4;
-
 // The sums of one pass for group g (current candidate: scale s, zero z, 1 / scale
 // iv): over its n entries in order, each entry's code as quantize() gives it
 // (what the compressor writes), its squared error as the readers decode it
 // (code * s + z), and the sums of the least-squares fit: e_out[g] and
 // sums_out[5g ..] = (n, sum c, sum x, sum c^2, sum c x) over the dense entries.
-// A mark of 0 adds exact zeros: m * (finite), the entry replaced by 0 first so
-// that an outlier's size cannot overflow a product.
+// A mark of 0 adds exact zeros: its error term is selected to 0 and the entry
+// replaced by 0, so that an outlier's size cannot overflow a product (NaN).
 NEXUSKV_INLINE void group_sums_scalar(const float* v, const float* dense, int64_t n, int64_t L, int64_t g,
                                       const float* s, const float* z, const float* iv, float qmax, float* e_out,
                                       float* sums_out) {
@@ -36,8 +33,8 @@ NEXUSKV_INLINE void group_sums_scalar(const float* v, const float* dense, int64_
     const bool on = dense[j * L + g] != 0.f;
     const float m = on ? 1.f : 0.f, xv = on ? v[j * L + g] : 0.f;
     const float c = float(quantize(v[j * L + g], z[g], iv[g], qmax));
-    const float d = xv - (c * s[g] + z[g]);
-    e += m * (d * d), sn += m, sc += m * c, sx += xv, scc += m * (c * c), scx += c * xv;
+    const float d = on ? xv - (c * s[g] + z[g]) : 0.f;
+    e += d * d, sn += m, sc += m * c, sx += xv, scc += m * (c * c), scx += c * xv;
   }
   e_out[g] = e;
   float* o = sums_out + 5 * g;
@@ -68,8 +65,8 @@ NEXUSKV_INLINE void group_sums8(const float* v, const float* dense, int64_t n, i
     c = __builtin_convertvector(__builtin_convertvector(c, i8), f8);
     const auto on = w != zero;
     const f8 m = on ? one : zero, xv = on ? x : zero;
-    const f8 d = xv - (c * cs + cz);
-    e += m * (d * d), sn += m, sc += m * c, sx += xv, scc += m * (c * c), scx += c * xv;
+    const f8 d = on ? xv - (c * cs + cz) : zero;
+    e += d * d, sn += m, sc += m * c, sx += xv, scc += m * (c * c), scx += c * xv;
   }
   for (int i = 0; i < 8; ++i) {
     e_out[g0 + i] = e[i];

@@ -175,7 +175,9 @@ NEXUSKV_INLINE void compress_channel_groups(const NQDims& d, const StridedRows<I
   // longer vector loops (so too for fitted ranges).
   const bool lanes_ok = k > 0 && D % G == 0 && G > k;
   const int64_t Dp = layout::padded_channels(d.bits, D);
-  const int64_t R = lanes_ok || d.fit_range ? 4 * kTokenBlock : kTokenBlock;
+  // (At most the tasks of this call, at least one: a paged write compresses one token per call.)
+  const int64_t calls_tasks = task_end - task_begin > 1 ? task_end - task_begin : 1;
+  const int64_t R = min_i(lanes_ok || d.fit_range ? 4 * kTokenBlock : kTokenBlock, calls_tasks);
   // Fitted ranges hold a block's groups as lanes too: [Gn, R*B] values and 0/1 dense marks,
   // a partial last group padded with unmarked zeros.
   const int64_t Gn = min_i(G, D), lanes_floats = lanes_ok || d.fit_range ? R * B * Gn : 0;

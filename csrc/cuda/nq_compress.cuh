@@ -222,7 +222,6 @@ NKV_KERNEL void nq_meta_outlier_kernel(core::NQDims d, RowsView<In> x, float qma
 // to kFitSteps least-squares refits on the previous candidate's codes rounded
 // to nearest in Meta; the candidate of least squared error over the dense
 // entries (not an outlier) is stored.  A poisoned group (NaN) is left as is.
-constexpr int kFitSteps = 4;  // as nq_fit.h
 
 template <typename In, typename Meta>
 NKV_KERNEL void nq_fit_kernel(core::NQDims d, RowsView<In> x, float qmax, int64_t groups,
@@ -239,7 +238,7 @@ NKV_KERNEL void nq_fit_kernel(core::NQDims d, RowsView<In> x, float qmax, int64_
   float s = core::to_float(scale[g]), z = core::to_float(zero[g]);
   if (non_finite(s) || non_finite(z) || sp.len <= k) return;
   float iv = inverse_scale(s), bs = s, bz = z, best = 0.f;
-  for (int step = 0; step <= kFitSteps; ++step) {
+  for (int step = 0; step <= core::kFitSteps; ++step) {
     float e = 0.f, sn = 0.f, sc = 0.f, sx = 0.f, scc = 0.f, scx = 0.f;
     for (int64_t i = 0; i < sp.len; ++i) {
       bool outlier = false;
@@ -256,7 +255,7 @@ NKV_KERNEL void nq_fit_kernel(core::NQDims d, RowsView<In> x, float qmax, int64_
       scx = add_rn(scx, mul_rn(c, v));
     }
     if (step == 0 || e < best) best = e, bs = s, bz = z;
-    if (step == kFitSteps) break;
+    if (step == core::kFitSteps) break;
     const float den = sub_rn(mul_rn(sn, scc), mul_rn(sc, sc));
     const float ns = div_rn(sub_rn(mul_rn(sn, scx), mul_rn(sc, sx)), den);
     const float nz = div_rn(sub_rn(sx, mul_rn(ns, sc)), sn);

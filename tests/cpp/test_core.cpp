@@ -527,6 +527,30 @@ TEST_CASE("fitted ranges: constant groups, groups of k entries or fewer, outlier
   }
 }
 
+TEST_CASE("fitted ranges: the same bits whatever the task split (vector and scalar passes)") {
+  // Channel groups are fitted a block of tokens at a time, 8 groups per vector pass and the
+  // rest one by one: one task per call puts every group on the scalar pass, all tasks in one
+  // call most of them on the vector one.
+  std::mt19937 rng(14);
+  for (int k : {0, 2}) {
+    NQDims d = dims(1, 37, 80, 2, 24, GroupAxis::kChannels, k);  // 4 groups a token, the last of 8
+    d.fit_range = true;
+    const auto x = random_input<float>(d, rng);
+    const Compressed<float, bf16_t> whole(d, x);  // two calls of many tasks
+    Compressed<float, bf16_t> single(d, x);
+    std::vector<int64_t> offsets(1, 0);
+    const StridedRows<float> rows{x.data(), offsets.data(), d.head_dim, 1};
+    const NQBuffers<float, bf16_t> buf{single.codes.data(), single.scale.data(), single.zero.data(), single.idx.data(),
+                                       single.val.data()};
+    for (int64_t t = 0; t < nq_num_tasks(d); ++t)
+      nq_compress_tasks<float, bf16_t>(d, rows, buf, t, t + 1, &single.status);
+    INFO("k=" << k);
+    REQUIRE(single.codes == whole.codes);
+    REQUIRE(std::memcmp(single.scale.data(), whole.scale.data(), whole.scale.size() * sizeof(bf16_t)) == 0);
+    REQUIRE(std::memcmp(single.zero.data(), whole.zero.data(), whole.zero.size() * sizeof(bf16_t)) == 0);
+  }
+}
+
 TEST_CASE("the kernels of the ISA under test run", "[isa]") {
   // ctest runs this binary with NEXUSKV_CPU_ISA=generic and =avx2 too: the
   // kernels that ran must be that path (NQ is built up to AVX2), not merely

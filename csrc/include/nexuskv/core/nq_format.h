@@ -111,6 +111,10 @@ NEXUSKV_HD_STATIC constexpr int dtype_bytes(DType t) { return t == DType::kFloat
 
 constexpr int kMaxGroupSize = 256;  // outlier_idx is one byte
 
+// Fitted ranges ("Fitted ranges" above): least-squares refits tried per group after
+// min/max, on the CPU (csrc/core/nq_fit.h) and CUDA (nq_compress.cuh) alike.
+constexpr int kFitSteps = 4;
+
 NEXUSKV_HD_STATIC constexpr bool bits_supported(int bits) { return bits == 2 || bits == 3 || bits == 4 || bits == 8; }
 
 // Channels held by one packed chunk.
