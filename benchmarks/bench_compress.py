@@ -141,7 +141,7 @@ def check(x, ours, ours_scale, base, base_scale, group_size, axis) -> dict:
     return res
 
 
-def bench_config(x, bits, group_size, axis, num_outliers, warmup, reps, with_baseline):
+def bench_config(x, bits, group_size, axis, num_outliers, warmup, reps, with_baseline, fit_range=False):
     d = x.shape[-1]
     nbytes = x.numel() * x.element_size()
     row = {
@@ -165,6 +165,11 @@ def bench_config(x, bits, group_size, axis, num_outliers, warmup, reps, with_bas
         ours_decompress_gbps=nbytes / t_d / 1e9,
         ours_effective_bits=8.0 * sum(p.numel() * p.element_size() for p in parts) / x.numel(),
     )
+    if fit_range:  # the same buffers, fitted ranges: what the fit costs at compress time
+        t_f = median_time(
+            lambda: nexuskv.nq_compress(x, bits, group_size, axis, num_outliers, None, True), warmup, reps
+        )
+        row.update(fit_compress_s=t_f, fit_compress_gbps=nbytes / t_f / 1e9, fit_over_minmax=t_f / t_c)
 
     base = base_scale = None
     if with_baseline:
@@ -236,6 +241,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=None, help="timed runs per measurement (default 7, 5 with --quick)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 2, 1 with --quick)")
+    ap.add_argument("--fit-range", action="store_true", help="also time compression with fitted ranges (fit_range)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -275,9 +281,20 @@ def main(argv=None) -> int:
                 for bits in bits_list:
                     for g in groups:
                         for k in (0, 1):
-                            rows.append(bench_config(x, bits, g, axis, k, warmup, reps, with_baseline=(k == 0)))
+                            rows.append(
+                                bench_config(x, bits, g, axis, k, warmup, reps, (k == 0), fit_range=args.fit_range)
+                            )
     elapsed = time.perf_counter() - t_start
     print_table(rows)
+    if args.fit_range:
+        print("\ncompress with fitted ranges (nq_compress(..., fit_range=True)) against min/max:\n")
+        print("| dtype | axis | bits | group | k | min/max ms | fitted ms | fitted / min/max |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(
+                f"| {r['dtype']} | {r['axis']} | {r['bits']} | {r['group_size']} | {r['num_outliers']} | "
+                f"{r['ours_compress_s'] * 1e3:.3f} | {r['fit_compress_s'] * 1e3:.3f} | {r['fit_over_minmax']:.2f}x |"
+            )
 
     four = [r for r in rows if r["bits"] == 4 and "compress_speedup" in r]
     summary = {}
