@@ -60,7 +60,12 @@ def add_arguments(p) -> None:
         default=128,
         help="full-precision tail the bit map is allocated for",
     )
-    p.add_argument("--sinks", type=positive("--sinks", 0), default=0, help="sink tokens the bit map is allocated for")
+    p.add_argument(
+        "--sinks",
+        type=positive("--sinks", 0),
+        default=4,  # nexuskv.hf.DEFAULT_SINKS, cache_for's default (tested; hf is not imported for --help)
+        help="sink tokens the bit map is allocated for (cache_for's default)",
+    )
     p.add_argument(
         "--fit-range",
         action="store_true",

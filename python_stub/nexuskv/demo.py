@@ -82,7 +82,7 @@ def execute(args, model, tokenizer) -> Dict:
     text = load_text(args.text) if args.context_tokens > 0 else ""
     prompt_ids = build_prompt(tokenizer, text, args.context_tokens, args.prompt)
     setting = ec.nexuskv(args.bits, args.residual, group_size=args.group_size, value_group_size=args.group_size,
-                         rotate=args.rotate, sinks=args.sinks)
+                         rotate=args.rotate, sinks=args.sinks, fit_range=args.sinks > 0 and not args.min_max)
     r = run(model, tokenizer, prompt_ids, setting, args.new_tokens,
             progress=not getattr(args, "no_progress", True))
     print(report(r))
@@ -122,6 +122,8 @@ def add_arguments(p, text_default: Optional[str] = None) -> None:
     p.add_argument("--rotate", action="store_true", help="randomized Hadamard rotation before quantization")
     p.add_argument("--sinks", type=positive("--sinks", 0), default=4,
                    help="first tokens kept in full precision (attention sinks; 4 measured best, RESULTS.md)")
+    p.add_argument("--min-max", action="store_true",
+                   help="key ranges from min/max instead of least squares (cache_for fits them when it keeps sinks)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="model dtype")
     p.add_argument("--json", default=None, help="also write the result as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while generating")

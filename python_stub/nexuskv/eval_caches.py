@@ -131,6 +131,17 @@ COMBINATIONS = ("alone", "all", "leave-one-out")
 RECOMMENDED_2BIT = nexuskv(2, 128, sinks=4, fit_range=True)
 
 
+def default_cache() -> Setting:
+    """The row of `cache_for(model)` with no settings: 4 bits in groups of 64, the byte
+    policy's tails (DEFAULT_RESIDUAL full-precision tokens on full-attention layers, the
+    DEFAULT_SINKS sinks among them; none on sliding-window ones), fitted key ranges.  tests/python/
+    test_eval_caches.py checks it against the cache."""
+    from . import hf
+
+    return nexuskv(4, hf.DEFAULT_RESIDUAL - hf.DEFAULT_SINKS, window_residual=0, sinks=hf.DEFAULT_SINKS,
+                   fit_range=True)
+
+
 def with_knobs(bits: int, knobs, residual: int = 128, group_size: int = 64) -> Setting:
     """The nexuskv setting at `bits` with `knobs` switched on; keys in groups of
     `group_size` tokens and values in groups of `group_size` channels."""
@@ -144,7 +155,8 @@ def with_knobs(bits: int, knobs, residual: int = 128, group_size: int = 64) -> S
 
 def grid(bits=(8, 4, 3, 2), tails=(0, 128), ablation_bits=(4, 2),
          ablations=("outliers", "rotate", "dgq", "sinks", "fit"), combinations=COMBINATIONS, best_2bit: bool = True,
-         quanto_bits=(4, 2), equal_bits: bool = True, window_tails=(), group_sizes=(64,)) -> List[Setting]:
+         quanto_bits=(4, 2), equal_bits: bool = True, window_tails=(), group_sizes=(64,),
+         base_knobs=()) -> List[Setting]:
     """The default comparison: every bit width at each tail (and, for each of `window_tails`,
     with that tail on the sliding-window layers instead); at `ablation_bits` (128-token
     tail) each knob alone ("alone"), all of them together ("all") and all but one
@@ -153,18 +165,19 @@ def grid(bits=(8, 4, 3, 2), tails=(0, 128), ablation_bits=(4, 2),
     quanto with 16-bit scales and nexuskv with scales in the model's dtype, so that each
     side is also measured at the other's effective bits.  The bit-width and ablation rows
     are repeated for each of `group_sizes` (key groups of that many tokens, value groups
-    of that many channels): larger groups spend fewer bits on scales and zeros."""
+    of that many channels): larger groups spend fewer bits on scales and zeros.  `base_knobs`
+    (KNOBS names) are switched on in every bit-width row."""
     for c in combinations:
         if c not in COMBINATIONS:
             raise ValueError(f"eval: combinations must be among {list(COMBINATIONS)}, got {c!r}")
-    for a in ablations:
+    for a in list(ablations) + list(base_knobs):
         with_knobs(4, [a])  # checks the name
     if not group_sizes or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in group_sizes):
         raise ValueError(f"eval: group sizes must be positive ints, got {list(group_sizes)}")
     rows = [DENSE_SETTING]
     for g in group_sizes:
-        rows += [with_knobs(b, (), t, g) for b in bits for t in tails]
-        rows += [dataclasses.replace(with_knobs(b, (), t, g), window_residual=w)
+        rows += [with_knobs(b, base_knobs, t, g) for b in bits for t in tails]
+        rows += [dataclasses.replace(with_knobs(b, base_knobs, t, g), window_residual=w)
                  for b in bits for t in tails for w in window_tails if w != t]
         for b in ablation_bits:
             rows.append(with_knobs(b, (), 128, g))

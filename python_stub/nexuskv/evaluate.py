@@ -526,6 +526,8 @@ def settings_from_args(args, sixteen_bit_model: bool = False) -> List[ec.Setting
     with the plain rows and are left out."""
     equal = not args.no_equal_bits and not sixteen_bit_model
     recipes = [ec.from_recipe(path) for path in args.recipes.split(",") if path]
+    if args.default_cache:
+        recipes.insert(0, ec.default_cache())
     if args.fit_recipes:  # each recipe's map with fitted key ranges too (and without, whichever it has)
         recipes += [dataclasses.replace(r, fit_range=not r.fit_range) for r in recipes]
     if args.quick:
@@ -533,6 +535,7 @@ def settings_from_args(args, sixteen_bit_model: bool = False) -> List[ec.Setting
                        quanto_bits=() if args.no_quanto else (4,), equal_bits=equal) + recipes
     return ec.grid(bits=_ints(args.bits, "--bits"), tails=_ints(args.tails, "--tails"),
                    window_tails=_ints(args.window_tails, "--window-tails") if args.window_tails else (),
+                   base_knobs=[k for k in args.base_knobs.split(",") if k],
                    ablation_bits=_ints(args.ablation_bits, "--ablation-bits"),
                    ablations=[a for a in args.ablations.split(",") if a],
                    combinations=[c for c in args.combinations.split(",") if c],
@@ -621,6 +624,8 @@ def add_arguments(p, text_default: Optional[str] = None) -> None:
     p.add_argument("--tails", default="0,128", help="full-precision tails of the base nexuskv rows")
     p.add_argument("--window-tails", default="",
                    help="also each base row with these tails on the sliding-window layers (default: none)")
+    p.add_argument("--base-knobs", default="",
+                   help="comma-separated knobs (as --ablations) switched on in every base row (default: none)")
     p.add_argument("--ablation-bits", default="4,2", help="bit widths at which the knobs are switched on")
     p.add_argument("--group-sizes", default="64",
                    help="group sizes of the base and ablation nexuskv rows (key groups of that many tokens, value "
@@ -630,6 +635,9 @@ def add_arguments(p, text_default: Optional[str] = None) -> None:
     p.add_argument("--ablations", default="outliers,rotate,sinks,fit", help="knobs: outliers, rotate, dgq, sinks, fit")
     p.add_argument("--combinations", default=",".join(ec.COMBINATIONS),
                    help="knob rows: alone (each knob), all (every knob), leave-one-out (all but each)")
+    p.add_argument("--default-cache", action="store_true",
+                   help="also the row of cache_for(model) with no settings (4-bit, 4 sinks and a 60-token tail on "
+                        "full-attention layers, no tail on sliding ones, fitted key ranges)")
     p.add_argument("--no-best-2bit", action="store_true",
                    help="leave out the recommended 2-bit setting (eval_caches.RECOMMENDED_2BIT)")
     p.add_argument("--recipes", default="",

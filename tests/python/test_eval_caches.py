@@ -21,21 +21,40 @@ def _kv(tokens, dtype, seed=0):
 
 
 def _nexuskv_cache(s: ec.Setting, dtype):
-    return hf.NexusKVCache(1, key_bits=s.bits, value_bits=s.bits, group_size=s.group_size,
-                           value_group_size=s.value_group_size, residual=s.residual, key_outliers=s.key_outliers,
-                           value_outliers=s.value_outliers, dynamic_keys=s.dgq, rotate=s.rotate, sinks=s.sinks,
-                           fused=False, meta_dtype=ec.meta_dtype_for(dtype))
+    return hf.NexusKVCache(
+        1,
+        key_bits=s.bits,
+        value_bits=s.bits,
+        group_size=s.group_size,
+        value_group_size=s.value_group_size,
+        residual=s.residual,
+        key_outliers=s.key_outliers,
+        value_outliers=s.value_outliers,
+        dynamic_keys=s.dgq,
+        rotate=s.rotate,
+        sinks=s.sinks,
+        fused=False,
+        meta_dtype=ec.meta_dtype_for(dtype),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("s", [ec.nexuskv(4, 0), ec.nexuskv(2, 0), ec.nexuskv(8, 0, key_outliers=1, value_outliers=1),
-                               ec.nexuskv(3, 0, dgq=True), ec.nexuskv(2, 0, group_size=128, key_outliers=2),
-                               ec.nexuskv(2, 0, group_size=128, value_group_size=32, rotate=True),
-                               # value groups longer than head_dim (one per token) or not dividing it
-                               # (a partial last group): they pay per group, not per group_size
-                               ec.nexuskv(3, 0, group_size=128, value_group_size=128),
-                               ec.nexuskv(2, 0, value_group_size=48)],
-                         ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "s",
+    [
+        ec.nexuskv(4, 0),
+        ec.nexuskv(2, 0),
+        ec.nexuskv(8, 0, key_outliers=1, value_outliers=1),
+        ec.nexuskv(3, 0, dgq=True),
+        ec.nexuskv(2, 0, group_size=128, key_outliers=2),
+        ec.nexuskv(2, 0, group_size=128, value_group_size=32, rotate=True),
+        # value groups longer than head_dim (one per token) or not dividing it
+        # (a partial last group): they pay per group, not per group_size
+        ec.nexuskv(3, 0, group_size=128, value_group_size=128),
+        ec.nexuskv(2, 0, value_group_size=48),
+    ],
+    ids=lambda s: s.name,
+)
 def test_nexuskv_effective_bits_are_the_real_bytes(s, dtype):
     """Filled in one append of whole groups with no tail, the cache's compressed part is
     exactly the compressed tokens: its real bytes give the effective bits."""
@@ -76,8 +95,12 @@ def test_dense_and_tail_bytes():
     tokens = 300
     dense = DynamicCache()
     dense.update(*_kv(tokens, torch.bfloat16), 0)
-    assert ec.cache_bytes(dense) == {"total": 2 * H * tokens * D * 2, "compressed": 0,
-                                     "full_precision": 2 * H * tokens * D * 2, "used": 2 * H * tokens * D * 2}
+    assert ec.cache_bytes(dense) == {
+        "total": 2 * H * tokens * D * 2,
+        "compressed": 0,
+        "full_precision": 2 * H * tokens * D * 2,
+        "used": 2 * H * tokens * D * 2,
+    }
     s = ec.nexuskv(4, 128)
     cache = _nexuskv_cache(s, torch.bfloat16)
     cache.update(*_kv(tokens, torch.bfloat16), 0)
@@ -110,16 +133,28 @@ def test_sinks_stay_outside_the_compressed_bits(dtype):
 def test_grid():
     rows = ec.grid()
     assert rows[0] == ec.DENSE_SETTING and len(rows) == len(set(rows))
-    assert {(r.bits, r.residual) for r in rows if r.kind == ec.NEXUSKV} >= {(b, t) for b in (8, 4, 3, 2)
-                                                                          for t in (0, 128)}
+    assert {(r.bits, r.residual) for r in rows if r.kind == ec.NEXUSKV} >= {
+        (b, t) for b in (8, 4, 3, 2) for t in (0, 128)
+    }
     # quanto as transformers runs it and with 16-bit scales (equal bits, issue 14)
-    assert [(r.bits, r.meta) for r in rows if r.kind == ec.QUANTO] == [(4, None), (4, ec.META_16), (2, None),
-                                                                      (2, ec.META_16)]
+    assert [(r.bits, r.meta) for r in rows if r.kind == ec.QUANTO] == [
+        (4, None),
+        (4, ec.META_16),
+        (2, None),
+        (2, ec.META_16),
+    ]
     assert ec.RECOMMENDED_2BIT in rows
     names = [r.name for r in rows]
     assert len(names) == len(set(names))
     with pytest.raises(ValueError, match="ablations must be among"):
         ec.grid(ablations=["bogus"])
+    # base rows with knobs on (eval --base-knobs)
+    rows = ec.grid(
+        bits=(4, 2), tails=(60,), base_knobs=("sinks", "fit"), ablation_bits=(), best_2bit=False, quanto_bits=()
+    )
+    assert [(r.bits, r.residual, r.sinks, r.fit_range) for r in rows[1:]] == [(4, 60, 4, True), (2, 60, 4, True)]
+    with pytest.raises(ValueError, match="ablations must be among"):
+        ec.grid(base_knobs=["bogus"])
 
 
 def test_parse_settings():
@@ -155,7 +190,67 @@ def test_float32_cache_with_bf16_metadata_attends_over_its_own_dequantized_kv():
     assert ((V - v).abs() <= v_step).all()
     assert torch.equal(K[:, :, 256:], k[:, :, 256:])  # the tail is kept exactly
     q = torch.randn(1, 3 * H, 2, D)
-    scores = q.double() @ K.double().repeat_interleave(3, 1).transpose(-1, -2) / D ** 0.5
+    scores = q.double() @ K.double().repeat_interleave(3, 1).transpose(-1, -2) / D**0.5
     scores[..., 0, -1] = float("-inf")  # causal: the first of the two queries does not see the last key
     ref = scores.softmax(-1) @ V.double().repeat_interleave(3, 1)
     torch.testing.assert_close(cache.attend(q, None).double(), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_the_default_cache_row_is_what_cache_for_makes():
+    """`eval --default-cache`'s row runs the cache cache_for(model) makes with no settings
+    (tails, sinks, bits and groups alike): the same logits on a sliding-window model, and
+    not those of the row without sinks."""
+    from hf_helpers import tiny_model
+
+    model = tiny_model("gemma2")  # sliding and full-attention layers
+    ids = torch.randint(3, 200, (1, 200), generator=torch.Generator().manual_seed(0))
+    s = ec.default_cache()
+    assert (s.bits, s.residual + s.sinks, s.window_residual, s.sinks, s.fit_range) == (
+        4,
+        hf.DEFAULT_RESIDUAL,
+        0,
+        hf.DEFAULT_SINKS,
+        True,
+    )
+
+    def logits(cache):
+        with torch.no_grad():
+            return model(ids, past_key_values=cache, use_cache=True).logits
+
+    ours = logits(hf.cache_for(model))
+    assert torch.equal(logits(ec.make_cache(model, s)), ours)
+    assert not torch.equal(logits(ec.make_cache(model, dataclasses.replace(s, sinks=0))), ours)
+    assert not torch.equal(logits(ec.make_cache(model, dataclasses.replace(s, fit_range=False))), ours)
+    # without sinks the default is min/max ranges (the fit raised ΔPPL without them)
+    assert torch.equal(
+        logits(hf.cache_for(model, sinks=0)),
+        logits(ec.make_cache(model, dataclasses.replace(s, residual=hf.DEFAULT_RESIDUAL, sinks=0, fit_range=False))),
+    )
+
+
+@pytest.mark.parametrize("tokens", [63, 64, 68, 127, 128, 131, 200, 4096])
+def test_the_default_sinks_cost_no_bytes_over_the_byte_policy(tokens):
+    """cache_for's 4 default sinks count towards the 64 full-precision tokens of the byte policy
+    (a 60-token tail): at every length the cache holds what a 64-token tail without sinks does."""
+    from hf_helpers import tiny_model
+
+    model = tiny_model("llama")
+    g = model.config
+    kv = torch.randn(
+        1,
+        g.num_key_value_heads,
+        tokens,
+        g.hidden_size // g.num_attention_heads,
+        generator=torch.Generator().manual_seed(tokens),
+    )
+
+    def nbytes(cache):  # the bytes of the tokens held (capacity aside)
+        for i in range(g.num_hidden_layers):
+            cache.update(kv, kv, i)
+        return ec.cache_bytes(cache)["used"]
+
+    default = hf.cache_for(model, fused=False)
+    assert nbytes(default) == nbytes(hf.cache_for(model, residual=64, sinks=0, fused=False))
+    # a 64-token tail beside the sinks holds a group more at some lengths (4096: 60 tokens more)
+    more = nbytes(hf.cache_for(model, residual=64, sinks=4, fused=False)) - nbytes(hf.cache_for(model, fused=False))
+    assert more > 0 if tokens == 4096 else more >= 0

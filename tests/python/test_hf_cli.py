@@ -79,6 +79,20 @@ def test_every_flag_has_help_and_its_default(command):
     assert text.count("(default:") >= len(sub._actions) - 1
 
 
+@pytest.mark.parametrize("command", ["demo", "calibrate"])
+def test_the_sinks_default_is_cache_fors(command):
+    """A recipe is allocated for a number of sinks and the demo shows cache_for's cache: both
+    CLIs default to the sinks cache_for keeps when given none."""
+    import inspect
+
+    import nexuskv.hf as nhf
+    from nexuskv.__main__ import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+    assert sub.get_default("sinks") == nhf.DEFAULT_SINKS == 4
+    assert inspect.signature(nhf.cache_for).parameters["sinks"].default is None  # None: DEFAULT_SINKS, 0 if static
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A tiny Mistral (sliding window 32) saved as a Hugging Face directory, with the

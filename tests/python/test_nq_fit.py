@@ -212,8 +212,12 @@ def test_cache_for_and_eval_settings_take_fit_range():
     model = tiny_model("llama")
     cache = hf.cache_for(model, bits=2, fit_range=True, sinks=4)
     assert all(fits(layer) == (True, False) for layer in cache.layers)
-    assert fits(hf.cache_for(model, bits=2).layers[0]) == (False, False)
-    assert fits(hf.cache_for(model, bits=2, value_fit_range=True).layers[0]) == (False, True)
+    assert fits(hf.cache_for(model, bits=2, fit_range=False).layers[0]) == (False, False)
+    assert fits(hf.cache_for(model, bits=2, value_fit_range=True, fit_range=False).layers[0]) == (False, True)
+    # the default: fitted keys whenever the cache keeps sinks (it does by default), min/max without them
+    assert fits(hf.cache_for(model, bits=2).layers[0]) == (True, False)
+    assert fits(hf.cache_for(model, bits=2, sinks=0).layers[0]) == (False, False)
+    assert hf.cache_for(model, static=True, max_cache_len=64) is not None  # no sinks there, no fit
     with pytest.raises(TypeError, match="fit_range must be a bool"):
         hf.cache_for(model, fit_range=1)
     with pytest.raises(TypeError, match="value_fit_range must be a bool"):
