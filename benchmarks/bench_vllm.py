@@ -75,6 +75,8 @@ def start_server(args, name, env_extra, log_path):
         "--max-num-seqs",
         str(args.max_num_seqs),
     ]
+    if args.max_num_batched_tokens:
+        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if not args.compile:
         cmd.append("--enforce-eager")
     if env_extra is not None:
@@ -215,6 +217,13 @@ def main(argv=None):
     p.add_argument("--kv-mib", type=int, default=64, help="KV cache budget of every configuration, MiB")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=0,
+        help="tokens per engine step (vLLM's chunked-prefill budget; 0: vLLM's default): a step that "
+        "holds a long prefill chunk delays every running sequence's next token",
+    )
     p.add_argument("--compile", action="store_true", help="let vLLM compile the model (slower start)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=900.0)

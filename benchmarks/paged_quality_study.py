@@ -115,6 +115,11 @@ ROWS = [
     Row("3-bit, recipe, fitted ranges", bits=3, center=True, fit="all"),
     Row("2-bit, recipe, fitted key ranges", bits=2, center=True, fit="keys"),
     Row("2-bit, recipe, fitted ranges", bits=2, center=True, fit="all"),
+    Row("4-bit, recipe, fitted ranges", center=True, fit="all"),
+    Row("4-bit, recipe, groups of 32, fitted key ranges", center=True, group=32, fit="keys"),
+    Row("4-bit, recipe, groups of 32, fitted ranges", center=True, group=32, fit="all"),
+    Row("4-bit, recipe, fitted smoothing, fitted key ranges", center=True, transform="diag", fit="keys"),
+    Row("4-bit, recipe, fitted key ranges, exact window 8", center=True, window=8, fit="keys"),
 ]
 
 

@@ -18,7 +18,6 @@ difference in one layer flips codes in the next ones: docs/vllm.md), hence the s
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import subprocess
@@ -52,11 +51,17 @@ def engine_env(extra):
 def run_engine(job: dict, env_extra: dict, tmp: str, name: str, timeout: float) -> dict:
     out, log = os.path.join(tmp, f"{name}.json"), os.path.join(tmp, f"{name}.log")
     with open(log, "w") as f:
-        p = subprocess.run([sys.executable, ENGINE, out], input=json.dumps(job), text=True, stdout=f,
-                           stderr=subprocess.STDOUT, env=engine_env(env_extra), timeout=timeout)
+        p = subprocess.run(
+            [sys.executable, ENGINE, out],
+            input=json.dumps(job),
+            text=True,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=engine_env(env_extra),
+            timeout=timeout,
+        )
     if p.returncode != 0:
-        sys.exit(f"vllm_prompt_ppl: engine {name} failed ({p.returncode}); its log: {log}\n"
-                 + open(log).read()[-3000:])
+        sys.exit(f"vllm_prompt_ppl: engine {name} failed ({p.returncode}); its log: {log}\n" + open(log).read()[-3000:])
     return json.load(open(out))
 
 
@@ -72,11 +77,24 @@ def text_ids(model: str, tokens: int) -> list:
 
 
 def calibrate(model: str, text: str, out: str) -> str:
-    p = subprocess.run([sys.executable, "-m", "nexuskv", "calibrate", "--model", model, "--text", text, "--out", out],
-                       capture_output=True, text=True, env=engine_env({}), timeout=1800)
+    p = subprocess.run(
+        [sys.executable, "-m", "nexuskv", "calibrate", "--model", model, "--text", text, "--out", out],
+        capture_output=True,
+        text=True,
+        env=engine_env({}),
+        timeout=1800,
+    )
     if p.returncode != 0:
         sys.exit(f"vllm_prompt_ppl: calibrate failed:\n{p.stderr[-3000:]}")
     return out
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
 
 
 def main(argv=None) -> int:
@@ -117,19 +135,41 @@ def main(argv=None) -> int:
                 per_seed.append(ppl)
                 print(f"{c} seed {seed}: {ppl:.4f} ({100 * (ppl / stock - 1):+.2f} %)", flush=True)
             changes = [100 * (x / stock - 1) for x in per_seed]
-            rows.append(dict(config=c, env=env, recipe=bool(uses_recipe), seeds=a.seeds, ppl=per_seed,
-                             change_pct=changes, mean_change_pct=sum(changes) / len(changes)))
+            rows.append(
+                dict(
+                    config=c,
+                    env=env,
+                    recipe=bool(uses_recipe),
+                    seeds=a.seeds,
+                    ppl=per_seed,
+                    change_pct=changes,
+                    mean_change_pct=sum(changes) / len(changes),
+                )
+            )
     print(f"\nstock CPU_ATTN bf16: {stock:.4f} over {a.tokens} tokens of the manual")
     print("| config | " + " | ".join(f"seed {s}" for s in a.seeds) + " | mean |")
     print("|---|" + "---|" * (len(a.seeds) + 1))
     for r in rows:
-        print(f"| {r['config']} | " + " | ".join(f"{x:+.2f} %" for x in r["change_pct"])
-              + f" | {r['mean_change_pct']:+.2f} % |")
-    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
-                  load_before=load, load_after=os.getloadavg(), seconds=round(time.time() - t0, 1),
-                  model=a.model, tokens=a.tokens, calib_text=None if a.recipe else a.calib_text,
-                  stock_ppl=stock, rows=rows)
+        print(
+            f"| {r['config']} | "
+            + " | ".join(f"{x:+.2f} %" for x in r["change_pct"])
+            + f" | {r['mean_change_pct']:+.2f} % |"
+        )
+    now = datetime.datetime.now(datetime.timezone.utc)
+    result = dict(
+        started=(now - datetime.timedelta(seconds=time.time() - t0)).isoformat(timespec="seconds"),
+        finished=now.isoformat(timespec="seconds"),
+        machine=cpu_model(),
+        cpus=os.cpu_count(),
+        load_before=load,
+        load_after=os.getloadavg(),
+        seconds=round(time.time() - t0, 1),
+        model=a.model,
+        tokens=a.tokens,
+        calib_text=None if a.recipe else a.calib_text,
+        stock_ppl=stock,
+        rows=rows,
+    )
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
