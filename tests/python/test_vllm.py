@@ -446,8 +446,11 @@ def test_recipe_centers_the_keys_written(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     path, center = _recipe(tmp_path)
+    monkeypatch.setenv("NEXUSKV_VLLM_FIT_RANGE", "keys")  # what a recipe brings by default
     plain = nexuskv_vllm.NexusKVAttentionImpl(4, 64, 0.125, 2)
+    monkeypatch.delenv("NEXUSKV_VLLM_FIT_RANGE")
     monkeypatch.setenv("NEXUSKV_VLLM_RECIPE", path)
+    assert nexuskv_vllm.settings().fit_range == "keys"
     centered = nexuskv_vllm.NexusKVAttentionImpl(4, 64, 0.125, 2)
     c = nexuskv_vllm.slot_bytes(nexuskv_vllm.settings(), 64, torch.bfloat16)
     g = torch.Generator().manual_seed(1)
@@ -515,6 +518,7 @@ def test_recipe_under_tensor_parallelism(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     path, center = _recipe(tmp_path, kv_heads=3)
+    monkeypatch.setenv("NEXUSKV_VLLM_FIT_RANGE", "keys")  # both writers alike (a recipe's default)
     monkeypatch.setenv("NEXUSKV_VLLM_RECIPE", path)
     monkeypatch.setattr(nexuskv_vllm, "_tensor_parallel", lambda: (1, 3))
     sliced = nexuskv_vllm.NexusKVAttentionImpl(3, 64, 0.125, 1)
