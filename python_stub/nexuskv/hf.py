@@ -567,11 +567,12 @@ def _check_kv_heads(kv_heads) -> None:
 
 DEFAULT_RESIDUAL = 64  # the full-precision tail of full-attention layers when cache_for is given none
 # The first tokens of each sequence kept in full precision when cache_for is given no `sinks`
-# (the dynamic cache; the static one keeps none).  4-bit without sinks missed issue 21's +0.5 %
-# on two of four runs (SmolLM2 / Gemma 3 on Debian's songs and poems: +0.66 / +0.60 %), with 4
-# sinks every run is within it (+0.13 / -0.02 / +0.19 / +0.18 %, benchmarks/fit4-*.json), and
-# at 2-3 bits sinks lowered ΔPPL beyond the noise on both models; they cost 4 tokens per layer.
-# With them cache_for fits the key ranges by default (fit_range=None: on when there are sinks).
+# (the dynamic cache; the static one keeps none), and with them fitted key ranges
+# (fit_range=None: on when there are sinks).  Below 4 bits the two are what makes the cache
+# usable (2.5 bits: +19.6 / +34.6 / +13.5 / +32.2 % plain, +2.3 / +2.1 / +4.1 / +4.8 % with both,
+# SmolLM2 and Gemma 3 on two texts); at 4 bits the default with them is within noise of the one
+# without (+0.41 / +0.70 / +0.03 / +1.17 against +0.43 / +0.76 / -0.01 / +1.64 %): benchmarks/
+# RESULTS.md, "Defaults at 4 bits".  They take 4 of the byte policy's 64 full-precision tokens.
 DEFAULT_SINKS = 4
 
 
