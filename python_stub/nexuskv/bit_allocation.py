@@ -218,6 +218,15 @@ def choose(
     return min(maps, key=lambda c: c["kl"])["bit_map"], maps
 
 
+def map_divergence(
+    model, windows, bit_map, chunk: int = 64, reference_bits: int = REFERENCE_BITS, **cache_kwargs
+) -> float:
+    """The KL divergence (nats per predicted token) of one whole bit map with these cache
+    settings from the all-`reference_bits` cache, over `windows` (as choose measures them)."""
+    with _divergence(model, windows, chunk, reference_bits, cache_kwargs) as kl:
+        return kl(bit_map)
+
+
 def describe(bit_map: Sequence[Sequence[int]]) -> Dict[str, object]:
     """What a bit map holds, for printing: how many tensors at each width, keys and values."""
     keys = [kb for kb, _ in bit_map]

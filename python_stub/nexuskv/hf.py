@@ -41,7 +41,7 @@ import pickle
 import threading
 import warnings
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 from transformers import AttentionInterface
@@ -586,7 +586,7 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
               fused: Optional[bool] = None, static: bool = False,
               max_cache_len: Optional[int] = None, window_residual: Optional[int] = None,
               bit_map: Optional[list] = None, recipe=None, fit_range: Optional[bool] = None,
-              value_fit_range: bool = False) -> NexusKVCache:
+              value_fit_range: Optional[bool] = None) -> NexusKVCache:
     """A compressed cache sized for `model`, one layer per decoder layer: keys per
     channel (groups of `group_size` tokens), values per token (groups of
     `value_group_size` channels, default `group_size`), the `residual` newest tokens
@@ -634,8 +634,9 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
     on both models measured (benchmarks/RESULTS.md, "Fitted ranges"), without sinks it
     clamps the first token's extreme keys and raised it.  Default (None): on whenever the
     cache keeps sinks (so by default; off with sinks=0 and with static=True).
-    ``value_fit_range=True`` fits the values' groups too (measured higher on SmolLM2: off
-    unless measured on your model).  Not with static=True.
+    ``value_fit_range=True`` fits the values' groups too (measured higher on SmolLM2, lower on
+    Gemma 3); default (None): what the recipe asks for (calibrate --fit-range measures it on
+    the recipe's map), min/max without a recipe.  Not with static=True.
 
     Mixed precision: ``bit_map`` = [[key bits, value bits] per layer] replaces ``bits`` and
     ``value_bits`` layer by layer; ``recipe`` (a nexuskv.recipe.Recipe or its file, from
@@ -645,7 +646,9 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
     allocated with (its ``bits`` header) to get what it measured."""
     register()
     _check_kv_heads(kv_heads)
-    bit_map = _bit_map(model, bit_map, recipe)
+    bit_map, recipe_value_fit = _bit_map(model, bit_map, recipe)
+    if value_fit_range is None:  # the recipe's choice (calibrate --fit-range), min/max without one
+        value_fit_range = recipe_value_fit and not static
     for name, tail in (("residual", residual), ("window_residual", window_residual)):
         if tail is not None and (isinstance(tail, bool) or not isinstance(tail, int) or tail < 0):
             raise ValueError(f"nexuskv: {name} must be None or an int >= 0, got {tail!r}")
@@ -729,9 +732,11 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
     return NexusKVCache(layers)
 
 
-def _bit_map(model, bit_map, recipe) -> Optional[list]:
+def _bit_map(model, bit_map, recipe) -> Tuple[Optional[list], bool]:
     """cache_for's bit map: the one given, or the recipe's (checked against the model), as
-    [[key bits, value bits], ...] of ints; None for neither."""
+    [[key bits, value bits], ...] of ints; None for neither.  And whether the recipe asks for
+    fitted value ranges (calibrate --fit-range measured them lower on its map)."""
+    value_fit = False
     if recipe is not None:
         from .recipe import Recipe, model_facts
 
@@ -748,8 +753,9 @@ def _bit_map(model, bit_map, recipe) -> Optional[list]:
             raise ValueError("nexuskv: this recipe has no bit map (it holds key means for the vLLM backend); make "
                              "one with python -m nexuskv calibrate --bits-budget B")
         bit_map = recipe.bit_map.tolist()
+        value_fit = bool(recipe.bits.get("value_fit_range", False))
     if bit_map is None:
-        return None
+        return None, value_fit
     try:
         rows = [[int(b) for b in row] for row in bit_map]
         ok = all(len(row) == 2 for row in rows) and all(not isinstance(b, bool) and int(b) == b
@@ -762,7 +768,7 @@ def _bit_map(model, bit_map, recipe) -> Optional[list]:
     for i, row in enumerate(rows):
         if any(b not in (2, 3, 4, 8) for b in row):
             raise ValueError(f"nexuskv: bit_map[{i}] = {row}: key and value bits must be among 2, 3, 4, 8")
-    return rows
+    return rows, value_fit
 
 
 def enable(model, **cache_kwargs):

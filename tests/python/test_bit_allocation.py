@@ -367,6 +367,20 @@ def test_calibrate_cli_allocates_a_bit_map_and_reuses_its_sensitivity(tmp_path, 
     from nexuskv import eval_caches as ec
 
     assert ec.from_recipe(fitted).fit_range and not ec.from_recipe(first).fit_range
+    # the chosen map measured with the values fitted too: asked for when that lowered its KL
+    chosen_kl = next(c["kl"] for c in f.bits["candidates"] if c["chosen"])
+    assert f.bits["value_fit_range"] == (f.bits["value_fit_kl"] < chosen_kl) and "value_fit_range" not in a.bits
+    assert ec.from_recipe(fitted).value_fit_range == f.bits["value_fit_range"]
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir)
+
+    def value_fit(cache):  # from the C++ cache's saved config
+        return int(cache.layers[0].cache.state_dict().get("config.value_fit_range", torch.tensor(0))) == 1
+
+    for asks in (True, False):  # cache_for takes the recipe's choice unless told otherwise
+        f.bits["value_fit_range"] = asks
+        assert value_fit(cache_for(model, recipe=f)) == asks
+        assert not value_fit(cache_for(model, recipe=f, value_fit_range=False))
+        assert cache_for(model, recipe=f, static=True, max_cache_len=64) is not None  # no fit there: min/max
 
 
 @requires_model[0]

@@ -221,7 +221,7 @@ def test_cache_for_and_eval_settings_take_fit_range():
     with pytest.raises(TypeError, match="fit_range must be a bool"):
         hf.cache_for(model, fit_range=1)
     with pytest.raises(TypeError, match="value_fit_range must be a bool"):
-        hf.cache_for(model, value_fit_range=None)
+        hf.cache_for(model, value_fit_range=1)
     with pytest.raises(ValueError, match="fit_range"):
         hf.cache_for(model, static=True, max_cache_len=64, fit_range=True)
     fused = hf.cache_for(
