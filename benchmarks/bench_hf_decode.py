@@ -84,7 +84,8 @@ def main() -> None:
     ids = models.tokenize(tok, models.load_text(), args.prompt_tokens)
     capacity = args.prompt_tokens + args.warmup + args.steps + 1
     caches = {
-        "nexuskv fused (dynamic cache)": lambda: nhf.cache_for(model, bits=args.bits),
+        # no sinks and min/max ranges, like the static cache (cache_for's dynamic default has both)
+        "nexuskv fused (dynamic cache)": lambda: nhf.cache_for(model, bits=args.bits, sinks=0, fit_range=False),
         "nexuskv fused (static cache)": lambda: nhf.cache_for(
             model, bits=args.bits, static=True, max_cache_len=capacity
         ),

@@ -30,14 +30,17 @@ ENGINE = os.path.join(ROOT, "tests", "python", "vllm_engine.py")
 POEMS = "/usr/share/games/fortunes/songs-poems"
 BITS4 = {"NEXUSKV_VLLM_KEY_BITS": "4", "NEXUSKV_VLLM_VALUE_BITS": "4"}
 # name -> (environment of the backend, whether it reads the recipe); None: stock CPU_ATTN
-CONFIGS = {
-    "4bit": (BITS4, False),
+CONFIGS = {  # every one names its fit: with a recipe the backend's default is "keys"
+    "4bit": (dict(BITS4, NEXUSKV_VLLM_FIT_RANGE="none"), False),
     "4bit-fit-keys": (dict(BITS4, NEXUSKV_VLLM_FIT_RANGE="keys"), False),
-    "4bit-recipe": (BITS4, True),
+    "4bit-recipe": (dict(BITS4, NEXUSKV_VLLM_FIT_RANGE="none"), True),
     "4bit-recipe-fit-keys": (dict(BITS4, NEXUSKV_VLLM_FIT_RANGE="keys"), True),
     "4bit-recipe-fit-all": (dict(BITS4, NEXUSKV_VLLM_FIT_RANGE="all"), True),
     "4bit-g32-recipe-fit-all": (dict(BITS4, NEXUSKV_VLLM_GROUP_SIZE="32", NEXUSKV_VLLM_FIT_RANGE="all"), True),
-    "8bit-keys-4bit-values": ({"NEXUSKV_VLLM_KEY_BITS": "8", "NEXUSKV_VLLM_VALUE_BITS": "4"}, False),
+    "8bit-keys-4bit-values": (
+        {"NEXUSKV_VLLM_KEY_BITS": "8", "NEXUSKV_VLLM_VALUE_BITS": "4", "NEXUSKV_VLLM_FIT_RANGE": "none"},
+        False,
+    ),
 }
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -118,10 +118,13 @@ def allocate(
 
 
 @contextlib.contextmanager
-def _divergence(model, windows, chunk: int, reference_bits: int, cache_kwargs: dict):
+def _divergence(
+    model, windows, chunk: int, reference_bits: int, cache_kwargs: dict, reference_kwargs: Optional[dict] = None
+):
     """Yields kl(bit_map) -> the mean KL divergence (nats per predicted token) of the model's
     next-token distributions over `windows` with that bit map from the all-`reference_bits`
-    cache's, each window fed `chunk` tokens at a time through the fused path (as eval does)."""
+    cache's (made with `reference_kwargs`, default `cache_kwargs`), each window fed `chunk`
+    tokens at a time through the fused path (as eval does)."""
     from .hf import ATTN_IMPLEMENTATION, cache_for
     from .hf_compat import cache_argument, text_config
 
@@ -130,8 +133,8 @@ def _divergence(model, windows, chunk: int, reference_bits: int, cache_kwargs: d
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
-    def log_probs(bit_map, ids):
-        cache, out = cache_for(model, bit_map=bit_map, **cache_kwargs), []
+    def log_probs(bit_map, ids, kwargs=cache_kwargs):
+        cache, out = cache_for(model, bit_map=bit_map, **kwargs), []
         for s in range(0, ids.shape[1], chunk):
             logits = model(ids[:, s : s + chunk], **{name: cache}, use_cache=True).logits
             out.append(torch.log_softmax(logits.float(), -1))
@@ -144,7 +147,9 @@ def _divergence(model, windows, chunk: int, reference_bits: int, cache_kwargs: d
 
     try:
         with torch.no_grad():
-            reference = [log_probs([[reference_bits] * 2 for _ in range(layers)], ids) for ids in windows]
+            ref_map = [[reference_bits] * 2 for _ in range(layers)]
+            ref_kwargs = cache_kwargs if reference_kwargs is None else reference_kwargs
+            reference = [log_probs(ref_map, ids, ref_kwargs) for ids in windows]
         yield kl
     finally:
         model.set_attn_implementation(previous)
@@ -219,11 +224,18 @@ def choose(
 
 
 def map_divergence(
-    model, windows, bit_map, chunk: int = 64, reference_bits: int = REFERENCE_BITS, **cache_kwargs
+    model,
+    windows,
+    bit_map,
+    chunk: int = 64,
+    reference_bits: int = REFERENCE_BITS,
+    reference_kwargs: Optional[dict] = None,
+    **cache_kwargs,
 ) -> float:
     """The KL divergence (nats per predicted token) of one whole bit map with these cache
-    settings from the all-`reference_bits` cache, over `windows` (as choose measures them)."""
-    with _divergence(model, windows, chunk, reference_bits, cache_kwargs) as kl:
+    settings from the all-`reference_bits` cache made with `reference_kwargs` (default: the
+    same settings), over `windows`: pass choose's settings there to compare with its KL."""
+    with _divergence(model, windows, chunk, reference_bits, cache_kwargs, reference_kwargs) as kl:
         return kl(bit_map)
 
 

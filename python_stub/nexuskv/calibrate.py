@@ -216,7 +216,10 @@ def add_bit_map(recipe, model, windows, choices, args) -> None:
         # The values' ranges too, if that lowers the chosen map's KL: it did on Gemma 3 (head_dim 256,
         # value groups of 128 channels) and not on SmolLM2 (64): benchmarks/RESULTS.md
         keys_only = next(c["kl"] for c in candidates if c["bit_map"] == bit_map)
-        both = ba.map_divergence(model, windows, bit_map, **dict(settings, value_fit_range=True))
+        # against the same all-8-bit reference as the candidates (made with `settings`)
+        both = ba.map_divergence(
+            model, windows, bit_map, reference_kwargs=settings, **dict(settings, value_fit_range=True)
+        )
         extra = dict(value_fit_range=both < keys_only, value_fit_kl=both)
         print(
             f"values fitted too: KL {both:.5f} against {keys_only:.5f} with the keys alone: "

@@ -616,11 +616,12 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
     layers (default: ``residual`` when that is given).  Given neither, the byte policy of
     benchmarks/RESULTS.md ("The tail against the 30 % byte target"): 64 full-precision
     tokens (DEFAULT_RESIDUAL) on full-attention layers, the sinks included (a 60-token tail
-    with the 4 default sinks: the same bytes as 64 without sinks, at every length), and none
+    with the 4 default sinks: the same tokens held as 64 without sinks, at every length), and none
     on sliding-window ones.  A sliding
     layer's native cache holds only its window (512 tokens on Gemma 3), so a 128-token tail
     there is a quarter of it in full precision; without it Gemma 3's 4-bit cache holds
-    28.9 % of its native size at 4096 tokens (36.4 % with 128 everywhere), SmolLM2's 29.2 %
+    28.9 % of its native size at 4096 tokens (36.4 % with 128 everywhere; 29.0 % allocated with the
+    4 default sinks), SmolLM2's 29.2 %
     (30.4 %), perplexity within the noise of the longer tails on both.
 
     ``static=True, max_cache_len=N``: the compileable cache (nexuskv.hf_static): fixed
@@ -633,7 +634,9 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
     kernels, about half the squared error at 2 bits; with ``sinks`` it lowered ΔPPL at 2 bits
     on both models measured (benchmarks/RESULTS.md, "Fitted ranges"), without sinks it
     clamps the first token's extreme keys and raised it.  Default (None): on whenever the
-    cache keeps sinks (so by default; off with sinks=0 and with static=True).
+    cache keeps sinks (so by default; off with sinks=0, with static=True, on a model whose
+    layers all slide, and for now on a GPU model: _default_fit_range).  A recipe's map gets
+    it too (with the fit the maps calibrated without it measured lower, RESULTS.md).
     ``value_fit_range=True`` fits the values' groups too (measured higher on SmolLM2, lower on
     Gemma 3); default (None): what the recipe asks for (calibrate --fit-range measures it on
     the recipe's map), min/max without a recipe.  Not with static=True.
@@ -656,8 +659,6 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
         window_residual = 0 if residual is None else residual
     if sinks is None:
         sinks = 0 if static else DEFAULT_SINKS
-    if fit_range is None:  # with sinks the fit lowered ΔPPL at every width measured, without them it raised it
-        fit_range = not static and isinstance(sinks, int) and sinks > 0
     if residual is None:  # the sinks count towards the byte policy's full-precision tokens
         residual = max(DEFAULT_RESIDUAL - (sinks if isinstance(sinks, int) else 0), 0)
     model, kv_heads = integrations.deepspeed.unwrap_for_cache(model, kv_heads)
@@ -665,6 +666,8 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
         raise TypeError(f"nexuskv: cache_for needs a transformers model (with a .config) or a DeepSpeed engine, "
                         f"got {type(model).__name__}")
     geometries = hf_compat.layer_geometries(model)
+    if fit_range is None:
+        fit_range = _default_fit_range(model, geometries, sinks, static)
     if kv_heads is not None and kv_heads != "auto":
         geometries = [LayerGeometry(int(kv_heads), g.key_dim, g.value_dim, g.window, g.layer_type)
                       for g in geometries]
@@ -730,6 +733,21 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
         layers.append(NexusKVLayer(settings, fused=fused, compressors=compressors, geometry=g, layer_idx=i,
                                    config=config, learn_heads=kv_heads == "auto"))
     return NexusKVCache(layers)
+
+
+def _default_fit_range(model, geometries, sinks, static: bool) -> bool:
+    """cache_for's fit_range when given none: fitted key ranges where the cache keeps sinks --
+    some full-attention layer (sliding-window layers keep none) and sinks > 0 -- since with
+    sinks the fit lowered ΔPPL at 2-3 bits on both models measured and without them it raised
+    it (benchmarks/RESULTS.md, "Fitted ranges"); and only for a model on the CPU: the CUDA
+    kernel of the fit compiles but has not run on a GPU yet (test_cuda_nq.py), so a GPU model
+    keeps the min/max ranges the H200 run tested unless fit_range=True is asked for."""
+    if static or not isinstance(sinks, int) or isinstance(sinks, bool) or sinks <= 0:
+        return False
+    if all(g.window is not None for g in geometries):
+        return False
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return device.type == "cpu"
 
 
 def _bit_map(model, bit_map, recipe) -> Tuple[Optional[list], bool]:

@@ -81,8 +81,8 @@ def test_every_flag_has_help_and_its_default(command):
 
 @pytest.mark.parametrize("command", ["demo", "calibrate"])
 def test_the_sinks_default_is_cache_fors(command):
-    """A recipe is allocated for a number of sinks and the demo shows cache_for's cache: both
-    CLIs default to the sinks cache_for keeps when given none."""
+    """A recipe is allocated for a number of sinks and the demo's cache keeps sinks as
+    cache_for's does: both CLIs default to the sinks cache_for keeps when given none."""
     import inspect
 
     import nexuskv.hf as nhf

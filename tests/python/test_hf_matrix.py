@@ -156,10 +156,13 @@ def test_window_residual_sets_the_tail_of_the_sliding_layers_only():
     assert b[0] < a[0] and b[2] < a[2]  # the sliding layers: less in full precision
     assert compressed(short) > compressed(plain)
     assert _rel(out_short, ref) < 0.05 and _rel(out_plain, ref) < 0.05
-    # Given no tail at all: DEFAULT_RESIDUAL (64) on the full-attention layer, none on the sliding ones.
+    # Given no tail at all: DEFAULT_RESIDUAL (64) full-precision tokens on the full-attention layer,
+    # the DEFAULT_SINKS sinks among them, none on the sliding ones.
     default = nhf.cache_for(model, bits=8, group_size=16)
     forward(model, ids, default)
-    policy = nhf.cache_for(model, bits=8, group_size=16, residual=nhf.DEFAULT_RESIDUAL, window_residual=0)
+    policy = nhf.cache_for(
+        model, bits=8, group_size=16, residual=nhf.DEFAULT_RESIDUAL - nhf.DEFAULT_SINKS, window_residual=0
+    )
     forward(model, ids, policy)
     assert full_precision_bytes(default) == full_precision_bytes(policy)
     assert int(default.layers[1].cache.compressed_lengths()[0]) == 0  # 64 tokens: all in the 64-token tail

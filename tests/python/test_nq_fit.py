@@ -218,6 +218,13 @@ def test_cache_for_and_eval_settings_take_fit_range():
     assert fits(hf.cache_for(model, bits=2).layers[0]) == (True, False)
     assert fits(hf.cache_for(model, bits=2, sinks=0).layers[0]) == (False, False)
     assert hf.cache_for(model, static=True, max_cache_len=64) is not None  # no sinks there, no fit
+    # a model whose layers all slide keeps no sinks, so no fit by default either
+    sliding = tiny_model("mistral")
+    assert all(g.window is not None for g in hf.hf_compat.layer_geometries(sliding))
+    assert fits(hf.cache_for(sliding, bits=2).layers[0]) == (False, False)
+    assert hf._default_fit_range(model, hf.hf_compat.layer_geometries(model), 4, False)
+    elsewhere = tiny_model("llama").to("meta")  # not on the CPU: the fit's CUDA kernel is untested on a GPU
+    assert not hf._default_fit_range(elsewhere, hf.hf_compat.layer_geometries(model), 4, False)
     with pytest.raises(TypeError, match="fit_range must be a bool"):
         hf.cache_for(model, fit_range=1)
     with pytest.raises(TypeError, match="value_fit_range must be a bool"):

@@ -41,7 +41,7 @@ process inherits them from the one started):
                                  Refused on another model and with soft-capping.
                                  Under tensor parallelism each rank takes its
                                  kv heads' means (recipe_heads).
-    NEXUSKV_VLLM_FIT_RANGE=none  none = min/max ranges; keys = each key group's scale and zero fitted by
+    NEXUSKV_VLLM_FIT_RANGE=      none = min/max ranges; keys = each key group's scale and zero fitted by
                                  least squares when written (nexuskv.ops.nq_compress's
                                  fit_range), all = the values' too: the same page
                                  bytes and attention (benchmarks/RESULTS.md, "Fitted
