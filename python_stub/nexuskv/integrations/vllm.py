@@ -45,8 +45,9 @@ process inherits them from the one started):
                                  least squares when written (nexuskv.ops.nq_compress's
                                  fit_range), all = the values' too: the same page
                                  bytes and attention (benchmarks/RESULTS.md, "Fitted
-                                 ranges").  Default: keys with a recipe, none without
-                                 (measured through the engine: docs/vllm.md)
+                                 ranges").  Default: keys with a recipe on vLLM's CPU
+                                 engine, none otherwise (measured through the engine:
+                                 docs/vllm.md; the fit's CUDA kernel is untested on a GPU)
 
 A setting or a model that the backend cannot serve stops the engine at start-up
 with a ValueError that names the layer and the reason: MLA, encoder / cross
@@ -168,6 +169,12 @@ def _env_choice(name: str, default: str, allowed) -> str:
     return v
 
 
+def _platform_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def settings() -> Settings:
     """The NEXUSKV_VLLM_* settings of this process (see the module's doc)."""
     recipe = os.environ.get("NEXUSKV_VLLM_RECIPE", "").strip()
@@ -180,8 +187,11 @@ def settings() -> Settings:
         rotation_seed=_env_int("NEXUSKV_VLLM_ROTATION_SEED", 0, lo=0, hi=2**63 - 1),
         recipe=recipe,
         # keys fitted by default with a recipe: there they lowered the engine's 4-bit perplexity
-        # (+1.85 -> +1.33 % over three seeds), without one they did not (docs/vllm.md)
-        fit_range=_env_choice("NEXUSKV_VLLM_FIT_RANGE", "keys" if recipe else "none", ("none", "keys", "all")),
+        # (+1.85 -> +1.33 % over three seeds), without one they did not (docs/vllm.md); on the CPU
+        # only, until the fit's CUDA kernel has run on a GPU (it compiles, untested there)
+        fit_range=_env_choice(
+            "NEXUSKV_VLLM_FIT_RANGE", "keys" if recipe and _platform_is_cpu() else "none", ("none", "keys", "all")
+        ),
     )
 
 
