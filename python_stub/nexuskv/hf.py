@@ -650,8 +650,8 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
     register()
     _check_kv_heads(kv_heads)
     bit_map, recipe_value_fit = _bit_map(model, bit_map, recipe)
-    if value_fit_range is None:  # the recipe's choice (calibrate --fit-range), min/max without one
-        value_fit_range = recipe_value_fit and not static
+    if value_fit_range is None:  # the recipe's choice (calibrate --fit-range), min/max without one; CPU only
+        value_fit_range = recipe_value_fit and not static and _on_cpu(model)
     for name, tail in (("residual", residual), ("window_residual", window_residual)):
         if tail is not None and (isinstance(tail, bool) or not isinstance(tail, int) or tail < 0):
             raise ValueError(f"nexuskv: {name} must be None or an int >= 0, got {tail!r}")
@@ -746,7 +746,13 @@ def _default_fit_range(model, geometries, sinks, static: bool) -> bool:
         return False
     if all(g.window is not None for g in geometries):
         return False
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return _on_cpu(model)
+
+
+def _on_cpu(model) -> bool:
+    """Whether the model's weights are on the CPU (the fit's default is for the CPU only)."""
+    params = getattr(model, "parameters", None)
+    device = next((p.device for p in params()), torch.device("cpu")) if callable(params) else torch.device("cpu")
     return device.type == "cpu"
 
 
