@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -92,14 +91,6 @@ def calibrate(model: str, text: str, out: str) -> str:
     return out
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=os.path.join(ROOT, "build", "smollm2-hf"), help="a Hugging Face model dir")
@@ -158,11 +149,13 @@ def main(argv=None) -> int:
             + " | ".join(f"{x:+.2f} %" for x in r["change_pct"])
             + f" | {r['mean_change_pct']:+.2f} % |"
         )
+    from nexuskv.profiling import machine_info
+
     now = datetime.datetime.now(datetime.timezone.utc)
     result = dict(
         started=(now - datetime.timedelta(seconds=time.time() - t0)).isoformat(timespec="seconds"),
         finished=now.isoformat(timespec="seconds"),
-        machine=cpu_model(),
+        machine=machine_info(os.cpu_count())["cpu_model"],
         cpus=os.cpu_count(),
         load_before=load,
         load_after=os.getloadavg(),
