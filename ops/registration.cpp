@@ -168,7 +168,9 @@ TORCH_LIBRARY(nexuskv, m) {
             torch::arg("meta_dtype") = torch::arg::none(), torch::arg("window") = torch::arg::none(),
             torch::arg("key_fit_range") = false, torch::arg("value_fit_range") = false})
       .def("append", &nexuskv::KVCache::append, "",
-           {torch::arg("k"), torch::arg("v"), torch::arg("valid") = torch::arg::none()})
+           {torch::arg("k"), torch::arg("v"), torch::arg("valid") = torch::arg::none(), torch::arg("hold") = false})
+      .def("settle", &nexuskv::KVCache::settle)
+      .def("compression_points", &nexuskv::KVCache::compression_points, "", {torch::arg("n")})
       .def("attend", &nexuskv::KVCache::attend, "",
            {torch::arg("q"), torch::arg("scale") = torch::arg::none(), torch::arg("softcap") = torch::arg::none()})
       .def("dense", &nexuskv::KVCache::dense, "", {torch::arg("dtype") = torch::arg::none()})

@@ -101,7 +101,8 @@ at::Tensor resized_rows(const at::Tensor& old, int64_t B, int64_t H, int64_t cap
 
 }  // namespace
 
-void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& valid) {
+void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& valid,
+                           bool hold) {
   // ---- inputs -------------------------------------------------------------
   TORCH_CHECK(k.defined() && v.defined(), kCls, ": k and v must be tensors");
   TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes(), kCls, ": k and v must have one shape [batch, kv_heads, ",
@@ -185,7 +186,10 @@ void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::
     g.sink_take = std::min(options.sinks - s, m);
     const at::Tensor rk = g.k_new.slice(2, g.sink_take), rv = g.v_new.slice(2, g.sink_take);
     const int64_t total = t + rk.size(2);
-    g.n_comp = std::max<int64_t>(0, total - options.residual) / chunk * chunk;
+    // Held: what a plain append of the first new token alone would compress (the state
+    // token-by-token decoding has when that token arrives); the other new tokens wait.
+    const int64_t counted = hold ? t + std::min<int64_t>(rk.size(2), 1) : total;
+    g.n_comp = std::max<int64_t>(0, counted - options.residual) / chunk * chunk;
     int64_t evict = 0;
     if (W > 0) {
       // Positions < (positions before this append) - W + 1 are seen by no
@@ -283,7 +287,8 @@ void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::
     if (old.defined() && need <= cur && cur <= cap) return old;
     return resized_rows(old, B, H, cap, D, xo);
   };
-  // A tail holds at most residual + chunk - 1 tokens after an append.
+  // A tail holds at most residual + chunk - 1 tokens after a plain append (the steps' limit;
+  // a held append's tail takes what it needs and shrinks back at settle()).
   const int64_t tail_limit = options.residual + chunk;
   at::Tensor kt = full_precision(k_tail, need_tail, tail_limit), vt = full_precision(v_tail, need_tail, tail_limit);
   at::Tensor ks = k_sink, vs = v_sink;
@@ -350,6 +355,40 @@ void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::
   if (mode == StorageMode::kFused) k_fused = std::move(k_store), v_fused = std::move(v_store);
   k_tail = kt, v_tail = vt, k_sink = ks, v_sink = vs;
   lengths_changed();
+}
+
+std::vector<int64_t> KVCache::Impl::compression_points(int64_t n) const {
+  TORCH_CHECK(n >= 0, kCls, ": compression_points needs n >= 0, got ", n);
+  std::vector<int64_t> points;
+  for (int64_t b = 0; b < (started() ? batch : 1); ++b) {
+    // Sequence b's sink count and tail as its tokens arrive one by one (plain appends).
+    int64_t s = started() ? sink_len[size_t(b)] : 0, t = started() ? tail_len[size_t(b)] : 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (s < options.sinks) {
+        ++s;
+        continue;
+      }
+      if (++t - options.residual >= chunk) {  // token i's append compresses
+        t -= (t - options.residual) / chunk * chunk;
+        if (i > 0) points.push_back(i);
+      }
+    }
+  }
+  std::sort(points.begin(), points.end());
+  points.erase(std::unique(points.begin(), points.end()), points.end());
+  return points;
+}
+
+// What a plain append of the held tokens would have compressed: an append of no tokens
+// applies the policy to the tail as it is (and a window's eviction to the positions now
+// held).  Only when some tail is past residual + chunk - 1, so that a cache that holds
+// nothing back is left untouched (no buffer is resized).
+void KVCache::Impl::settle() {
+  if (!started()) return;
+  const int64_t limit = options.residual + chunk;
+  if (std::none_of(tail_len.begin(), tail_len.end(), [&](int64_t t) { return t >= limit; })) return;
+  const at::Tensor none = at::empty({batch, heads, 0, head_dim}, x_options);
+  append(none, none, std::nullopt, false);
 }
 
 }  // namespace nexuskv

@@ -107,7 +107,10 @@ struct KVCache::Impl {
   at::Tensor compressed_tokens(bool keys, int64_t b0, int64_t b1, int64_t lo, int64_t hi, at::ScalarType dtype) const;
   at::Tensor rotation_signs_for(int64_t head_dim, const at::Device& device) const;
 
-  void append(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& valid);  // cache_append.cpp
+  // cache_append.cpp
+  void append(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& valid, bool hold);
+  void settle();
+  std::vector<int64_t> compression_points(int64_t n) const;
   // Append and crop write into the fused, tail and sink buffers in place, which torch refuses
   // for tensors made under torch.inference_mode() once outside it (a prompt cache filled under
   // inference_mode, then generate): those buffers are replaced by normal copies first, once.

@@ -52,9 +52,19 @@ KVCache::~KVCache() = default;
 
 const CacheOptions& KVCache::options() const { return impl_->options; }  // immutable: no lock
 
-void KVCache::append(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& valid) {
+void KVCache::append(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& valid, bool hold) {
   Lock lock(mutex_);
-  impl_->append(k, v, valid);
+  impl_->append(k, v, valid, hold);
+}
+
+void KVCache::settle() {
+  Lock lock(mutex_);
+  impl_->settle();
+}
+
+std::vector<int64_t> KVCache::compression_points(int64_t n) const {
+  Lock lock(mutex_);
+  return impl_->compression_points(n);
 }
 
 at::Tensor KVCache::attend(const at::Tensor& q, std::optional<double> scale, std::optional<double> softcap) const {

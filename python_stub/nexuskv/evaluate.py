@@ -617,7 +617,8 @@ def add_arguments(p, text_default: Optional[str] = None) -> None:
     p.add_argument("--window", type=positive("--window", 2), default=1024,
                    help="perplexity window: tokens per independent sequence, the tokenizer's BOS included")
     p.add_argument("--chunk", type=positive("--chunk"), default=64,
-                   help="tokens per forward (queries see compressed past + chunk)")
+                   help="tokens per forward after the first (each query sees what decoding token by token "
+                        "shows it: nexuskv.hf, held appends; the first forward attends over its own K/V)")
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"],
                    help="model dtype for perplexity and greedy agreement")
     p.add_argument("--bits", default="8,4,3,2", help="bit widths of the base nexuskv rows")

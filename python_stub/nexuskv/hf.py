@@ -262,7 +262,10 @@ class NexusKVLayer(CacheLayerMixin):
             _claims.pending[id(key_states)] = self
             return key_states, value_states
         evicted_before = self._evicted()
-        self._append(key_states, value_states, None)
+        # Held: the chunk's own tokens reach the attention exact (what a plain append of the
+        # first would compress is compressed), the cache is settled after the read below.
+        hold = key_states.shape[-2] > 1
+        self._append(key_states, value_states, None, hold)
         if self.external is not None:
             self.external.take(self.cache)
             k, v, _ = self.external.dense(self.cache, key_states.dtype)
@@ -274,6 +277,8 @@ class NexusKVLayer(CacheLayerMixin):
         if gap:
             pad = k.new_zeros(k.shape[0], k.shape[1], gap, k.shape[3])
             k, v = torch.cat([pad, k], -2), torch.cat([pad, v], -2)
+        if hold:
+            self.settle()
         return k, v
 
     def get_mask_sizes(self, cache_position_or_length) -> tuple[int, int]:
@@ -404,13 +409,23 @@ class NexusKVLayer(CacheLayerMixin):
         self.pending = None
         self._append(k, v, valid)
 
-    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor, valid: Optional[torch.Tensor],
+                hold: bool = False) -> None:
         """The C++ cache's append, its errors said in the layer's terms (what transformers
-        passed: key_states / value_states); nothing is stored when it raises."""
+        passed: key_states / value_states); nothing is stored when it raises.  hold: see
+        KVCache.append (nexuskv/cache.h, "Held appends")."""
         try:
-            self.cache.append(key_states, value_states, valid)
+            self.cache.append(key_states, value_states, valid, hold)
         except RuntimeError as e:
             raise RuntimeError(f"nexuskv: layer {self.layer_idx}: key_states / value_states not stored: {e}") from e
+
+    def settle(self) -> None:
+        """Compresses what held appends left in full precision (the C++ cache's settle()),
+        once the forward that appended them has attended; with Python compressors the chunks
+        now due are taken at once."""
+        self.cache.settle()
+        if self.external is not None:
+            self.external.take(self.cache)
 
     @property
     def nbytes(self) -> int:
@@ -884,17 +899,27 @@ def nexuskv_attention(module, query, key, value, attention_mask, scaling=None, d
     """AttentionInterface function ("nexuskv"): claims the layer's pending new K/V (see
     the module docstring), appends them (left padding dropped) and attends over the
     compressed cache with dgq_fused_attention, within the layer's sliding window and
-    with the model's logit soft-cap.  A padded prefill, whose queries include pad
-    positions, attends over its own new K/V with the mask instead (exact; nothing older
-    exists).  Returns ([batch, q_len, heads, head_dim], None).  A static cache's layer
-    (cache_for(..., static=True): nexuskv.hf_static) appended in update() already."""
+    with the model's logit soft-cap.  Which K/V a forward's queries see exact:
+    - the first forward (a prefill: nothing older is cached) attends over its own new K/V
+      as the model computed them (SDPA; with padding, the mask), which the cache then
+      compresses (HF's QuantizedCache, too, attends over the new tokens unquantized);
+    - a later forward (a prefill chunk, a decode step) sees what token-by-token decoding
+      sees: each query every token the cache's policy had compressed by its position
+      compressed, the rest exact (_attend_as_decoding), whatever the chunking.
+    Returns ([batch, q_len, heads, head_dim], None).  A static cache's layer (cache_for(...,
+    static=True): nexuskv.hf_static) appended in update() already: its first forward
+    attends over its own K/V too, a later chunk over the chunk appended (its buffers have
+    fixed shapes)."""
+    q_len = query.shape[-2]
     static = hf_static.claim(module)
     if static is not None:
         # Padding comes in the prefill (the static layers' masks cover the new tokens
         # at positions from 0: right for the first forward only).
-        if not torch.compiler.is_compiling() and static.get_seq_length() == query.shape[-2] and \
-                _new_token_validity(attention_mask, query.shape[-2]) is not None:
+        first = not torch.compiler.is_compiling() and bool(static.get_seq_length() == q_len)
+        if first and _new_token_validity(attention_mask, q_len) is not None:
             raise NotImplementedError("nexuskv: the static cache takes no padded batches (cache_for(model) does)")
+        if first and q_len > 1:
+            return _plain_attention(module, query, key, value, attention_mask, scaling, dropout, softcap, kwargs)
         return static.attend(query, scaling, softcap, sliding_window), None
     layer = _claims.pending.pop(id(key), None)
     if layer is None or layer.pending is None or layer.pending[0] is not key:
@@ -908,22 +933,48 @@ def nexuskv_attention(module, query, key, value, attention_mask, scaling=None, d
         raise ValueError(f"nexuskv: layer {getattr(module, 'layer_idx', '?')} attends with sliding_window="
                          f"{sliding_window}, but its cache was made for {layer.sliding_window}; make the cache with "
                          f"nexuskv.hf.cache_for(model) for the model that uses it")
-    q_len = query.shape[-2]
     if torch.compiler.is_compiling():
         # A compiled step has no data-dependent branch: generate() feeds only real tokens
         # after the prefill (left padding comes in the prefill, which runs eagerly).
         layer.append_pending(None)
     else:
         valid = _new_token_validity(attention_mask, q_len)
+        first = layer.seen == q_len  # seen counts this forward's tokens already (update())
+        if not first and q_len > 1 and valid is None:
+            return _attend_as_decoding(layer, query, scaling, softcap), None
         layer.append_pending(valid)
+        if valid is not None and not first:
+            raise NotImplementedError("nexuskv: padding inside a chunk after the prefill is not supported")
         if valid is not None:
-            if layer.seen != q_len:
-                raise NotImplementedError("nexuskv: padding inside a chunk after the prefill is not supported")
             return dense_attention(query, key, value, attention_mask, scaling, softcap), None
+        if first and q_len > 1:
+            return _plain_attention(module, query, key, value, attention_mask, scaling, dropout, softcap, kwargs)
     # The C++ cache is a TorchBind object without a fake class: torch.compile breaks the
     # graph at its append and attend (see benchmarks/bench_hf_decode.py for the count).
     out = layer.cache.attend(query, scaling, softcap)  # [B, Hq, Lq, D]
     return out.transpose(1, 2).contiguous(), None
+
+
+def _attend_as_decoding(layer, query, scaling, softcap) -> torch.Tensor:
+    """The pending chunk appended and attended in pieces cut where appending it token by
+    token would compress a group (KVCache.compression_points): each piece is appended held
+    (KVCache.append(..., hold=True): what a plain append of its first token would compress
+    is compressed, the rest kept exact) and its queries attend before the next piece
+    comes, then settle().  So each query sees what it would have seen decoding: the same
+    output whatever the chunking, and the cache afterwards that of a plain append.
+    Returns [B, q_len, Hq, D]."""
+    k, v = layer.pending
+    layer.pending = None
+    n = k.shape[-2]
+    cuts = [0, *layer.cache.compression_points(n), n]
+    outs = []
+    try:
+        for a, b in zip(cuts, cuts[1:]):
+            layer._append(k[..., a:b, :], v[..., a:b, :], None, hold=True)
+            outs.append(layer.cache.attend(query[..., a:b, :], scaling, softcap))
+    finally:
+        layer.settle()
+    return torch.cat(outs, -2).transpose(1, 2).contiguous()
 
 
 _registered = False

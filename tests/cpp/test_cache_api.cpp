@@ -342,3 +342,106 @@ TEST_CASE("a recipe configures each layer's cache from C++") {
   std::filesystem::remove(other);
   CHECK_THROWS_WITH(nexuskv::Recipe("/nonexistent.safetensors"), Catch::Contains("no such file"));
 }
+
+TEST_CASE("a held append attends over its own tokens exact, and settle() leaves what a plain append leaves") {
+  torch::manual_seed(5);
+  torch::NoGradGuard no_grad;
+  const int64_t D = 64;
+  nexuskv::CacheOptions options;  // 4-bit keys per channel (groups of 64 tokens), values per token
+  options.residual = 60, options.sinks = 4;
+  KVCache plain(options), held(options);
+  // A prefill, chunks that cross group boundaries, decode steps, a chunk smaller than the tail.
+  for (const int64_t n : {300, 64, 130, 1, 1, 5, 64}) {
+    const at::Tensor k = torch::randn({2, 2, n, D}), v = torch::randn({2, 2, n, D}), q = torch::randn({2, 4, n, D});
+    plain.append(k, v, std::nullopt);
+    held.append(k, v, std::nullopt, /*hold=*/true);
+    // Held: every new token is in the tail as given, none compressed by this append.
+    auto [kd, vd, lens] = held.dense(at::kFloat);
+    REQUIRE(at::equal(kd.slice(2, kd.size(2) - n), k));
+    REQUIRE(at::equal(vd.slice(2, vd.size(2) - n), v));
+    // Its attention: float64 attention over the held cache's tokens (older ones as stored).
+    for (int64_t b = 0; b < 2; ++b)
+      REQUIRE(rel(held.attend(q).select(0, b), attention_f64(q.select(0, b), kd.select(0, b), vd.select(0, b),
+                                                              1.0 / 8)) < 1e-5);
+    if (n >= 64) REQUIRE(!at::equal(held.attend(q), plain.attend(q)));  // plain compressed some new tokens
+    held.settle();
+    auto [kp, vp, lp] = plain.dense(at::kFloat);
+    auto [kh, vh, lh] = held.dense(at::kFloat);
+    REQUIRE(at::equal(kh, kp));
+    REQUIRE(at::equal(vh, vp));
+    REQUIRE(held.compressed_lengths().equal(plain.compressed_lengths()));
+    REQUIRE(held.nbytes() == plain.nbytes());  // the tail shrank back
+  }
+  held.settle();  // nothing held: a no-op
+  REQUIRE(held.nbytes() == plain.nbytes());
+  KVCache fresh(options);
+  fresh.settle();  // a new cache: nothing to do
+  REQUIRE(fresh.lengths().numel() == 0);
+}
+
+TEST_CASE("settle() with a sliding window evicts what no later query sees") {
+  torch::manual_seed(6);
+  torch::NoGradGuard no_grad;
+  const int64_t D = 64, W = 100;
+  nexuskv::CacheOptions options;
+  options.residual = 0, options.window = W;
+  KVCache plain(options), held(options);
+  for (int step = 0; step < 6; ++step) {
+    const at::Tensor k = torch::randn({1, 2, 64, D}), v = torch::randn({1, 2, 64, D}), q = torch::randn({1, 4, 1, D});
+    plain.append(k, v, std::nullopt);
+    held.append(k, v, std::nullopt, true);
+    held.settle();
+    // The next query sees the same W keys in both (settle evicted only dead chunks).
+    const at::Tensor k1 = torch::randn({1, 2, 1, D}), v1 = torch::randn({1, 2, 1, D});
+    const auto a = plain.clone(), b = held.clone();  // the loop goes on without the probe token
+    a->append(k1, v1, std::nullopt), b->append(k1, v1, std::nullopt);
+    // (the same tokens; the kernel's tiles may start elsewhere in the buffers)
+    REQUIRE(rel(b->attend(q), a->attend(q).to(at::kDouble)) < 1e-6);
+    REQUIRE(held.nbytes() <= plain.nbytes());
+  }
+  REQUIRE(held.evicted_lengths()[0].item<int64_t>() > plain.evicted_lengths()[0].item<int64_t>());
+}
+
+TEST_CASE("a chunk cut at compression_points() into held pieces is attended as token-by-token decoding") {
+  torch::manual_seed(7);
+  torch::NoGradGuard no_grad;
+  const int64_t D = 64, n = 150;
+  for (const auto& [residual, sinks] : {std::pair<int64_t, int64_t>{60, 4}, {0, 0}, {16, 0}}) {
+    nexuskv::CacheOptions options;
+    options.residual = residual, options.sinks = sinks;
+    options.keys.bits = options.values.bits = 2;  // coarse: exact and compressed tokens differ a lot
+    KVCache decoded(options), pieces(options), whole(options);
+    const at::Tensor k0 = torch::randn({1, 2, 100, D}), v0 = torch::randn({1, 2, 100, D});
+    for (KVCache* c : {&decoded, &pieces, &whole}) c->append(k0, v0, std::nullopt);
+    const at::Tensor k = torch::randn({1, 2, n, D}), v = torch::randn({1, 2, n, D}), q = torch::randn({1, 4, n, D});
+    std::vector<at::Tensor> by_token;
+    for (int64_t i = 0; i < n; ++i) {
+      decoded.append(k.slice(2, i, i + 1), v.slice(2, i, i + 1), std::nullopt);
+      by_token.push_back(decoded.attend(q.slice(2, i, i + 1)));
+    }
+    const at::Tensor ref = at::cat(by_token, 2).to(at::kDouble);
+    std::vector<int64_t> cuts = pieces.compression_points(n);
+    REQUIRE(!cuts.empty());
+    for (size_t j = 1; j < cuts.size(); ++j) REQUIRE(cuts[j] - cuts[j - 1] == pieces.chunk());  // one per chunk
+    cuts.insert(cuts.begin(), 0), cuts.push_back(n);
+    std::vector<at::Tensor> by_piece;
+    for (size_t j = 0; j + 1 < cuts.size(); ++j) {
+      const int64_t a = cuts[j], b = cuts[j + 1];
+      pieces.append(k.slice(2, a, b), v.slice(2, a, b), std::nullopt, true);
+      by_piece.push_back(pieces.attend(q.slice(2, a, b)));
+    }
+    pieces.settle();
+    REQUIRE(rel(at::cat(by_piece, 2), ref) < 1e-5);
+    // The chunk held whole sees groups exact that decoding had compressed by then.
+    whole.append(k, v, std::nullopt, true);
+    REQUIRE(rel(whole.attend(q), ref) > 1e-3);
+    whole.settle();
+    // Afterwards the three hold the same tokens alike.
+    auto [kd, vd, ld] = decoded.dense(at::kFloat);
+    for (KVCache* c : {&pieces, &whole}) {
+      auto [kc, vc, lc] = c->dense(at::kFloat);
+      REQUIRE(at::equal(kc, kd));
+      REQUIRE(at::equal(vc, vd));
+    }
+  }
+}

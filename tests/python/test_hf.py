@@ -42,36 +42,100 @@ def test_4bit_agreement(loaded):
     assert int((ours == dense).sum()) >= 28
 
 
-def test_fused_and_dequantize_paths_attend_alike(loaded):
+def test_fused_and_dequantize_paths_attend_alike(loaded, monkeypatch):
     """On the real model's own compressed K/V, every layer's fused attention equals
-    attention over the dequantized cache (what the dequantize path computes), for the
-    prefill and a decode step.  (End-to-end logits of the two paths are no test: a 1e-6
-    difference in one layer's output flips 4-bit roundings in the next layers' K/V.)"""
+    attention over the dequantized cache (what the dequantize path computes), for a
+    prefill chunk after the first forward and a decode step.  (End-to-end logits of the
+    two paths are no test: a 1e-6 difference in one layer's output flips 4-bit roundings
+    in the next layers' K/V.)  The chunk is appended in held pieces, each attended before
+    the next (_attend_as_decoding): each piece's reference reads the cache as that piece's
+    queries saw it.  The first forward attends over its own K/V (no cache to read)."""
     import transformers as tf
     import nexuskv.hf as nhf
 
     model, tok = loaded
     ids = tok(LONG_PROMPT, return_tensors="pt").input_ids
     cache = nhf.cache_for(model, bits=4, group_size=16, residual=16, fused=True)
-    worst = []
+    worst, pieces = [], []
+    snapshots = {}
+    append = nhf.NexusKVLayer._append
+
+    def append_and_read(layer, *args, **kw):
+        append(layer, *args, **kw)
+        snapshots.setdefault(layer.layer_idx, []).append(layer.cache.dense(None))
+
+    monkeypatch.setattr(nhf.NexusKVLayer, "_append", append_and_read)
 
     def checked(module, query, key, value, attention_mask, scaling=None, **kw):
+        layer = cache.layers[module.layer_idx]
+        first = layer.cache.lengths().numel() == 0
+        q_len = query.shape[-2]
+        cuts = [0, *layer.cache.compression_points(q_len), q_len]
         out, _ = nhf.nexuskv_attention(module, query, key, value, attention_mask, scaling=scaling, **kw)
-        K, V, _ = cache.layers[module.layer_idx].cache.dense(None)
-        ref = nhf.dense_attention(query, K, V, None, scaling)
-        worst.append(float((out - ref).abs().max() / ref.abs().max()))
+        seen = snapshots.pop(module.layer_idx)
+        if first:
+            return out, None
+        assert len(seen) == len(cuts) - 1
+        pieces.append(len(seen))
+        for (a, b), (K, V, _) in zip(zip(cuts, cuts[1:]), seen):
+            ref = nhf.dense_attention(query[..., a:b, :], K, V, None, scaling)
+            worst.append(float((out[:, a:b] - ref).abs().max() / ref.abs().max()))
         return out, None
 
     tf.AttentionInterface.register("nexuskv_checked", checked)
     model.set_attn_implementation("nexuskv_checked")
     try:
         with torch.no_grad():
-            nxt = forward(model, ids, cache).logits[:, -1:].argmax(-1)
+            forward(model, ids[:, :40], cache)
+            nxt = forward(model, ids[:, 40:], cache).logits[:, -1:].argmax(-1)
             forward(model, nxt, cache)
     finally:
         model.set_attn_implementation("nexuskv")
-    assert compressed(cache) > 0
-    assert len(worst) == 2 * model.config.num_hidden_layers and max(worst) < 1e-4, max(worst)
+    assert compressed(cache) > 0 and max(pieces) > 1  # the chunk was cut
+    assert len(worst) == sum(pieces) and max(worst) < 1e-4, max(worst)
+
+
+def test_a_prefill_is_exact_and_a_chunk_is_attended_as_decoding(loaded, monkeypatch):
+    """Which K/V a forward's queries see (nexuskv_attention): the first forward (a prefill)
+    attends over its own K/V as the model computed them, then the cache compresses them, so
+    a one-shot prefill gives the dense model's logits at 2 bits; a later chunk is cut at the
+    cache's compression points and appended held piece by piece, so each query sees what
+    decoding token by token shows it.  Chunks of 24 then give the logits of one token at a
+    time (up to the float noise of a different kernel call, which can flip a 2-bit rounding
+    in a deeper layer's K/V); a chunk appended whole before its attention (the binding before
+    this) sees groups that close inside it compressed: far from them."""
+    import nexuskv.hf as nhf
+
+    model, tok = loaded
+    ids = tok(LONG_PROMPT, return_tensors="pt").input_ids
+    n = ids.shape[1]
+    kw = dict(bits=2, group_size=16, residual=16)
+
+    def run(cache, step):
+        out = [forward(model, ids[:, :8], cache).logits]
+        out += [forward(model, ids[:, i : i + step], cache).logits for i in range(8, n, step)]
+        return torch.cat(out, 1)
+
+    def whole_chunk(layer, query, scaling, softcap):
+        layer.append_pending(None)
+        return layer.cache.attend(query, scaling, softcap).transpose(1, 2).contiguous()
+
+    with torch.no_grad():
+        dense = forward(model, ids).logits  # transformers' own cache: plain attention
+        cache = nhf.cache_for(model, **kw)
+        ours = forward(model, ids, cache).logits
+        assert compressed(cache) >= n - 32  # the prompt is compressed now
+        assert float((ours - dense).abs().max()) < 1e-3 * float(dense.abs().max())
+        decoded = run(nhf.cache_for(model, **kw), 1)
+        chunked = run(nhf.cache_for(model, **kw), 24)
+        monkeypatch.setattr(nhf, "_attend_as_decoding", whole_chunk)
+        whole = run(nhf.cache_for(model, **kw), 24)
+
+    def gap(x):  # mean |d log p| of the next tokens against decoding, after the prefill
+        lp = torch.log_softmax(x[0, 8:-1], -1).gather(-1, ids[0, 9:, None])
+        return float((lp - torch.log_softmax(decoded[0, 8:-1], -1).gather(-1, ids[0, 9:, None])).abs().mean())
+
+    assert gap(chunked) < 0.2 * gap(whole), (gap(chunked), gap(whole))
 
 
 def test_batched_left_padding_matches_the_dense_cache(loaded):

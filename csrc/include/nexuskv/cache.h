@@ -15,6 +15,20 @@
 // batches, left padding dropped at append).  Positions: sinks, compressed
 // part, tail.
 //
+// Held appends: a chunk attended as token-by-token decoding attends.  Decoding
+// appends a token, then attends: the query at position p sees every token the
+// policy has compressed by then compressed, the rest exact.  A chunk appended at
+// once would compress groups that close inside it before its earlier queries
+// attend.  append(..., hold = true) compresses what a plain append of its first
+// token alone would, and keeps its other tokens in the tail, in full precision,
+// until settle() (or the next append) applies the policy.  Cut a chunk at
+// compression_points(n) (the tokens whose own append compresses), append each
+// piece held and attend its queries before the next piece: every query then sees
+// what it would have seen decoding token by token, and settle() after the last
+// leaves the cache as a plain append of the chunk would have (the Hugging Face
+// binding does this for every forward of several tokens after the first).
+// Between append and settle the tail holds one piece beyond the policy.
+//
 // Sliding window (options.window = W).  The query at position p sees the keys
 // at (p - W, p].  At an append of n tokens to a sequence that then has L
 // positions, positions < L - n - W + 1 are seen by no current or future query:
@@ -121,7 +135,18 @@ class KVCache : public torch::CustomClassHolder {
   // Appends k, v [B, H, n, D] (float32/16/bf16).  valid [B, n] (bool) marks
   // real tokens; false entries (left padding) are dropped.  B, H, D, the dtype
   // and the device are fixed by the first call (reset() frees them).
-  void append(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& valid);
+  // hold = true: only what a plain append of the first new token would compress
+  // is; the rest waits for settle() (see "Held appends" above).
+  void append(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& valid, bool hold = false);
+
+  // Compresses what the tail holds beyond the policy (tokens of a held
+  // append); nothing to do after a plain append or on a new cache.
+  void settle();
+
+  // The offsets i in (0, n) of the next n tokens whose plain append (token by
+  // token) would compress a chunk, over every sequence, ascending: where to cut
+  // a chunk into held pieces (see "Held appends" above).
+  std::vector<int64_t> compression_points(int64_t n) const;
 
   // softmax(softcap(q K^T * scale) + causal [+ window]) V over each sequence's
   // cached tokens; q [B, Hq, Lq, D] holds the queries of the last Lq appended
