@@ -171,6 +171,9 @@ TORCH_LIBRARY(nexuskv, m) {
            {torch::arg("k"), torch::arg("v"), torch::arg("valid") = torch::arg::none(), torch::arg("hold") = false})
       .def("settle", &nexuskv::KVCache::settle)
       .def("compression_points", &nexuskv::KVCache::compression_points, "", {torch::arg("n")})
+      .def("append_and_attend", &nexuskv::KVCache::append_and_attend, "",
+           {torch::arg("k"), torch::arg("v"), torch::arg("q"), torch::arg("scale") = torch::arg::none(),
+            torch::arg("softcap") = torch::arg::none()})
       .def("attend", &nexuskv::KVCache::attend, "",
            {torch::arg("q"), torch::arg("scale") = torch::arg::none(), torch::arg("softcap") = torch::arg::none()})
       .def("dense", &nexuskv::KVCache::dense, "", {torch::arg("dtype") = torch::arg::none()})

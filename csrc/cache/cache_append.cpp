@@ -101,9 +101,8 @@ at::Tensor resized_rows(const at::Tensor& old, int64_t B, int64_t H, int64_t cap
 
 }  // namespace
 
-void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& valid,
-                           bool hold) {
-  // ---- inputs -------------------------------------------------------------
+at::Tensor KVCache::Impl::check_append(const at::Tensor& k, const at::Tensor& v,
+                                       const std::optional<at::Tensor>& valid) const {
   TORCH_CHECK(k.defined() && v.defined(), kCls, ": k and v must be tensors");
   TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes(), kCls, ": k and v must have one shape [batch, kv_heads, ",
               "tokens, head_dim], got ", k.sizes(), " and ", v.sizes());
@@ -151,6 +150,15 @@ void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::
     if (host_flag(keep.all())) keep = at::Tensor();  // nothing to drop: the batch path
   }
   check_values(*this, k, v);
+  return keep;
+}
+
+void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& valid,
+                           bool hold) {
+  // ---- inputs -------------------------------------------------------------
+  const at::Tensor keep = check_append(k, v, valid);
+  const bool first = !started();
+  const int64_t B = k.size(0), H = k.size(1), n = k.size(2), D = k.size(3);
 
   // ---- plan: everything that can fail ------------------------------------
   thaw_outside_inference_mode();  // contents unchanged: harmless if the append fails below
@@ -377,6 +385,29 @@ std::vector<int64_t> KVCache::Impl::compression_points(int64_t n) const {
   std::sort(points.begin(), points.end());
   points.erase(std::unique(points.begin(), points.end()), points.end());
   return points;
+}
+
+at::Tensor KVCache::Impl::append_and_attend(const at::Tensor& k, const at::Tensor& v, const at::Tensor& q,
+                                            std::optional<double> scale, std::optional<double> softcap) {
+  // Whatever can reject the chunk or its queries, before any piece is stored.
+  check_append(k, v, std::nullopt);
+  TORCH_CHECK(q.defined() && q.dim() == 4 && q.size(2) == k.size(2), kCls,
+              ": append_and_attend needs q [batch, q_heads, n, head_dim] for the n tokens of k, got q ",
+              q.defined() ? q.sizes() : at::IntArrayRef{}, " and k ", k.sizes());
+  if (!started()) append(k.slice(2, 0, 0), v.slice(2, 0, 0), std::nullopt, false);  // fixes what q is checked against
+  check_attend(q, softcap);
+  const int64_t n = k.size(2);
+  std::vector<int64_t> cuts = compression_points(n);
+  cuts.insert(cuts.begin(), 0);
+  cuts.push_back(n);
+  std::vector<at::Tensor> outs;
+  for (size_t j = 0; j + 1 < cuts.size(); ++j) {
+    const int64_t a = cuts[j], b = cuts[j + 1];
+    append(k.slice(2, a, b), v.slice(2, a, b), std::nullopt, true);
+    outs.push_back(attend(q.slice(2, a, b), scale, softcap));
+  }
+  settle();
+  return outs.size() == 1 ? outs[0] : at::cat(outs, 2);
 }
 
 // What a plain append of the held tokens would have compressed: an append of no tokens

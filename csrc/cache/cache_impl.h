@@ -107,14 +107,19 @@ struct KVCache::Impl {
   at::Tensor compressed_tokens(bool keys, int64_t b0, int64_t b1, int64_t lo, int64_t hi, at::ScalarType dtype) const;
   at::Tensor rotation_signs_for(int64_t head_dim, const at::Device& device) const;
 
-  // cache_append.cpp
+  // cache_append.cpp.  check_append: every check of an append (none stores anything),
+  // returning the host copy of `valid` where it drops tokens.
+  at::Tensor check_append(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& valid) const;
   void append(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& valid, bool hold);
   void settle();
   std::vector<int64_t> compression_points(int64_t n) const;
+  at::Tensor append_and_attend(const at::Tensor& k, const at::Tensor& v, const at::Tensor& q,
+                               std::optional<double> scale, std::optional<double> softcap);
   // Append and crop write into the fused, tail and sink buffers in place, which torch refuses
   // for tensors made under torch.inference_mode() once outside it (a prompt cache filled under
   // inference_mode, then generate): those buffers are replaced by normal copies first, once.
   void thaw_outside_inference_mode();  // cache_edit.cpp
+  void check_attend(const at::Tensor& q, std::optional<double> softcap) const;  // cache_read.cpp
   at::Tensor attend(const at::Tensor& q, std::optional<double> scale, std::optional<double> softcap) const;
   std::tuple<at::Tensor, at::Tensor, at::Tensor> assemble(
       at::ScalarType dtype, const std::vector<at::Tensor>* k_compressed,

@@ -72,8 +72,7 @@ at::Tensor KVCache::Impl::compressed_tokens(bool keys_part, int64_t b0, int64_t 
   return x.to(dtype);
 }
 
-at::Tensor KVCache::Impl::attend(const at::Tensor& q, std::optional<double> scale,
-                                 std::optional<double> softcap) const {
+void KVCache::Impl::check_attend(const at::Tensor& q, std::optional<double> softcap) const {
   check_started("attend()");
   check_mode("attend()", mode != StorageMode::kExternal,
              "the front end holds the compressed chunks, so attend over dense_with() with any attention code");
@@ -83,9 +82,14 @@ at::Tensor KVCache::Impl::attend(const at::Tensor& q, std::optional<double> scal
   check_device("q", q);
   TORCH_CHECK(!softcap || (std::isfinite(*softcap) && *softcap > 0), kCls, ": softcap must be finite and > 0, got ",
               softcap.value_or(0));
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, kCls,
+              ": q must be float32, float16 or bfloat16, got ", q.scalar_type());
+}
+
+at::Tensor KVCache::Impl::attend(const at::Tensor& q, std::optional<double> scale,
+                                 std::optional<double> softcap) const {
+  check_attend(q, softcap);
   if (mode == StorageMode::kChunks) {
-    TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, kCls,
-                ": q must be float32, float16 or bfloat16, got ", q.scalar_type());
     auto [K, V, lens] = assemble(at::kFloat, nullptr, nullptr);
     std::vector<int64_t> cached_lens;
     for (int64_t b = 0; b < batch; ++b) cached_lens.push_back(cached(b));

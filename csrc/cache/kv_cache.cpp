@@ -67,6 +67,12 @@ std::vector<int64_t> KVCache::compression_points(int64_t n) const {
   return impl_->compression_points(n);
 }
 
+at::Tensor KVCache::append_and_attend(const at::Tensor& k, const at::Tensor& v, const at::Tensor& q,
+                                      std::optional<double> scale, std::optional<double> softcap) {
+  Lock lock(mutex_);
+  return impl_->append_and_attend(k, v, q, scale, softcap);
+}
+
 at::Tensor KVCache::attend(const at::Tensor& q, std::optional<double> scale, std::optional<double> softcap) const {
   Lock lock(mutex_);
   return impl_->attend(q, scale, softcap);

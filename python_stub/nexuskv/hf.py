@@ -956,25 +956,18 @@ def nexuskv_attention(module, query, key, value, attention_mask, scaling=None, d
 
 
 def _attend_as_decoding(layer, query, scaling, softcap) -> torch.Tensor:
-    """The pending chunk appended and attended in pieces cut where appending it token by
-    token would compress a group (KVCache.compression_points): each piece is appended held
-    (KVCache.append(..., hold=True): what a plain append of its first token would compress
-    is compressed, the rest kept exact) and its queries attend before the next piece
-    comes, then settle().  So each query sees what it would have seen decoding: the same
-    output whatever the chunking, and the cache afterwards that of a plain append.
-    Returns [B, q_len, Hq, D]."""
+    """The pending chunk appended and attended as decoding it token by token would
+    (KVCache.append_and_attend: cut where a token's append would compress a group, each
+    piece appended held, its queries attending before the next piece, then settled): the
+    same output whatever the chunking, and the cache afterwards that of a plain append;
+    nothing is stored when the chunk is rejected.  Returns [B, q_len, Hq, D]."""
     k, v = layer.pending
     layer.pending = None
-    n = k.shape[-2]
-    cuts = [0, *layer.cache.compression_points(n), n]
-    outs = []
     try:
-        for a, b in zip(cuts, cuts[1:]):
-            layer._append(k[..., a:b, :], v[..., a:b, :], None, hold=True)
-            outs.append(layer.cache.attend(query[..., a:b, :], scaling, softcap))
-    finally:
-        layer.settle()
-    return torch.cat(outs, -2).transpose(1, 2).contiguous()
+        out = layer.cache.append_and_attend(k, v, query, scaling, softcap)
+    except RuntimeError as e:
+        raise RuntimeError(f"nexuskv: layer {layer.layer_idx}: key_states / value_states not stored: {e}") from e
+    return out.transpose(1, 2).contiguous()
 
 
 _registered = False

@@ -410,9 +410,9 @@ TEST_CASE("a chunk cut at compression_points() into held pieces is attended as t
     nexuskv::CacheOptions options;
     options.residual = residual, options.sinks = sinks;
     options.keys.bits = options.values.bits = 2;  // coarse: exact and compressed tokens differ a lot
-    KVCache decoded(options), pieces(options), whole(options);
+    KVCache decoded(options), pieces(options), whole(options), once(options);
     const at::Tensor k0 = torch::randn({1, 2, 100, D}), v0 = torch::randn({1, 2, 100, D});
-    for (KVCache* c : {&decoded, &pieces, &whole}) c->append(k0, v0, std::nullopt);
+    for (KVCache* c : {&decoded, &pieces, &whole, &once}) c->append(k0, v0, std::nullopt);
     const at::Tensor k = torch::randn({1, 2, n, D}), v = torch::randn({1, 2, n, D}), q = torch::randn({1, 4, n, D});
     std::vector<at::Tensor> by_token;
     for (int64_t i = 0; i < n; ++i) {
@@ -432,16 +432,37 @@ TEST_CASE("a chunk cut at compression_points() into held pieces is attended as t
     }
     pieces.settle();
     REQUIRE(rel(at::cat(by_piece, 2), ref) < 1e-5);
+    REQUIRE(at::equal(once.append_and_attend(k, v, q), at::cat(by_piece, 2)));  // the same, in one call
     // The chunk held whole sees groups exact that decoding had compressed by then.
     whole.append(k, v, std::nullopt, true);
     REQUIRE(rel(whole.attend(q), ref) > 1e-3);
     whole.settle();
     // Afterwards the three hold the same tokens alike.
     auto [kd, vd, ld] = decoded.dense(at::kFloat);
-    for (KVCache* c : {&pieces, &whole}) {
+    for (KVCache* c : {&pieces, &whole, &once}) {
       auto [kc, vc, lc] = c->dense(at::kFloat);
       REQUIRE(at::equal(kc, kd));
       REQUIRE(at::equal(vc, vd));
     }
   }
+}
+
+TEST_CASE("append_and_attend stores nothing of a chunk it rejects") {
+  torch::manual_seed(8);
+  torch::NoGradGuard no_grad;
+  const int64_t D = 64, n = 150;
+  nexuskv::CacheOptions options;
+  options.residual = 16;
+  KVCache cache(options);
+  cache.append(torch::randn({1, 2, 100, D}), torch::randn({1, 2, 100, D}), std::nullopt);
+  const int64_t bytes = cache.nbytes();
+  REQUIRE(cache.compression_points(n).size() >= 2);  // several pieces
+  at::Tensor k = torch::randn({1, 2, n, D}), v = torch::randn({1, 2, n, D});
+  const at::Tensor q = torch::randn({1, 4, n, D});
+  k[0][1][n - 3][5] = std::numeric_limits<float>::quiet_NaN();  // in the last piece
+  REQUIRE_THROWS_WITH(cache.append_and_attend(k, v, q), Catch::Contains("k holds NaN"));
+  REQUIRE_THROWS_WITH(cache.append_and_attend(v, v, q.slice(2, 1)), Catch::Contains("append_and_attend needs q"));
+  REQUIRE_THROWS_WITH(cache.append_and_attend(v, v, q.to(at::kInt)), Catch::Contains("q must be"));
+  REQUIRE(cache.lengths().equal(torch::tensor({100}, at::kLong)));
+  REQUIRE(cache.nbytes() == bytes);
 }

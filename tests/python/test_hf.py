@@ -42,14 +42,15 @@ def test_4bit_agreement(loaded):
     assert int((ours == dense).sum()) >= 28
 
 
-def test_fused_and_dequantize_paths_attend_alike(loaded, monkeypatch):
+def test_fused_and_dequantize_paths_attend_alike(loaded):
     """On the real model's own compressed K/V, every layer's fused attention equals
     attention over the dequantized cache (what the dequantize path computes), for a
     prefill chunk after the first forward and a decode step.  (End-to-end logits of the
     two paths are no test: a 1e-6 difference in one layer's output flips 4-bit roundings
     in the next layers' K/V.)  The chunk is appended in held pieces, each attended before
-    the next (_attend_as_decoding): each piece's reference reads the cache as that piece's
-    queries saw it.  The first forward attends over its own K/V (no cache to read)."""
+    the next (KVCache.append_and_attend): each piece's reference replays that on a clone
+    of the cache and reads it as the piece's queries saw it.  The first forward attends
+    over its own K/V (no cache to read)."""
     import transformers as tf
     import nexuskv.hf as nhf
 
@@ -57,27 +58,20 @@ def test_fused_and_dequantize_paths_attend_alike(loaded, monkeypatch):
     ids = tok(LONG_PROMPT, return_tensors="pt").input_ids
     cache = nhf.cache_for(model, bits=4, group_size=16, residual=16, fused=True)
     worst, pieces = [], []
-    snapshots = {}
-    append = nhf.NexusKVLayer._append
-
-    def append_and_read(layer, *args, **kw):
-        append(layer, *args, **kw)
-        snapshots.setdefault(layer.layer_idx, []).append(layer.cache.dense(None))
-
-    monkeypatch.setattr(nhf.NexusKVLayer, "_append", append_and_read)
 
     def checked(module, query, key, value, attention_mask, scaling=None, **kw):
         layer = cache.layers[module.layer_idx]
         first = layer.cache.lengths().numel() == 0
         q_len = query.shape[-2]
         cuts = [0, *layer.cache.compression_points(q_len), q_len]
+        replay = None if first else layer.cache.clone()
         out, _ = nhf.nexuskv_attention(module, query, key, value, attention_mask, scaling=scaling, **kw)
-        seen = snapshots.pop(module.layer_idx)
         if first:
             return out, None
-        assert len(seen) == len(cuts) - 1
-        pieces.append(len(seen))
-        for (a, b), (K, V, _) in zip(zip(cuts, cuts[1:]), seen):
+        pieces.append(len(cuts) - 1)
+        for a, b in zip(cuts, cuts[1:]):
+            replay.append(key[..., a:b, :], value[..., a:b, :], None, True)
+            K, V, _ = replay.dense(None)
             ref = nhf.dense_attention(query[..., a:b, :], K, V, None, scaling)
             worst.append(float((out[:, a:b] - ref).abs().max() / ref.abs().max()))
         return out, None

@@ -25,8 +25,9 @@
 // compression_points(n) (the tokens whose own append compresses), append each
 // piece held and attend its queries before the next piece: every query then sees
 // what it would have seen decoding token by token, and settle() after the last
-// leaves the cache as a plain append of the chunk would have (the Hugging Face
-// binding does this for every forward of several tokens after the first).
+// leaves the cache as a plain append of the chunk would have.  append_and_attend()
+// does all of it (the Hugging Face binding, for every forward of several tokens
+// after the first).
 // Between append and settle the tail holds one piece beyond the policy.
 //
 // Sliding window (options.window = W).  The query at position p sees the keys
@@ -147,6 +148,14 @@ class KVCache : public torch::CustomClassHolder {
   // token) would compress a chunk, over every sequence, ascending: where to cut
   // a chunk into held pieces (see "Held appends" above).
   std::vector<int64_t> compression_points(int64_t n) const;
+
+  // Appends k, v [B, H, n, D] and returns the attention of q [B, Hq, n, D], the
+  // queries of those n positions, as decoding them token by token would: cut at
+  // compression_points(n), held pieces, settle() (see "Held appends" above).
+  // Everything that can reject k, v or q is checked before any piece is stored.
+  at::Tensor append_and_attend(const at::Tensor& k, const at::Tensor& v, const at::Tensor& q,
+                               std::optional<double> scale = std::nullopt,
+                               std::optional<double> softcap = std::nullopt);
 
   // softmax(softcap(q K^T * scale) + causal [+ window]) V over each sequence's
   // cached tokens; q [B, Hq, Lq, D] holds the queries of the last Lq appended
