@@ -104,19 +104,22 @@ def _bits(cache):
 
 
 def _filled(cache, model, tokens=160, seed=0):
-    """Appends the same random K/V to every layer of `cache` (through update, the dense path)."""
+    """Appends the same random K/V to every layer of `cache` (through update, the dense path)
+    and returns what each layer then holds, dequantized (update hands a chunk's own tokens to
+    the attention exact, as decoding sees them; the cache compresses them after)."""
     g = torch.Generator().manual_seed(seed)
     cfg = model.config
     d = cfg.hidden_size // cfg.num_attention_heads
     k = torch.randn(1, cfg.num_key_value_heads, tokens, d, generator=g)
     v = torch.randn(1, cfg.num_key_value_heads, tokens, d, generator=g)
-    outs = [cache.update(k, v, i) for i in range(len(cache.layers))]
-    return k, v, outs
+    for i in range(len(cache.layers)):
+        cache.update(k, v, i)
+    return k, v, [cache.layers[i].cache.dense(None)[:2] for i in range(len(cache.layers))]
 
 
 def test_each_layer_holds_the_bits_of_its_map_and_its_error_follows_them():
     """Layer 0 keys at 2 bits, values at 8; layer 1 the other way round: each layer's C++
-    cache is configured so, and the dequantized K/V each returns are as far from the input
+    cache is configured so, and the dequantized K/V each holds are as far from the input
     as those bits allow (round to nearest: at most half a step of the group's range), the
     2-bit tensors far more than the 8-bit ones: the map reaches the stored codes."""
     model = tiny_model("llama")
