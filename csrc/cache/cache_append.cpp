@@ -155,8 +155,10 @@ at::Tensor KVCache::Impl::check_append(const at::Tensor& k, const at::Tensor& v,
 
 void KVCache::Impl::append(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& valid,
                            bool hold) {
-  // ---- inputs -------------------------------------------------------------
-  const at::Tensor keep = check_append(k, v, valid);
+  store(k, v, check_append(k, v, valid), hold);
+}
+
+void KVCache::Impl::store(const at::Tensor& k, const at::Tensor& v, const at::Tensor& keep, bool hold) {
   const bool first = !started();
   const int64_t B = k.size(0), H = k.size(1), n = k.size(2), D = k.size(3);
 
@@ -394,7 +396,7 @@ at::Tensor KVCache::Impl::append_and_attend(const at::Tensor& k, const at::Tenso
   TORCH_CHECK(q.defined() && q.dim() == 4 && q.size(2) == k.size(2), kCls,
               ": append_and_attend needs q [batch, q_heads, n, head_dim] for the n tokens of k, got q ",
               q.defined() ? q.sizes() : at::IntArrayRef{}, " and k ", k.sizes());
-  if (!started()) append(k.slice(2, 0, 0), v.slice(2, 0, 0), std::nullopt, false);  // fixes what q is checked against
+  if (!started()) store(k.slice(2, 0, 0), v.slice(2, 0, 0), {}, false);  // fixes what q is checked against
   check_attend(q, softcap);
   const int64_t n = k.size(2);
   std::vector<int64_t> cuts = compression_points(n);
@@ -403,7 +405,7 @@ at::Tensor KVCache::Impl::append_and_attend(const at::Tensor& k, const at::Tenso
   std::vector<at::Tensor> outs;
   for (size_t j = 0; j + 1 < cuts.size(); ++j) {
     const int64_t a = cuts[j], b = cuts[j + 1];
-    append(k.slice(2, a, b), v.slice(2, a, b), std::nullopt, true);
+    store(k.slice(2, a, b), v.slice(2, a, b), {}, true);  // checked above, as a whole
     outs.push_back(attend(q.slice(2, a, b), scale, softcap));
   }
   settle();
@@ -419,7 +421,7 @@ void KVCache::Impl::settle() {
   const int64_t limit = options.residual + chunk;
   if (std::none_of(tail_len.begin(), tail_len.end(), [&](int64_t t) { return t >= limit; })) return;
   const at::Tensor none = at::empty({batch, heads, 0, head_dim}, x_options);
-  append(none, none, std::nullopt, false);
+  store(none, none, {}, false);
 }
 
 }  // namespace nexuskv

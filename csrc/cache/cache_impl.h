@@ -111,6 +111,8 @@ struct KVCache::Impl {
   // returning the host copy of `valid` where it drops tokens.
   at::Tensor check_append(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& valid) const;
   void append(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& valid, bool hold);
+  // The append after its checks (keep: check_append's; undefined: every token is real).
+  void store(const at::Tensor& k, const at::Tensor& v, const at::Tensor& keep, bool hold);
   void settle();
   std::vector<int64_t> compression_points(int64_t n) const;
   at::Tensor append_and_attend(const at::Tensor& k, const at::Tensor& v, const at::Tensor& q,
