@@ -61,6 +61,13 @@ def add_arguments(p) -> None:
         help="full-precision tail the bit map is allocated for",
     )
     p.add_argument(
+        "--window-residual",
+        type=positive("--window-residual", 0),
+        default=None,
+        help="full-precision tail of the sliding-window layers the bit map is allocated for (default: --residual; "
+        "cache_for's byte policy keeps 0 there)",
+    )
+    p.add_argument(
         "--sinks",
         type=positive("--sinks", 0),
         default=4,  # nexuskv.hf.DEFAULT_SINKS, cache_for's default (tested; hf is not imported for --help)
@@ -178,7 +185,13 @@ def add_bit_map(recipe, model, windows, choices, args) -> None:
     from .eval_caches import head_dim_of, meta_dtype_for
     from .hf_compat import text_config
 
-    settings = dict(group_size=args.group_size, residual=args.residual, sinks=args.sinks, fit_range=args.fit_range)
+    settings = dict(
+        group_size=args.group_size,
+        residual=args.residual,
+        window_residual=args.window_residual,
+        sinks=args.sinks,
+        fit_range=args.fit_range,
+    )
     meta = meta_dtype_for(model.dtype)
 
     head_dim = head_dim_of(text_config(model))
@@ -186,9 +199,7 @@ def add_bit_map(recipe, model, windows, choices, args) -> None:
     costs = {b: ba.tensor_bits(b, head_dim, args.group_size, args.group_size, meta, model.dtype) for b in choices}
     cost = costs.__getitem__
 
-    allocated_for = dict(
-        choices=choices, group_size=args.group_size, residual=args.residual, sinks=args.sinks, fit_range=args.fit_range
-    )
+    allocated_for = dict(choices=choices, **settings)
     if args.sensitivity_from:
         scores, measured_on = reuse_sensitivity(args.sensitivity_from, model, allocated_for)
         print(f"sensitivity: from {args.sensitivity_from}")

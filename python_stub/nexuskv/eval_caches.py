@@ -89,7 +89,7 @@ def nexuskv(bits: int, residual: int = 128, **kw) -> Setting:
 
 
 def from_recipe(path: str) -> Setting:
-    """The nexuskv row of a recipe's bit map, with the groups, tail and sinks it was
+    """The nexuskv row of a recipe's bit map, with the groups, tails and sinks it was
     allocated for (its `bits` header)."""
     recipe = _recipe(path)
     if recipe.bit_map is None:
@@ -98,7 +98,8 @@ def from_recipe(path: str) -> Setting:
     return Setting(NEXUSKV, bits=0, residual=int(b.get("residual", 128)), group_size=int(b.get("group_size", 64)),
                    value_group_size=int(b.get("value_group_size", b.get("group_size", 64))),
                    sinks=int(b.get("sinks", 0)), recipe=path, fit_range=bool(b.get("fit_range", False)),
-                   value_fit_range=bool(b.get("value_fit_range", False)))
+                   value_fit_range=bool(b.get("value_fit_range", False)),
+                   window_residual=None if b.get("window_residual") is None else int(b["window_residual"]))
 
 
 @functools.lru_cache(maxsize=None)

@@ -530,6 +530,9 @@ def settings_from_args(args, sixteen_bit_model: bool = False) -> List[ec.Setting
         recipes.insert(0, ec.default_cache())
     if args.fit_recipes:  # each recipe's map with fitted key ranges too (and without, whichever it has)
         recipes += [dataclasses.replace(r, fit_range=not r.fit_range) for r in recipes]
+    if args.window_tails:  # each recipe's map also with these tails on the sliding-window layers
+        recipes += [dataclasses.replace(r, window_residual=w) for w in _ints(args.window_tails, "--window-tails")
+                    for r in recipes if r.recipe]
     if args.quick:
         return ec.grid(bits=(4,), tails=(0,), ablation_bits=(), best_2bit=False,
                        quanto_bits=() if args.no_quanto else (4,), equal_bits=equal) + recipes
@@ -624,7 +627,8 @@ def add_arguments(p, text_default: Optional[str] = None) -> None:
     p.add_argument("--bits", default="8,4,3,2", help="bit widths of the base nexuskv rows")
     p.add_argument("--tails", default="0,128", help="full-precision tails of the base nexuskv rows")
     p.add_argument("--window-tails", default="",
-                   help="also each base row with these tails on the sliding-window layers (default: none)")
+                   help="also each base row and each recipe row with these tails on the sliding-window layers "
+                        "(default: none)")
     p.add_argument("--base-knobs", default="",
                    help="comma-separated knobs (as --ablations) switched on in every base row (default: none)")
     p.add_argument("--ablation-bits", default="4,2", help="bit widths at which the knobs are switched on")

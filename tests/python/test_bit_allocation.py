@@ -359,6 +359,22 @@ def test_calibrate_cli_allocates_a_bit_map_and_reuses_its_sensitivity(tmp_path, 
     assert "measured with other settings: residual 16 (now 32)" in capsys.readouterr().err
     assert main(args + reuse + ["--bits-choices", "2,4", "--bits-budget", "6.0", "--fit-range"]) == 1
     assert "measured with other settings: fit_range False (now True)" in capsys.readouterr().err
+    assert main(args + reuse + ["--bits-choices", "2,4", "--bits-budget", "6.0", "--window-residual", "0"]) == 1
+    assert "measured with other settings: window_residual None (now 0)" in capsys.readouterr().err
+    # --window-residual: the sliding layers' tail the map is allocated for, recorded for eval --recipes
+    windowed = str(tmp_path / "w.safetensors")
+    assert (
+        main(
+            args
+            + settings
+            + ["--bits-choices", "2,4", "--bits-budget", "5.0", "--window-residual", "0", "--out", windowed]
+        )
+        == 0
+    )
+    assert Recipe.load(windowed).bits["window_residual"] == 0 and a.bits["window_residual"] is None
+    from nexuskv import eval_caches as ec
+
+    assert ec.from_recipe(windowed).window_residual == 0 and ec.from_recipe(first).window_residual is None
     # --fit-range: measured with fitted key ranges (other scores), recorded for eval --recipes
     fitted = str(tmp_path / "f.safetensors")
     assert (
@@ -367,8 +383,6 @@ def test_calibrate_cli_allocates_a_bit_map_and_reuses_its_sensitivity(tmp_path, 
     f = Recipe.load(fitted)
     assert f.bits["fit_range"] is True and not torch.equal(f.sensitivity, a.sensitivity)
     assert a.bits["fit_range"] is False
-    from nexuskv import eval_caches as ec
-
     assert ec.from_recipe(fitted).fit_range and not ec.from_recipe(first).fit_range
     # the chosen map measured with the values fitted too: asked for when that lowered its KL
     chosen_kl = next(c["kl"] for c in f.bits["candidates"] if c["chosen"])

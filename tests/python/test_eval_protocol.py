@@ -284,6 +284,37 @@ def test_grid_has_each_knob_alone_all_and_all_but_one():
         ec.grid(combinations=["pairs"])
 
 
+def test_window_tails_apply_to_recipe_rows_too():
+    """eval --recipes R --window-tails 0: the recipe's row as allocated (its tail everywhere) and
+    the same map with a 0-token tail on the sliding-window layers (the byte policy of
+    cache_for); --default-cache's row already has its own and is not repeated."""
+    import argparse
+
+    recipe = sorted((pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "recipes").glob("*.safetensors"))[0]
+    p = argparse.ArgumentParser()
+    evaluate.add_arguments(p)
+    args = p.parse_args(
+        [
+            "--bits",
+            "",
+            "--ablation-bits",
+            "",
+            "--no-quanto",
+            "--no-best-2bit",
+            "--recipes",
+            str(recipe),
+            "--window-tails",
+            "0",
+            "--default-cache",
+        ]
+    )
+    rows = [s for s in evaluate.settings_from_args(args) if s.kind == ec.NEXUSKV]
+    with_recipe = [s for s in rows if s.recipe]
+    assert [s.window_residual for s in with_recipe] == [None, 0]
+    assert with_recipe[1].name.endswith(" window tail 0") and with_recipe[0].residual == with_recipe[1].residual
+    assert [s for s in rows if not s.recipe] == [ec.default_cache()]
+
+
 def test_grid_repeats_the_rows_per_group_size_and_pairs_each_with_groups_of_64():
     """--group-sizes 64,128: every base and ablation row at both group sizes (keys over 128
     tokens and values over 128 channels: fewer scale and zero bits, what the row's bits say);
