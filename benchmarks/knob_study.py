@@ -9,20 +9,26 @@ tokens, the oldest whole chunks of `chunk` tokens beyond it are compressed.  So 
 the positions [sinks, sinks + chunk * floor((L - sinks - residual) / chunk)) are compressed, the
 rest exact, and a chunk's codes depend only on its own tokens: the query at position p (L = p + 1)
 sees the chunks compressed by then through their dequantized K/V and every other key and value
-exact.  One forward then equals decoding with the cache (the rule is checked against
-KVCache.compressed_lengths at start-up; `--check-cache` also compares the uniform row with the
-real cache run token by token on the first window).  Sliding-window layers keep no sinks and
-their own tail (`--window-residual`), as nexuskv.hf.cache_for makes them.
+exact.  One forward then equals decoding with the cache: the rule is checked against
+KVCache.compressed_lengths at start-up, and tests/python/test_knob_study.py holds one forward of
+the `uniform` row to decoding token by token through the real cache on tiny models.  (`nexuskv
+eval`'s first forward attends over its own K/V exactly; where a layer keeps no tail, its last
+query would see the first chunk compressed when decoding: one query per window.)  Sliding-window
+layers keep no sinks and their own tail (`--window-residual`), as nexuskv.hf.cache_for makes
+them.
 
 Quantizers, per compressed chunk [kv_heads, chunk, D]: keys per channel over groups of `group`
 tokens, values per token over groups of `group` channels (one per head when group >= D):
-- `uniform`: nexuskv's own nq_compress / nq_decompress (bf16 scales and zeros, fitted key ranges
-  with --fit): what the cache stores, bit for bit;
+- `uniform`: nexuskv's own nq_compress / nq_decompress (bf16 scales and zeros, fitted key ranges):
+  what the cache stores, bit for bit; `1 outlier per group`: nq's own fixed count;
+- `uniform, study quantizer`: the study's Python quantizer at nq's levels (its least-squares fit
+  is its own): the control that the rows through it are compared with;
 - `codebook`: the 2^b levels of each group are zero + range * t_i with t a table per layer, kv head
   and K / V (or per key channel: `codebook-ch`) fitted by Lloyd-Max (1-D k-means) on the
   calibration text's normalized entries (x - min) / (max - min) of the same groups; each entry
-  takes the nearest level; range and zero bf16; with --fit the range and zero are refitted by
-  least squares to the chosen levels (two rounds);
+  takes the nearest level; range and zero bf16; keys' range and zero refitted by least squares
+  to the chosen levels (two rounds); `ends pinned`: the end levels stay at the group's min and
+  max, only the inner ones are fitted;
 - `outliers F`: dense-and-sparse: per chunk and kv head, the fraction F of the entries farthest
   from their group's median (in units of the group's median absolute deviation) is kept exact
   (bf16 value + 1-byte position), the group's range taken over the rest; a 1-byte count per
@@ -38,6 +44,7 @@ cuts them; change against the same model with exact K/V, per segment and pooled.
 
     python benchmarks/knob_study.py --model gemma3-270m --text /usr/share/games/fortunes/songs-poems \
         --out benchmarks/knob_study-gemma3-270m-poems.json
+    python benchmarks/knob_study.py summarize benchmarks/knob_study-*.json   # the tables, paired verdicts
 """
 
 from __future__ import annotations
@@ -478,7 +485,58 @@ def rows_for(bits_list, knobs) -> List[Row]:
     return rows
 
 
+def baseline_of(row: Dict) -> Optional[str]:
+    """The row a knob row is compared with: the study's own quantizer at nq's levels for rows
+    through it (codebooks, outliers by fraction), nq_compress at the same bits for the others
+    (the study quantizer's own row among them: the control)."""
+    plain = f"{row['bits']}-bit uniform"
+    if row["name"] == plain:
+        return None
+    through_study = row["codebook"] not in (None, "uniform") or row["outliers"]
+    return f"{plain}, study quantizer" if through_study else plain
+
+
+def summarize(paths: List[str]) -> str:
+    """A markdown table per model and text (runs of the same ones merged, a later run's row
+    replacing an earlier one of the same name; their dense perplexities must agree): ΔPPL,
+    its range over the segments, and the paired verdict against the row's baseline."""
+    from nexuskv.evaluate import paired_verdict
+
+    runs: Dict[tuple, Dict] = {}
+    for path in paths:
+        doc = json.load(open(path))
+        key = (doc["model"], doc["text"])
+        if key in runs and any(abs(a - b) > 1e-3 * a for a, b in zip(runs[key]["dense"], doc["dense"])):
+            raise SystemExit(f"knob_study: {path}: other segments than the earlier run of {key}")
+        merged = runs.setdefault(key, dict(doc, rows={}))
+        merged["rows"].update({r["name"]: r for r in doc["rows"]})
+    out = []
+    for (model, text), doc in runs.items():
+        out += [
+            f"\n{model}, {os.path.basename(text)} (dense {', '.join(f'{d:.3f}' for d in doc['dense'])})\n",
+            "| row | bits | ΔPPL % [range] | against | paired verdict |",
+            "|---|---|---|---|---|",
+        ]
+        rows = doc["rows"]
+        for name, r in sorted(rows.items(), key=lambda kv: -kv[1]["bits"]):  # stable: run order within a width
+            base = baseline_of(r)
+            verdict = ""
+            if base in rows:
+                v = paired_verdict(
+                    *[dict(x, repeats=[{"delta_ppl_pct": d} for d in x["repeats"]]) for x in (r, rows[base])]
+                )
+                verdict = f"{v['verdict']} ({v['diff_pct']:+.2f})"
+            out.append(
+                f"| {name} | {r['effective_bits']['kv']:.3f} | {r['delta_ppl_pct']:+.2f} "
+                f"[{min(r['repeats']):+.2f} .. {max(r['repeats']):+.2f}] | {base or '-'} | {verdict or '-'} |"
+            )
+    return "\n".join(out)
+
+
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "summarize":
+        print(summarize(sys.argv[2:]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="nexuskv.models.load_model's path or name (default: SmolLM2)")
     ap.add_argument("--text", default=None, help="evaluation text (default: Debian's reference manual)")
