@@ -82,7 +82,6 @@ class Row:
     outliers: float = 0.0  # fraction of each chunk's entries kept exact
     fixed_outliers: int = 0  # nq_compress's own: this many exact entries in every group
     prerope: bool = False
-    values: bool = True  # quantize the values (False: keys only, an ablation)
 
 
 @dataclass
@@ -292,8 +291,7 @@ class Study:
                 kq[:, s] = kr[0]
             else:
                 kq[:, s] = self.quantize(layer, k[:, s], "k", row)
-            if row.values:
-                vq[:, s] = self.quantize(layer, v[:, s], "v", row)
+            vq[:, s] = self.quantize(layer, v[:, s], "v", row)
             self.calls += 1
         return kq, vq, pol
 
@@ -423,8 +421,6 @@ def effective_bits(row: Row, head_dim: int, group: int, heads_layers: int, bytes
     meta = 2 * 16  # zero + scale (or range), bf16
 
     def one(kind: str) -> float:
-        if kind == "v" and not row.values:
-            return 16.0
         n = group if kind == "k" else min(group, head_dim)
         b = row.bits + meta / n
         if row.outliers:

@@ -12,7 +12,6 @@ import sys
 import pytest
 import torch
 
-import nexuskv
 from hf_helpers import tiny_model
 from nexuskv import eval_caches as ec
 
@@ -121,4 +120,10 @@ def test_one_study_forward_is_decoding_with_the_cache(arch):
 def test_the_policy_rule_is_the_caches():
     for pol in (ks.Policy(4, 60, 64), ks.Policy(0, 0, 16), ks.Policy(4, 8, 16)):
         ks.check_policy(pol, pol.chunk, upto=200)  # exits on a mismatch
-    assert nexuskv.cache.make_cache  # the check ran against the real cache
+
+    class OneLate(ks.Policy):  # a rule one token off is caught
+        def compressed(self, length: int) -> int:
+            return super().compressed(length - 1)
+
+    with pytest.raises(SystemExit, match="the policy rule says"):
+        ks.check_policy(OneLate(4, 8, 16), 16, upto=200)
