@@ -501,21 +501,26 @@ def summarize(paths: List[str]) -> str:
     runs: Dict[tuple, Dict] = {}
     for path in paths:
         doc = json.load(open(path))
-        key = (doc["model"], doc["text"])
+        a = doc["args"]
+        key = (doc["model"], doc["text"], a["group"], a["sinks"], a["residual"], a["window_residual"])
         if key in runs and any(abs(a - b) > 1e-3 * a for a, b in zip(runs[key]["dense"], doc["dense"])):
             raise SystemExit(f"knob_study: {path}: other segments than the earlier run of {key}")
         merged = runs.setdefault(key, dict(doc, rows={}))
         merged["rows"].update({r["name"]: r for r in doc["rows"]})
     out = []
-    for (model, text), doc in runs.items():
+    for (model, text, group, sinks, residual, window_residual), doc in runs.items():
+        policy = f"groups of {group}, {sinks} sinks, tail {residual}, sliding layers' tail {window_residual}"
+        dense = ", ".join(f"{d:.3f}" for d in doc["dense"])
         out += [
-            f"\n{model}, {os.path.basename(text)} (dense {', '.join(f'{d:.3f}' for d in doc['dense'])})\n",
+            f"\n{model}, {os.path.basename(text)}; {policy} (dense {dense})\n",
             "| row | bits | ΔPPL % [range] | against | paired verdict |",
             "|---|---|---|---|---|",
         ]
         rows = doc["rows"]
         for name, r in sorted(rows.items(), key=lambda kv: -kv[1]["bits"]):  # stable: run order within a width
             base = baseline_of(r)
+            if base not in rows and base is not None:  # a run without the control: nq's own row
+                base = f"{r['bits']}-bit uniform"
             verdict = ""
             if base in rows:
                 v = paired_verdict(
