@@ -57,7 +57,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
 import torch
@@ -230,13 +230,6 @@ def normalized(g: torch.Tensor) -> torch.Tensor:
     return (g - mn) / (mx - mn).clamp_min(1e-12)
 
 
-@dataclass
-class Codebooks:
-    """tables[(layer, "k" | "v", bits, per)] -> [H, G or 1, L]"""
-
-    tables: Dict = field(default_factory=dict)
-
-
 # ---------------------------------------------------------------------------------------------
 # the attention that shows every query what the cache shows it
 
@@ -245,7 +238,7 @@ class Study:
     def __init__(self, model, args):
         self.model, self.args = model, args
         self.row: Optional[Row] = None
-        self.codebooks = Codebooks()
+        self.codebooks: Dict[tuple, torch.Tensor] = {}  # (layer, "k" | "v", bits, per) -> [H, G or 1, L]
         self.calibration: Optional[Dict] = None  # layer -> list of (k, v, k_pre) while collecting
         self.pre: Dict[int, tuple] = {}  # id(post-RoPE key) -> (pre-RoPE key, cos, sin, apply)
         self.calls = 0  # quantized layer calls (the path ran)
@@ -268,7 +261,7 @@ class Study:
             per = "channel" if (row.codebook == "channel" and kind == "k") else row.codebook
             if per == "channel" and kind == "v":
                 per = "head"
-            levels = self.codebooks.tables[(layer, kind, row.bits, per)]
+            levels = self.codebooks[(layer, kind, row.bits, per)]
             levels = levels.repeat(1, g.shape[1] // levels.shape[1], 1)  # per channel: [H, D, L] per token block
         else:  # "uniform": the study's own quantizer with nq's levels (the control of the Python path)
             levels = uniform_levels(row.bits).view(1, 1, -1)
@@ -399,7 +392,7 @@ def fit_codebooks(study: Study, seqs, bits_list) -> None:
         k_all, v_all = torch.cat(per_kind["k"], 1), torch.cat(per_kind["v"], 1)
         kc_all = torch.cat(per_kind["kc"], 2)
         for bits in bits_list:
-            t = study.codebooks.tables
+            t = study.codebooks
             for kind, a in (("k", k_all), ("v", v_all)):
                 for per, pinned in (("head", False), ("pinned", True)):
                     t[(layer, kind, bits, per)] = torch.stack(
@@ -417,15 +410,16 @@ def fit_codebooks(study: Study, seqs, bits_list) -> None:
 
 
 def effective_bits(row: Row, head_dim: int, group: int, heads_layers: int, bytes_tokens: int) -> Dict[str, float]:
-    """Bits per element of the compressed part (keys, values, both), everything counted."""
-    meta = 2 * 16  # zero + scale (or range), bf16
+    """Bits per element of the compressed part (keys, values, both), everything counted: nq's
+    format (eval_caches._nq_bits: codes, bf16 scale and zero, fixed outliers as bf16 value + byte
+    position), plus what a knob adds."""
+    from nexuskv.eval_caches import _nq_bits
 
     def one(kind: str) -> float:
+        b = _nq_bits(row.bits, group, head_dim, row.fixed_outliers, META, META, channel_groups=kind == "v")
         n = group if kind == "k" else min(group, head_dim)
-        b = row.bits + meta / n
         if row.outliers:
             b += row.outliers * (16 + 8) + 8 / n  # value + position, a count per group
-        b += row.fixed_outliers * (16 + 8) / n  # nq's: a bf16 value and a 1-byte position each
         if row.codebook in ("head", "channel", "pinned"):
             tables = (head_dim if (row.codebook == "channel" and kind == "k") else 1) * heads_layers
             b += tables * (2**row.bits) * 16 / (bytes_tokens * head_dim * heads_layers)
