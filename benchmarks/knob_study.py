@@ -82,6 +82,12 @@ class Row:
     outliers: float = 0.0  # fraction of each chunk's entries kept exact
     fixed_outliers: int = 0  # nq_compress's own: this many exact entries in every group
     prerope: bool = False
+    # an orthogonal change of basis of each layer's and kv head's head_dim before quantizing (q
+    # rotated alike: scores exact up to the codes), "hadamard": nexuskv's own randomized
+    # Hadamard (cache_for(rotate=True)); "klt": the eigenvectors of the calibration text's key
+    # (or value) covariance, a fitted rotation; applied to keys, and to values if `rotate_values`
+    rotation: Optional[str] = None
+    rotate_values: Optional[str] = None
 
 
 @dataclass
@@ -239,6 +245,7 @@ class Study:
         self.model, self.args = model, args
         self.row: Optional[Row] = None
         self.codebooks: Dict[tuple, torch.Tensor] = {}  # (layer, "k" | "v", bits, per) -> [H, G or 1, L]
+        self.rotations: Dict[tuple, torch.Tensor] = {}  # (layer, "k" | "v", "klt") -> [H, D, D] orthogonal
         self.calibration: Optional[Dict] = None  # layer -> list of (k, v, k_pre) while collecting
         self.pre: Dict[int, tuple] = {}  # id(post-RoPE key) -> (pre-RoPE key, cos, sin, apply)
         self.calls = 0  # quantized layer calls (the path ran)
@@ -268,6 +275,16 @@ class Study:
         exact = outlier_mask(g, row.outliers) if row.outliers else None
         return _ungroup(quantize_levels(g, levels, fit, exact), x.shape, axis, group)
 
+    def rotated_quantize(self, layer: int, x: torch.Tensor, kind: str, row: Row, how: Optional[str]):
+        """quantize() in a rotated basis: x R quantized, then rotated back (R orthogonal, [H, D, D])."""
+        if how is None:
+            return self.quantize(layer, x, kind, row)
+        if how == "hadamard":
+            r = hadamard_matrix(x.shape[-1], self.args.seed).expand(x.shape[0], -1, -1)
+        else:
+            r = self.rotations[(layer, kind, how)]
+        return self.quantize(layer, x @ r, kind, row) @ r.transpose(-1, -2)
+
     def compressed_view(self, layer, k, v, k_pre, window, row: Row):
         """Full-length K/V [H, n, D] in which every position that is ever compressed holds
         its dequantized value, and the number of such positions' start."""
@@ -283,8 +300,8 @@ class Study:
                 _, kr = apply(kp, kp, cos[:, s], sin[:, s])
                 kq[:, s] = kr[0]
             else:
-                kq[:, s] = self.quantize(layer, k[:, s], "k", row)
-            vq[:, s] = self.quantize(layer, v[:, s], "v", row)
+                kq[:, s] = self.rotated_quantize(layer, k[:, s], "k", row, row.rotation)
+            vq[:, s] = self.rotated_quantize(layer, v[:, s], "v", row, row.rotate_values)
             self.calls += 1
         return kq, vq, pol
 
@@ -367,13 +384,40 @@ def install(study: Study, model):
     return restore
 
 
-def fit_codebooks(study: Study, seqs, bits_list) -> None:
-    """Lloyd-Max tables from the calibration windows' compressed chunks."""
+def hadamard_matrix(d: int, seed: int) -> torch.Tensor:
+    """[D, D] orthogonal: what nexuskv's rotation does to a row, x -> x @ R (hadamard_rotate of
+    the identity's rows with rotation_signs(D, seed))."""
+    from nexuskv.compressors import rotation_signs
+    from nexuskv.ops import hadamard_rotate
+
+    return hadamard_rotate(torch.eye(d), rotation_signs(d, seed)).float()
+
+
+def collect(study: Study, seqs) -> Dict[int, list]:
+    """Each layer's (k, v, pre-RoPE k, window) on the calibration windows, exact attention."""
     study.calibration, study.row = {}, None
     with torch.inference_mode():
         for ids in seqs:
             study.model(ids, use_cache=False)
     cal, study.calibration = study.calibration, None
+    return cal
+
+
+def fit_rotations(study: Study, cal: Dict[int, list]) -> None:
+    """The KLT of each layer's and kv head's keys and values: eigenvectors of their covariance
+    over the calibration windows' positions that get compressed (sinks left out)."""
+    for layer, items in cal.items():
+        for i, kind in enumerate(("k", "v")):
+            xs = [item[i][:, study.policy(item[3]).sinks :].float() for item in items]  # [H, T, D]
+            x = torch.cat(xs, 1).double()
+            x = x - x.mean(1, keepdim=True)
+            cov = x.transpose(1, 2) @ x / x.shape[1]
+            _, vecs = torch.linalg.eigh(cov)  # columns: principal axes, ascending variance
+            study.rotations[(layer, kind, "klt")] = vecs.flip(-1).float().contiguous()
+
+
+def fit_codebooks(study: Study, cal: Dict[int, list], bits_list) -> None:
+    """Lloyd-Max tables from the calibration windows' compressed chunks."""
     g = study.args.group
     for layer, items in cal.items():
         per_kind = {"k": [], "v": [], "kc": []}
@@ -423,6 +467,8 @@ def effective_bits(row: Row, head_dim: int, group: int, heads_layers: int, bytes
         if row.codebook in ("head", "channel", "pinned"):
             tables = (head_dim if (row.codebook == "channel" and kind == "k") else 1) * heads_layers
             b += tables * (2**row.bits) * 16 / (bytes_tokens * head_dim * heads_layers)
+        if (row.rotation if kind == "k" else row.rotate_values) == "klt":  # a bf16 [D, D] matrix per layer and head
+            b += head_dim * 16 / bytes_tokens
         return b
 
     k, v = one("k"), one("v")
@@ -468,6 +514,15 @@ def rows_for(bits_list, knobs) -> List[Row]:
                     prerope=True,
                 )
             )
+        if "rotation" in knobs:
+            rows.append(
+                Row(f"{b}-bit Hadamard K and V (rotate=True)", b, rotation="hadamard", rotate_values="hadamard")
+            )
+            rows.append(Row(f"{b}-bit fitted rotation (KLT) keys", b, rotation="klt"))
+            rows.append(
+                Row(f"{b}-bit fitted rotation (KLT) keys, Hadamard values", b, rotation="klt", rotate_values="hadamard")
+            )
+            rows.append(Row(f"{b}-bit fitted rotation (KLT) K and V", b, rotation="klt", rotate_values="klt"))
         if "nofit" in knobs:
             rows.append(Row(f"{b}-bit uniform min/max", b, fit=False))
             if "codebook" in knobs:
@@ -547,8 +602,9 @@ def main() -> int:
     ap.add_argument(
         "--knobs",
         default="control,codebook,pinned,outliers,prerope",
-        help="row families: control, codebook, pinned, codebook-ch, outliers, prerope, nofit",
+        help="row families: control, codebook, pinned, codebook-ch, outliers, prerope, rotation, nofit",
     )
+    ap.add_argument("--seed", type=int, default=0, help="the Hadamard rows' random signs (cache_for's seed)")
     ap.add_argument("--prerope-codebooks", action="store_true", help="fit the key tables on pre-RoPE keys")
     ap.add_argument("--rows", default=None, help="only rows whose name contains one of these (comma-separated)")
     ap.add_argument("--bytes-tokens", type=int, default=4096, help="tokens a codebook table is amortized over")
@@ -590,11 +646,15 @@ def main() -> int:
 
     bits_list = [int(b) for b in args.bits.split(",")]
     knobs = [k for k in args.knobs.split(",") if k]
-    if any(k.startswith("codebook") for k in knobs):
+    if any(k.startswith("codebook") or k in ("pinned", "rotation") for k in knobs):
         t0 = time.time()
-        fit_codebooks(study, cal_seqs, bits_list)
+        cal = collect(study, cal_seqs)
+        if any(k.startswith("codebook") or k == "pinned" for k in knobs):
+            fit_codebooks(study, cal, bits_list)
+        if "rotation" in knobs:
+            fit_rotations(study, cal)
         print(
-            f"codebooks fitted on {args.calib_windows} x {args.tokens} tokens of {args.calib_text} "
+            f"codebooks / rotations fitted on {args.calib_windows} x {args.tokens} tokens of {args.calib_text} "
             f"({time.time() - t0:.0f} s)",
             flush=True,
         )

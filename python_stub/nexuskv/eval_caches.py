@@ -121,26 +121,33 @@ DENSE_SETTING = Setting(DENSE)
 KNOBS = {"outliers": dict(key_outliers=1, value_outliers=1), "rotate": dict(rotate=True), "dgq": dict(dgq=True),
          "sinks": dict(sinks=4), "fit": dict(fit_range=True)}
 COMBINATIONS = ("alone", "all", "leave-one-out")
-# The 2-bit setting recommended because it holds on every model measured (benchmarks/RESULTS.md,
-# SmolLM2-135M and Gemma 3 270M, the Debian manual and songs / poems, 3 x 1024 tokens each), chosen
-# by forward selection: a knob is in it only if, switched on together with the knobs already in,
-# it lowered ΔPPL beyond the noise in every run.  4 sinks first (alone: SmolLM2 +19.6 % -> +8.2 %,
-# Gemma 3 +13.4 % -> +7.6 % on the manual); then fitted key ranges on top of them (2.5 bits: e.g.
-# Gemma 3's poems +15.4 % -> +4.8 %); the rotation helped SmolLM2 but made Gemma 3 far worse, so it
-# stays a per-model choice.  tests/python/test_eval_protocol.py re-derives this from the committed
-# runs (eval*.json, knobs2*.json).
+# The 2-bit knobs (what cache_for(model, bits=2) switches on; its groups and tails are
+# hf.default_policy's), on groups of 64 and a 128-token tail, where they were chosen because they hold
+# on every model measured (benchmarks/RESULTS.md, SmolLM2-135M and Gemma 3 270M, the Debian manual and
+# songs / poems, 3 x 1024 tokens each), by forward selection: a knob is in it only if, switched on
+# together with the knobs already in, it lowered ΔPPL beyond the noise in every run. 4 sinks first
+# (alone: SmolLM2 +19.6 % -> +8.2 %, Gemma 3 +13.4 % -> +7.6 % on the manual); then fitted key ranges
+# on top of them (2.5 bits: e.g. Gemma 3's poems +15.4 % -> +4.8 %); the rotation helped SmolLM2 but
+# made Gemma 3 far worse, so it stays a per-model choice.  tests/python/test_eval_protocol.py
+# re-derives this from the committed runs (eval*.json, knobs2*.json).
 RECOMMENDED_2BIT = nexuskv(2, 128, sinks=4, fit_range=True)
 
 
-def default_cache() -> Setting:
-    """The row of `cache_for(model)` with no settings: 4 bits in groups of 64, the byte
-    policy's tails (DEFAULT_RESIDUAL full-precision tokens on full-attention layers, the
-    DEFAULT_SINKS sinks among them; none on sliding-window ones), fitted key ranges.  tests/python/
-    test_eval_caches.py checks it against the cache."""
+def default_cache(bits: int = 4) -> Setting:
+    """The row of `cache_for(model, bits=bits)` with no other settings (hf.default_policy):
+    at 4 bits groups of 64, the byte policy's tails (DEFAULT_RESIDUAL full-precision tokens on
+    full-attention layers, the DEFAULT_SINKS sinks among them; none on sliding-window ones); at
+    2 bits groups of 128 and a 128-token tail on every layer besides the sinks; fitted key
+    ranges.  tests/python/test_eval_caches.py checks it against the cache."""
     from . import hf
 
-    return nexuskv(4, hf.DEFAULT_RESIDUAL - hf.DEFAULT_SINKS, window_residual=0, sinks=hf.DEFAULT_SINKS,
-                   fit_range=True)
+    p = hf.default_policy(bits)
+    if p["residual"] is None:
+        return nexuskv(bits, hf.DEFAULT_RESIDUAL - p["sinks"], window_residual=p["window_residual"],
+                       sinks=p["sinks"], fit_range=True)
+    window = None if p["window_residual"] == p["residual"] else p["window_residual"]
+    return nexuskv(bits, p["residual"], group_size=p["group_size"], value_group_size=p["group_size"],
+                   window_residual=window, sinks=p["sinks"], fit_range=True)
 
 
 def with_knobs(bits: int, knobs, residual: int = 128, group_size: int = 64) -> Setting:

@@ -520,6 +520,31 @@ def _ints(text: str, what: str) -> List[int]:
         raise SystemExit(f"eval: {what} must be comma-separated integers, got {text!r}") from None
 
 
+def default_variants(text: str) -> List[ec.Setting]:
+    """--default-variants: ';'-separated variants of a default cache row, each comma-separated
+    FIELD=INT of ec.Setting (bits, group_size, value_group_size, residual, window_residual, sinks,
+    key_outliers, value_outliers; fit_range and value_fit_range as 0 / 1), applied to
+    ec.default_cache(bits) (the row cache_for(model, bits=...) makes with nothing else given)."""
+    ints = ("bits", "group_size", "value_group_size", "residual", "window_residual", "sinks", "key_outliers",
+            "value_outliers")
+    flags = ("fit_range", "value_fit_range")
+    rows = []
+    for item in (x.strip() for x in text.split(";")):
+        if not item:
+            continue
+        fields = {}
+        for pair in item.split(","):
+            name, _, value = (x.strip() for x in pair.partition("="))
+            if name not in ints + flags or not value.isdigit() or (name in flags and value not in ("0", "1")):
+                raise SystemExit(f"eval: --default-variants: {pair.strip()!r} must be FIELD=INT with FIELD among "
+                                 f"{', '.join(ints + flags)} (the last two 0 or 1)")
+            fields[name] = bool(int(value)) if name in flags else int(value)
+        if fields.get("bits", 4) not in (2, 3, 4, 8):
+            raise SystemExit(f"eval: --default-variants: bits must be 2, 3, 4 or 8, got {fields['bits']}")
+        rows.append(dataclasses.replace(ec.default_cache(fields.get("bits", 4)), **fields))
+    return rows
+
+
 def settings_from_args(args, sixteen_bit_model: bool = False) -> List[ec.Setting]:
     """The grid the flags ask for.  On a 16-bit model quanto's scales are 16-bit already
     and nexuskv's metadata is the model's dtype, so the equal-bit variants coincide
@@ -527,7 +552,8 @@ def settings_from_args(args, sixteen_bit_model: bool = False) -> List[ec.Setting
     equal = not args.no_equal_bits and not sixteen_bit_model
     recipes = [ec.from_recipe(path) for path in args.recipes.split(",") if path]
     if args.default_cache:
-        recipes.insert(0, ec.default_cache())
+        recipes[:0] = [ec.default_cache(4), ec.default_cache(2)]
+    recipes += default_variants(args.default_variants)
     if args.fit_recipes:  # each recipe's map with fitted key ranges too (and without, whichever it has)
         recipes += [dataclasses.replace(r, fit_range=not r.fit_range) for r in recipes]
     if args.window_tails:  # each recipe's map also with these tails on the sliding-window layers
@@ -641,8 +667,14 @@ def add_arguments(p, text_default: Optional[str] = None) -> None:
     p.add_argument("--combinations", default=",".join(ec.COMBINATIONS),
                    help="knob rows: alone (each knob), all (every knob), leave-one-out (all but each)")
     p.add_argument("--default-cache", action="store_true",
-                   help="also the row of cache_for(model) with no settings (4-bit, 4 sinks and a 60-token tail on "
-                        "full-attention layers, no tail on sliding ones, fitted key ranges)")
+                   help="also the rows of cache_for(model) and cache_for(model, bits=2) with no other settings "
+                        "(4-bit: groups of 64, 4 sinks and a 60-token tail on full-attention layers, no tail on "
+                        "sliding ones; 2-bit: groups of 128, 4 sinks and a 128-token tail on every layer; fitted "
+                        "key ranges)")
+    p.add_argument("--default-variants", default="",
+                   help="';'-separated variants of the default rows, each comma-separated FIELD=INT, e.g. "
+                        "'value_group_size=128,value_outliers=1;bits=3' (fields of eval_caches.Setting; the base is "
+                        "the row cache_for(model, bits=B) makes, B = the variant's bits, 4 if none)")
     p.add_argument("--no-best-2bit", action="store_true",
                    help="leave out the recommended 2-bit setting (eval_caches.RECOMMENDED_2BIT)")
     p.add_argument("--recipes", default="",

@@ -589,9 +589,43 @@ DEFAULT_RESIDUAL = 64  # the full-precision tail of full-attention layers when c
 # without (+0.41 / +0.70 / +0.03 / +1.17 against +0.43 / +0.76 / -0.01 / +1.64 %): benchmarks/
 # RESULTS.md, "Defaults at 4 bits".  They take 4 of the byte policy's 64 full-precision tokens.
 DEFAULT_SINKS = 4
+# At 2 bits cache_for's defaults change: keys in groups of 128 tokens (values of 128 channels, or
+# the whole head if narrower), so scales and zeros cost 0.25 bits instead of 0.5, and a 128-token
+# tail on every layer, sliding-window ones too (+ the sinks).  Measured (benchmarks/RESULTS.md,
+# "2 bits at the recipes' policy"; SmolLM2 and Gemma 3, the manual / songs and poems): +1.63 /
+# +2.11 / +1.92 / +2.42 % at 2.375 / 2.25 bits, against +3.0 / +3.5 / +7.8 / +8.8 % at 2.5 bits
+# with 4-bit's groups of 64 and byte-policy tails.  The mixed-precision maps of `calibrate` are
+# allocated for this policy too (their headers).
+LOW_BITS = 2
+LOW_BITS_GROUP_SIZE = 128
+LOW_BITS_RESIDUAL = 128
 
 
-def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size: int = 64,
+def default_policy(bits=4, value_bits=None, recipe_bits: Optional[dict] = None) -> dict:
+    """The groups, tails and sinks cache_for takes for those it is not given: a recipe's
+    (``recipe_bits``: its header, what its bit map was allocated for), else by width: keys and
+    values of at most LOW_BITS bits get LOW_BITS_GROUP_SIZE and a LOW_BITS_RESIDUAL tail on every
+    layer; wider ones groups of 64 and the byte policy (``residual`` None: DEFAULT_RESIDUAL
+    tokens minus the sinks on full-attention layers, none on sliding-window ones)."""
+    if recipe_bits and "group_size" in recipe_bits:
+        def field(name, default, least):
+            v = recipe_bits.get(name)
+            v = default if v is None else v  # absent or null: the default
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"nexuskv: the recipe's bits.{name} must be an int >= {least}, got {v!r}")
+            return v
+
+        group, residual = field("group_size", None, 1), field("residual", 128, 0)
+        return dict(group_size=group, value_group_size=field("value_group_size", group, 1), residual=residual,
+                    window_residual=field("window_residual", residual, 0), sinks=field("sinks", 0, 0))
+    widths = (bits, bits if value_bits is None else value_bits)
+    if all(isinstance(b, int) and not isinstance(b, bool) and b <= LOW_BITS for b in widths):
+        return dict(group_size=LOW_BITS_GROUP_SIZE, residual=LOW_BITS_RESIDUAL, window_residual=LOW_BITS_RESIDUAL,
+                    sinks=DEFAULT_SINKS)
+    return dict(group_size=64, residual=None, window_residual=0, sinks=DEFAULT_SINKS)
+
+
+def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size: Optional[int] = None,
               residual: Optional[int] = None,
               outliers: int = 0, dynamic_keys: bool = False, rotate: bool = False, seed: int = 0,
               sinks: Optional[int] = None,
@@ -627,9 +661,14 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
     raise a ValueError here.  A DeepSpeed v1 InferenceEngine is taken as its module, with
     the KV heads its tensor-parallel rank holds (nexuskv.integrations.deepspeed).
 
+    Groups, tails and sinks not given follow a recipe's header when there is one (the policy
+    its map was allocated and measured with), else the width (default_policy): at 2 bits groups
+    of 128 and a 128-token tail on every layer (LOW_BITS_*: measured lower than 4-bit's policy
+    on both models and texts), wider ones groups of 64 and the byte policy below.
+
     The tails: ``residual`` on full-attention layers, ``window_residual`` on sliding-window
-    layers (default: ``residual`` when that is given).  Given neither, the byte policy of
-    benchmarks/RESULTS.md ("The tail against the 30 % byte target"): 64 full-precision
+    layers (default: ``residual`` when that is given).  Given neither, at 3 bits and up the byte
+    policy of benchmarks/RESULTS.md ("The tail against the 30 % byte target"): 64 full-precision
     tokens (DEFAULT_RESIDUAL) on full-attention layers, the sinks included (a 60-token tail
     with the 4 default sinks: the same tokens held as 64 without sinks, at every length), and none
     on sliding-window ones.  A sliding
@@ -652,6 +691,7 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
     cache keeps sinks (so by default; off with sinks=0, with static=True, on a model whose
     layers all slide, and for now on a GPU model: _default_fit_range).  A recipe's map gets
     it too (with the fit the maps calibrated without it measured lower, RESULTS.md).
+    A recipe calibrated without the fit (its header's ``fit_range`` false) keeps min/max ranges.
     ``value_fit_range=True`` fits the values' groups too (measured higher on SmolLM2, lower on
     Gemma 3); default (None): what the recipe asks for (calibrate --fit-range measures it on
     the recipe's map), min/max without a recipe.  Not with static=True.
@@ -659,30 +699,38 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
     Mixed precision: ``bit_map`` = [[key bits, value bits] per layer] replaces ``bits`` and
     ``value_bits`` layer by layer; ``recipe`` (a nexuskv.recipe.Recipe or its file, from
     ``python -m nexuskv calibrate --bits-budget B``) gives the bit map it allocated for this
-    model under that budget (it is refused for another model, or without a bit map).  The
-    other settings stay the caller's: use the group sizes, tail and sinks the recipe was
-    allocated with (its ``bits`` header) to get what it measured."""
+    model under that budget (it is refused for another model, or without a bit map); the
+    group sizes, tails and sinks it was allocated with (its ``bits`` header) are the defaults
+    then, so that the cache is the one it measured."""
     register()
     _check_kv_heads(kv_heads)
-    bit_map, recipe_value_fit = _bit_map(model, bit_map, recipe)
+    bit_map, recipe_bits = _bit_map(model, bit_map, recipe)
     if value_fit_range is None:  # the recipe's choice (calibrate --fit-range), min/max without one; CPU only
-        value_fit_range = recipe_value_fit and not static and _on_cpu(model)
+        value_fit_range = bool(recipe_bits.get("value_fit_range", False)) and not static and _on_cpu(model)
     for name, tail in (("residual", residual), ("window_residual", window_residual)):
         if tail is not None and (isinstance(tail, bool) or not isinstance(tail, int) or tail < 0):
             raise ValueError(f"nexuskv: {name} must be None or an int >= 0, got {tail!r}")
+    policy = default_policy(bits, value_bits, recipe_bits)
+    if value_group_size is None:  # the policy's with its key groups, else as the keys
+        value_group_size = policy.get("value_group_size", policy["group_size"]) if group_size is None else group_size
+    if group_size is None:
+        group_size = policy["group_size"]
     if window_residual is None:
-        window_residual = 0 if residual is None else residual
+        window_residual = policy["window_residual"] if residual is None else residual
     if sinks is None:
-        sinks = 0 if static else DEFAULT_SINKS
-    if residual is None:  # the sinks count towards the byte policy's full-precision tokens
-        residual = max(DEFAULT_RESIDUAL - (sinks if isinstance(sinks, int) else 0), 0)
+        sinks = 0 if static else policy["sinks"]
+    if residual is None:
+        residual = policy["residual"]
+        if residual is None:  # the sinks count towards the byte policy's full-precision tokens
+            residual = max(DEFAULT_RESIDUAL - (sinks if isinstance(sinks, int) else 0), 0)
     model, kv_heads = integrations.deepspeed.unwrap_for_cache(model, kv_heads)
     if not hasattr(model, "config"):
         raise TypeError(f"nexuskv: cache_for needs a transformers model (with a .config) or a DeepSpeed engine, "
                         f"got {type(model).__name__}")
     geometries = hf_compat.layer_geometries(model)
     if fit_range is None:
-        fit_range = _default_fit_range(model, geometries, sinks, static)
+        # a recipe allocated for min/max ranges (calibrate without --fit-range) keeps them
+        fit_range = _default_fit_range(model, geometries, sinks, static) and bool(recipe_bits.get("fit_range", True))
     if kv_heads is not None and kv_heads != "auto":
         geometries = [LayerGeometry(int(kv_heads), g.key_dim, g.value_dim, g.window, g.layer_type)
                       for g in geometries]
@@ -771,11 +819,11 @@ def _on_cpu(model) -> bool:
     return device.type == "cpu"
 
 
-def _bit_map(model, bit_map, recipe) -> Tuple[Optional[list], bool]:
+def _bit_map(model, bit_map, recipe) -> Tuple[Optional[list], dict]:
     """cache_for's bit map: the one given, or the recipe's (checked against the model), as
-    [[key bits, value bits], ...] of ints; None for neither.  And whether the recipe asks for
-    fitted value ranges (calibrate --fit-range measured them lower on its map)."""
-    value_fit = False
+    [[key bits, value bits], ...] of ints; None for neither.  And the recipe's ``bits``
+    header (what its map was allocated for: groups, tails, sinks, fitted ranges), {} without one."""
+    header: dict = {}
     if recipe is not None:
         from .recipe import Recipe, model_facts
 
@@ -792,9 +840,9 @@ def _bit_map(model, bit_map, recipe) -> Tuple[Optional[list], bool]:
             raise ValueError("nexuskv: this recipe has no bit map (it holds key means for the vLLM backend); make "
                              "one with python -m nexuskv calibrate --bits-budget B")
         bit_map = recipe.bit_map.tolist()
-        value_fit = bool(recipe.bits.get("value_fit_range", False))
+        header = dict(recipe.bits)
     if bit_map is None:
-        return None, value_fit
+        return None, header
     try:
         rows = [[int(b) for b in row] for row in bit_map]
         ok = all(len(row) == 2 for row in rows) and all(not isinstance(b, bool) and int(b) == b
@@ -807,7 +855,7 @@ def _bit_map(model, bit_map, recipe) -> Tuple[Optional[list], bool]:
     for i, row in enumerate(rows):
         if any(b not in (2, 3, 4, 8) for b in row):
             raise ValueError(f"nexuskv: bit_map[{i}] = {row}: key and value bits must be among 2, 3, 4, 8")
-    return rows, value_fit
+    return rows, header
 
 
 def enable(model, **cache_kwargs):

@@ -177,6 +177,77 @@ def test_the_recipe_bit_map_reaches_the_cache_and_the_static_cache(tmp_path):
     assert [(layer.settings["bits"], layer.settings["value_bits"]) for layer in static.layers] == [(3, 4), (4, 2)]
 
 
+def test_cache_for_takes_the_groups_tails_and_sinks_the_recipe_was_allocated_for(tmp_path):
+    """cache_for(model, recipe=FILE) with no other settings is the cache the recipe's map was
+    allocated and measured with (its `bits` header: groups, tails, sinks), i.e. eval's row of
+    the recipe (ec.from_recipe: the same logits); without a window_residual in the header the
+    sliding-window layers take its tail too; settings given win (values then grouped as the
+    keys given)."""
+    model = tiny_model("gemma3")  # sliding, full, sliding
+    ids = torch.randint(3, 200, (1, 160), generator=torch.Generator().manual_seed(2))
+    recipe, _ = calibrate(model, [ids[:, :40]], {"model": "tiny gemma3"})
+    recipe.bit_map = torch.tensor([[2, 4], [4, 2], [3, 3]], dtype=torch.int32)
+    recipe.bits = {
+        "budget": 3.25,
+        "choices": [2, 3, 4],
+        "group_size": 32,
+        "value_group_size": 16,
+        "residual": 24,
+        "window_residual": 8,
+        "sinks": 2,
+        "fit_range": True,
+    }
+    path = str(tmp_path / "r.safetensors")
+    recipe.save(path)
+
+    def policy(cache):
+        return [
+            tuple(_config(layer, k) for k in ("key_group_size", "value_group_size", "residual", "sinks"))
+            for layer in cache.layers
+        ]
+
+    def logits(cache):
+        with torch.no_grad():
+            return torch.cat(
+                [
+                    model(ids[:, i : i + 32], past_key_values=cache, use_cache=True).logits
+                    for i in range(0, ids.shape[1], 32)
+                ],
+                1,
+            )
+
+    cache = cache_for(model, recipe=path)
+    assert policy(cache) == [(32, 16, 8, 0), (32, 16, 24, 2), (32, 16, 8, 0)]
+    ours = logits(cache)
+    assert int(cache.layers[1].cache.compressed_lengths()[0]) > 0
+    assert torch.equal(logits(ec.make_cache(model, ec.from_recipe(path))), ours)
+    assert not torch.equal(
+        logits(
+            cache_for(model, recipe=path, group_size=32, value_group_size=16, residual=24, window_residual=8, sinks=0)
+        ),
+        ours,
+    )
+    assert policy(cache_for(model, recipe=path, group_size=64, residual=60, sinks=4)) == [
+        (64, 64, 60, 0),
+        (64, 64, 60, 4),
+        (64, 64, 60, 0),
+    ]
+    assert _config(cache.layers[1], "key_fit_range") == 1
+    for name, bad in (("group_size", 0), ("residual", "60"), ("sinks", -1), ("window_residual", 1.5)):
+        broken = Recipe.load(path)
+        broken.bits[name] = bad
+        with pytest.raises(ValueError, match=rf"the recipe's bits.{name} must be an int >= [01], got"):
+            cache_for(model, recipe=broken)
+    del recipe.bits["window_residual"]
+    recipe.bits["fit_range"] = False  # allocated for min/max ranges: the cache keeps them
+    path = str(tmp_path / "r2.safetensors")  # another path: eval_caches caches recipes by path
+    recipe.save(path)
+    cache = cache_for(model, recipe=path)
+    assert policy(cache) == [(32, 16, 24, 0), (32, 16, 24, 2), (32, 16, 24, 0)]
+    assert "config.key_fit_range" not in cache.layers[1].cache.state_dict()  # written only when on
+    assert torch.equal(logits(ec.make_cache(model, ec.from_recipe(path))), logits(cache))
+
+
 def test_bad_bit_maps_and_recipes_fail_clearly(tmp_path):
     model, qwen3 = tiny_model("llama"), tiny_model("qwen3")
     for bad, message in [

@@ -229,6 +229,57 @@ def test_the_default_cache_row_is_what_cache_for_makes():
     )
 
 
+def _policy(cache):
+    """Per layer: (key group, value group, tail, sinks, fitted keys), from the C++ cache's config."""
+    out = []
+    for layer in cache.layers:
+        sd = layer.cache.state_dict()
+        out.append(
+            tuple(int(sd["config." + k]) for k in ("key_group_size", "value_group_size", "residual", "sinks"))
+            + (bool(int(sd.get("config.key_fit_range", torch.tensor(0)))),)
+        )
+    return out
+
+
+def test_the_2bit_default_is_groups_of_128_and_the_tail_on_every_layer():
+    """cache_for(model, bits=2) with no other settings (hf.default_policy): keys over 128
+    tokens and values over 128 channels, a 128-token tail on full-attention and sliding-window
+    layers alike, the 4 sinks on full-attention layers, fitted keys; eval's default_cache(2) row
+    is that cache (the same logits, compressed chunks on the full-attention layer), not the
+    4-bit policy at 2 bits.  A wider width on either side keeps the 4-bit policy; given
+    settings win."""
+    from hf_helpers import tiny_model
+
+    model = tiny_model("gemma3")  # sliding, full, sliding (window 32)
+    ids = torch.randint(3, 200, (1, 400), generator=torch.Generator().manual_seed(1))
+
+    def logits(cache):
+        with torch.no_grad():
+            chunks = [ids[:, i : i + 64] for i in range(0, ids.shape[1], 64)]
+            return torch.cat([model(c, past_key_values=cache, use_cache=True).logits for c in chunks], 1)
+
+    low = (hf.LOW_BITS_GROUP_SIZE, hf.LOW_BITS_GROUP_SIZE, hf.LOW_BITS_RESIDUAL)
+    assert low == (128, 128, 128)
+    cache = hf.cache_for(model, bits=2)
+    assert _policy(cache) == [low + (0, True), low + (hf.DEFAULT_SINKS, True), low + (0, True)]
+    ours = logits(cache)
+    assert int(cache.layers[1].cache.compressed_lengths()[0]) == 256  # 128 x floor((400 - 4 - 128) / 128)
+    assert torch.equal(logits(ec.make_cache(model, ec.default_cache(2))), ours)
+    assert not torch.equal(logits(hf.cache_for(model, bits=2, group_size=64, residual=60, window_residual=0)), ours)
+    four = [(64, 64, 0, 0, True), (64, 64, hf.DEFAULT_RESIDUAL - hf.DEFAULT_SINKS, hf.DEFAULT_SINKS, True)]
+    assert _policy(hf.cache_for(model, bits=2, value_bits=4))[:2] == four
+    assert _policy(hf.cache_for(model, bits=4, value_bits=2))[:2] == four
+    assert _policy(hf.cache_for(model))[:2] == four
+    assert _policy(hf.cache_for(model, bits=2, group_size=32, residual=16))[:2] == [
+        (32, 32, 16, 0, True),
+        (32, 32, 16, 4, True),
+    ]
+    assert _policy(hf.cache_for(model, bits=2, window_residual=8, sinks=0))[:2] == [
+        (128, 128, 8, 0, False),
+        (128, 128, 128, 0, False),
+    ]
+
+
 @pytest.mark.parametrize("tokens", [63, 64, 68, 127, 128, 131, 200, 4096])
 def test_the_default_sinks_cost_no_bytes_over_the_byte_policy(tokens):
     """cache_for's 4 default sinks count towards the 64 full-precision tokens of the byte policy

@@ -5,6 +5,7 @@ window starts the way the tokenizer starts a sequence, the capture sees what the
 model's attention sees (masks included), quanto and nexuskv meet at equal effective
 bits, knob verdicts respect the noise, and `eval --model DIR` runs end to end."""
 
+import dataclasses
 import json
 import pathlib
 import sys
@@ -284,35 +285,46 @@ def test_grid_has_each_knob_alone_all_and_all_but_one():
         ec.grid(combinations=["pairs"])
 
 
+def _rows_only(*argv):
+    """eval's arguments with no grid rows (no widths, ablations, quanto or 2-bit row) plus argv."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    evaluate.add_arguments(p)
+    return p.parse_args(["--bits", "", "--ablation-bits", "", "--no-quanto", "--no-best-2bit", *argv])
+
+
 def test_window_tails_apply_to_recipe_rows_too():
     """eval --recipes R --window-tails 0: the recipe's row as allocated (its tail everywhere) and
     the same map with a 0-token tail on the sliding-window layers (the byte policy of
-    cache_for); --default-cache's row already has its own and is not repeated."""
-    import argparse
-
+    cache_for); --default-cache's rows already have their own and are not repeated."""
     recipe = sorted((pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "recipes").glob("*.safetensors"))[0]
-    p = argparse.ArgumentParser()
-    evaluate.add_arguments(p)
-    args = p.parse_args(
-        [
-            "--bits",
-            "",
-            "--ablation-bits",
-            "",
-            "--no-quanto",
-            "--no-best-2bit",
-            "--recipes",
-            str(recipe),
-            "--window-tails",
-            "0",
-            "--default-cache",
-        ]
-    )
+    args = _rows_only("--recipes", str(recipe), "--window-tails", "0", "--default-cache")
     rows = [s for s in evaluate.settings_from_args(args) if s.kind == ec.NEXUSKV]
     with_recipe = [s for s in rows if s.recipe]
     assert [s.window_residual for s in with_recipe] == [None, 0]
     assert with_recipe[1].name.endswith(" window tail 0") and with_recipe[0].residual == with_recipe[1].residual
-    assert [s for s in rows if not s.recipe] == [ec.default_cache()]
+    assert [s for s in rows if not s.recipe] == [ec.default_cache(4), ec.default_cache(2)]
+
+
+def test_default_variants_change_fields_of_the_default_rows():
+    """eval --default-variants 'a=1,b=2;...': each variant is the row cache_for(model, bits=B)
+    makes (ec.default_cache(B)) with those fields changed; bad fields or values stop with a
+    message naming the flag."""
+    args = _rows_only(
+        "--default-variants", "value_group_size=128,value_outliers=1; bits=2 ;value_fit_range=1,residual=0"
+    )
+    rows = evaluate.settings_from_args(args)
+    d4, d2 = ec.default_cache(4), ec.default_cache(2)
+    assert rows[-3:] == [
+        dataclasses.replace(d4, value_group_size=128, value_outliers=1),
+        d2,
+        dataclasses.replace(d4, value_fit_range=True, residual=0),
+    ]
+    assert d2.group_size == 128 and d4.group_size == 64
+    for bad in ("value_outliers=x", "colour=1", "fit_range=2", "bits=5", "residual"):
+        with pytest.raises(SystemExit, match="--default-variants"):
+            evaluate.default_variants(bad)
 
 
 def test_grid_repeats_the_rows_per_group_size_and_pairs_each_with_groups_of_64():
