@@ -1,5 +1,5 @@
 """Issue 21's unbuilt knobs measured on nexuskv's own cache before any is built: non-uniform
-codebooks, outliers by fraction, pre-RoPE keys.
+codebooks, outliers by fraction, pre-RoPE keys, a fitted rotation.
 
 A study, not a timing, and decode-exact: the real model runs in float32, once per text window,
 with an attention function (transformers' AttentionInterface) that gives every query what
@@ -33,6 +33,10 @@ tokens, values per token over groups of `group` channels (one per head when grou
   from their group's median (in units of the group's median absolute deviation) is kept exact
   (bf16 value + 1-byte position), the group's range taken over the rest; a 1-byte count per
   group;
+- `rotation`: K (and V) quantized in another orthonormal basis of head_dim, queries alike (scores
+  exact up to the codes): nexuskv's randomized Hadamard (`rotate=True`'s, bit for bit) or the KLT
+  (eigenvectors of the calibration text's covariance per layer, K / V and kv head: a fitted
+  rotation; its bf16 [D, D] table counted like a codebook's);
 - `prerope`: keys quantized before RoPE (the keys the layer's apply_rotary_pos_emb received,
   recorded by wrapping it), RoPE applied to the dequantized keys (what a fused kernel that
   rotates keys on the fly would attend over).

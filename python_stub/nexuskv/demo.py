@@ -7,6 +7,7 @@ both texts, how far they agree, the bytes each cache holds and the speed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from typing import Dict, Optional
@@ -76,13 +77,24 @@ def report(r: Dict) -> str:
     return "\n".join(lines)
 
 
+def setting_from_args(args) -> ec.Setting:
+    """The demo's nexuskv cache: cache_for(model, bits=--bits, sinks=--sinks)'s (ec.default_cache)
+    with what the flags set: --group-size (keys and values), --residual (every layer's tail),
+    --rotate, --min-max."""
+    s = ec.default_cache(args.bits, args.sinks)
+    if args.group_size is not None:
+        s = dataclasses.replace(s, group_size=args.group_size, value_group_size=args.group_size)
+    if args.residual is not None:
+        s = dataclasses.replace(s, residual=args.residual, window_residual=None)
+    return dataclasses.replace(s, rotate=args.rotate, fit_range=s.fit_range and not args.min_max)
+
+
 def execute(args, model, tokenizer) -> Dict:
     """The demo for parsed `args` on a loaded model: prints the report, writes the
     JSON if asked, returns run()'s result (with the two caches)."""
     text = load_text(args.text) if args.context_tokens > 0 else ""
     prompt_ids = build_prompt(tokenizer, text, args.context_tokens, args.prompt)
-    setting = ec.nexuskv(args.bits, args.residual, group_size=args.group_size, value_group_size=args.group_size,
-                         rotate=args.rotate, sinks=args.sinks, fit_range=args.sinks > 0 and not args.min_max)
+    setting = setting_from_args(args)
     r = run(model, tokenizer, prompt_ids, setting, args.new_tokens,
             progress=not getattr(args, "no_progress", True))
     print(report(r))
@@ -116,9 +128,13 @@ def add_arguments(p, text_default: Optional[str] = None) -> None:
                    "reference manual")
     p.add_argument("--new-tokens", type=positive("--new-tokens"), default=64, help="tokens generated per cache")
     p.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 8], help="bits per key/value code")
-    p.add_argument("--group-size", type=positive("--group-size"), default=64, help="quantization group size")
-    p.add_argument("--residual", type=positive("--residual", 0), default=128,
-                   help="newest tokens kept in full precision")
+    p.add_argument("--group-size", type=positive("--group-size"), default=None,
+                   help="quantization group size (keys' tokens, values' channels); None: cache_for's for --bits "
+                        "(64; 128 at 2 bits)")
+    p.add_argument("--residual", type=positive("--residual", 0), default=None,
+                   help="newest tokens kept in full precision on every layer; None: cache_for's for --bits (4-bit: "
+                        "60 besides the 4 sinks on full-attention layers, none on sliding-window ones; 2-bit: 128 "
+                        "on every layer)")
     p.add_argument("--rotate", action="store_true", help="randomized Hadamard rotation before quantization")
     p.add_argument("--sinks", type=positive("--sinks", 0), default=4,
                    help="first tokens kept in full precision (attention sinks; 4 measured best, RESULTS.md)")

@@ -133,21 +133,23 @@ COMBINATIONS = ("alone", "all", "leave-one-out")
 RECOMMENDED_2BIT = nexuskv(2, 128, sinks=4, fit_range=True)
 
 
-def default_cache(bits: int = 4) -> Setting:
-    """The row of `cache_for(model, bits=bits)` with no other settings (hf.default_policy):
-    at 4 bits groups of 64, the byte policy's tails (DEFAULT_RESIDUAL full-precision tokens on
-    full-attention layers, the DEFAULT_SINKS sinks among them; none on sliding-window ones); at
-    2 bits groups of 128 and a 128-token tail on every layer besides the sinks; fitted key
-    ranges.  tests/python/test_eval_caches.py checks it against the cache."""
+def default_cache(bits: int = 4, sinks: Optional[int] = None) -> Setting:
+    """The row of `cache_for(model, bits=bits, sinks=sinks)` with no other settings
+    (hf.default_policy): at 4 bits groups of 64, the byte policy's tails (DEFAULT_RESIDUAL
+    full-precision tokens on full-attention layers, the sinks among them; none on sliding-window
+    ones); at 2 bits groups of 128 and a 128-token tail on every layer besides the sinks; key
+    ranges fitted when there are sinks.  tests/python/test_eval_caches.py checks it against the
+    cache."""
     from . import hf
 
     p = hf.default_policy(bits)
+    sinks = p["sinks"] if sinks is None else sinks
     if p["residual"] is None:
-        return nexuskv(bits, hf.DEFAULT_RESIDUAL - p["sinks"], window_residual=p["window_residual"],
-                       sinks=p["sinks"], fit_range=True)
+        return nexuskv(bits, max(hf.DEFAULT_RESIDUAL - sinks, 0), window_residual=p["window_residual"], sinks=sinks,
+                       fit_range=sinks > 0)
     window = None if p["window_residual"] == p["residual"] else p["window_residual"]
     return nexuskv(bits, p["residual"], group_size=p["group_size"], value_group_size=p["group_size"],
-                   window_residual=window, sinks=p["sinks"], fit_range=True)
+                   window_residual=window, sinks=sinks, fit_range=sinks > 0)
 
 
 def with_knobs(bits: int, knobs, residual: int = 128, group_size: int = 64) -> Setting:

@@ -93,6 +93,29 @@ def test_the_sinks_default_is_cache_fors(command):
     assert inspect.signature(nhf.cache_for).parameters["sinks"].default is None  # None: DEFAULT_SINKS, 0 if static
 
 
+def test_the_demos_cache_is_cache_fors_unless_told():
+    """demo --bits B with no --group-size / --residual runs the cache cache_for(model, bits=B,
+    sinks=--sinks) makes (ec.default_cache: 2 bits its groups of 128 and 128-token tails, 4 bits
+    the byte policy); the flags change only what they name."""
+    import dataclasses
+
+    from nexuskv import demo
+    from nexuskv import eval_caches as ec
+    from nexuskv.__main__ import build_parser
+
+    def setting(*argv):
+        return demo.setting_from_args(build_parser().parse_args(["demo", *argv]))
+
+    assert setting() == ec.default_cache(4) and setting("--bits", "2") == ec.default_cache(2)
+    assert setting("--sinks", "0") == ec.default_cache(4, sinks=0) == ec.nexuskv(4, 64, window_residual=0)
+    assert setting("--bits", "2", "--residual", "32", "--group-size", "32", "--rotate", "--min-max") == (
+        dataclasses.replace(
+            ec.default_cache(2), residual=32, group_size=32, value_group_size=32, rotate=True, fit_range=False
+        )
+    )
+    assert ec.default_cache(2).group_size == 128 and ec.default_cache(4).residual == 60
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A tiny Mistral (sliding window 32) saved as a Hugging Face directory, with the
