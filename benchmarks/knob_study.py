@@ -283,10 +283,13 @@ class Study:
         """quantize() in a rotated basis: x R quantized, then rotated back (R orthogonal, [H, D, D])."""
         if how is None:
             return self.quantize(layer, x, kind, row)
-        if how == "hadamard":
-            r = hadamard_matrix(x.shape[-1], self.args.seed).expand(x.shape[0], -1, -1)
-        else:
-            r = self.rotations[(layer, kind, how)]
+        if how == "hadamard":  # the cache's own transform (its butterflies round as the cache's do)
+            from nexuskv.compressors import rotation_signs
+            from nexuskv.ops import hadamard_rotate
+
+            signs = rotation_signs(x.shape[-1], self.args.seed)
+            return hadamard_rotate(self.quantize(layer, hadamard_rotate(x, signs), kind, row), signs, inverse=True)
+        r = self.rotations[(layer, kind, how)]
         return self.quantize(layer, x @ r, kind, row) @ r.transpose(-1, -2)
 
     def compressed_view(self, layer, k, v, k_pre, window, row: Row):
@@ -386,15 +389,6 @@ def install(study: Study, model):
         study.pre.clear()
 
     return restore
-
-
-def hadamard_matrix(d: int, seed: int) -> torch.Tensor:
-    """[D, D] orthogonal: what nexuskv's rotation does to a row, x -> x @ R (hadamard_rotate of
-    the identity's rows with rotation_signs(D, seed))."""
-    from nexuskv.compressors import rotation_signs
-    from nexuskv.ops import hadamard_rotate
-
-    return hadamard_rotate(torch.eye(d), rotation_signs(d, seed)).float()
 
 
 def collect(study: Study, seqs) -> Dict[int, list]:

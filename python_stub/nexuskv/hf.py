@@ -594,8 +594,9 @@ DEFAULT_SINKS = 4
 # tail on every layer, sliding-window ones too (+ the sinks).  Measured (benchmarks/RESULTS.md,
 # "2 bits at the recipes' policy"; SmolLM2 and Gemma 3, the manual / songs and poems): +1.63 /
 # +2.11 / +1.92 / +2.42 % at 2.375 / 2.25 bits, against +3.0 / +3.5 / +7.8 / +8.8 % at 2.5 bits
-# with 4-bit's groups of 64 and byte-policy tails.  The mixed-precision maps of `calibrate` are
-# allocated for this policy too (their headers).
+# with 4-bit's groups of 64 and byte-policy tails.  3 bits keep 4-bit's policy (this one was within
+# noise on three runs, higher on SmolLM2's poems, and took Gemma 3 to 31 % of its native bytes:
+# "Defaults by width").  The mixed-precision maps of `calibrate` are allocated for this policy too.
 LOW_BITS = 2
 LOW_BITS_GROUP_SIZE = 128
 LOW_BITS_RESIDUAL = 128
