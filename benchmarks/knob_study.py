@@ -250,7 +250,7 @@ class Study:
         self.row: Optional[Row] = None
         self.codebooks: Dict[tuple, torch.Tensor] = {}  # (layer, "k" | "v", bits, per) -> [H, G or 1, L]
         self.rotations: Dict[tuple, torch.Tensor] = {}  # (layer, "k" | "v", "klt") -> [H, D, D] orthogonal
-        self.calibration: Optional[Dict] = None  # layer -> list of (k, v, k_pre) while collecting
+        self.calibration: Optional[Dict] = None  # layer -> list of (k, v, k_pre, window) while collecting
         self.pre: Dict[int, tuple] = {}  # id(post-RoPE key) -> (pre-RoPE key, cos, sin, apply)
         self.calls = 0  # quantized layer calls (the path ran)
 

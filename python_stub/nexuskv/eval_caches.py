@@ -145,10 +145,10 @@ def default_cache(bits: int = 4, sinks: Optional[int] = None) -> Setting:
     p = hf.default_policy(bits)
     sinks = p["sinks"] if sinks is None else sinks
     if p["residual"] is None:
-        return nexuskv(bits, max(hf.DEFAULT_RESIDUAL - sinks, 0), window_residual=p["window_residual"], sinks=sinks,
+        return nexuskv(bits, hf.byte_policy_residual(sinks), window_residual=p["window_residual"], sinks=sinks,
                        fit_range=sinks > 0)
     window = None if p["window_residual"] == p["residual"] else p["window_residual"]
-    return nexuskv(bits, p["residual"], group_size=p["group_size"], value_group_size=p["group_size"],
+    return nexuskv(bits, p["residual"], group_size=p["group_size"], value_group_size=p["value_group_size"],
                    window_residual=window, sinks=sinks, fit_range=sinks > 0)
 
 

@@ -621,9 +621,15 @@ def default_policy(bits=4, value_bits=None, recipe_bits: Optional[dict] = None) 
                     window_residual=field("window_residual", residual, 0), sinks=field("sinks", 0, 0))
     widths = (bits, bits if value_bits is None else value_bits)
     if all(isinstance(b, int) and not isinstance(b, bool) and b <= LOW_BITS for b in widths):
-        return dict(group_size=LOW_BITS_GROUP_SIZE, residual=LOW_BITS_RESIDUAL, window_residual=LOW_BITS_RESIDUAL,
-                    sinks=DEFAULT_SINKS)
-    return dict(group_size=64, residual=None, window_residual=0, sinks=DEFAULT_SINKS)
+        return dict(group_size=LOW_BITS_GROUP_SIZE, value_group_size=LOW_BITS_GROUP_SIZE, residual=LOW_BITS_RESIDUAL,
+                    window_residual=LOW_BITS_RESIDUAL, sinks=DEFAULT_SINKS)
+    return dict(group_size=64, value_group_size=64, residual=None, window_residual=0, sinks=DEFAULT_SINKS)
+
+
+def byte_policy_residual(sinks) -> int:
+    """The tail of full-attention layers under the byte policy: DEFAULT_RESIDUAL full-precision
+    tokens, the sinks among them."""
+    return max(DEFAULT_RESIDUAL - (sinks if isinstance(sinks, int) else 0), 0)
 
 
 def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size: Optional[int] = None,
@@ -713,7 +719,7 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
             raise ValueError(f"nexuskv: {name} must be None or an int >= 0, got {tail!r}")
     policy = default_policy(bits, value_bits, recipe_bits)
     if value_group_size is None:  # the policy's with its key groups, else as the keys
-        value_group_size = policy.get("value_group_size", policy["group_size"]) if group_size is None else group_size
+        value_group_size = policy["value_group_size"] if group_size is None else group_size
     if group_size is None:
         group_size = policy["group_size"]
     if window_residual is None:
@@ -721,9 +727,7 @@ def cache_for(model, bits: int = 4, value_bits: Optional[int] = None, group_size
     if sinks is None:
         sinks = 0 if static else policy["sinks"]
     if residual is None:
-        residual = policy["residual"]
-        if residual is None:  # the sinks count towards the byte policy's full-precision tokens
-            residual = max(DEFAULT_RESIDUAL - (sinks if isinstance(sinks, int) else 0), 0)
+        residual = byte_policy_residual(sinks) if policy["residual"] is None else policy["residual"]
     model, kv_heads = integrations.deepspeed.unwrap_for_cache(model, kv_heads)
     if not hasattr(model, "config"):
         raise TypeError(f"nexuskv: cache_for needs a transformers model (with a .config) or a DeepSpeed engine, "
