@@ -36,11 +36,16 @@ most of it importing torch under valgrind); AVX2 and generic kernels only (Debia
 3.19 has no AVX-512).
 
     python benchmarks/bench_paged.py --instructions --baseline /tmp/old --json results/paged_instructions.json
+
+With --exact-window W the same cases also run over pages with an exact window of W tokens (the
+queries' newest W keys and values read unquantized: their own rows passed in, older ones from the
+blocks' rings), timed beside the plain pages, and checked against float64 likewise.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -77,7 +82,7 @@ CASES = [
     ("llama", 1, 16384, 1),
     ("llama", 1, 512, 512),
 ]
-BLOCK = 16
+BLOCK = 16  # tokens per block (--block)
 # The decode cases --instructions counts (each install's count is a valgrind run of ~2 minutes).
 INSTRUCTION_CASES = [("smollm", 1, 4096, 1), ("llama", 1, 4096, 1)]
 
@@ -118,7 +123,7 @@ def build(shape, reqs, ctx, qlen, fmt, gen):
     dt = torch.bfloat16
     per_req = (ctx + BLOCK - 1) // BLOCK
     blocks = torch.randperm(reqs * per_req, generator=gen).to(torch.int32).reshape(reqs, per_req)
-    pages = torch.zeros(reqs * per_req, hkv, BLOCK, fmt.slot_bytes(d, dt), dtype=torch.uint8)
+    pages = torch.zeros(reqs * per_req, hkv, BLOCK, fmt.slot_bytes(d, dt, BLOCK), dtype=torch.uint8)
     slots = (blocks.long()[:, :, None] * BLOCK + torch.arange(BLOCK)).reshape(reqs, -1)[:, :ctx].reshape(-1)
     k = torch.randn(reqs * ctx, hkv, d, generator=gen).to(dt)
     v = torch.randn(reqs * ctx, hkv, d, generator=gen).to(dt)
@@ -127,7 +132,15 @@ def build(shape, reqs, ctx, qlen, fmt, gen):
     q = torch.randn(reqs * qlen, hq, d, generator=gen).to(dt)
     seq = torch.full((reqs,), ctx, dtype=torch.int32)
     qsl = torch.arange(reqs + 1, dtype=torch.int32) * qlen
-    return dict(pages=pages, table=blocks, seq=seq, qsl=qsl, q=q, k=k, v=v, signs=signs, slots=slots)
+    b = dict(pages=pages, table=blocks, seq=seq, qsl=qsl, q=q, k=k, v=v, signs=signs, slots=slots)
+    if fmt.exact_window:
+        # The rings after the earlier steps (a full ring per block), the queries' own rows passed in.
+        own = (torch.arange(reqs)[:, None] * ctx + torch.arange(ctx - qlen, ctx)).reshape(-1)
+        older = torch.ones(reqs * ctx, dtype=torch.bool)
+        older[own] = False
+        paged.write_exact_(pages, k[older], v[older], slots[older], fmt)
+        b.update(own_k=k[own], own_v=v[own])
+    return b
 
 
 def case_data(index: int, fmt):
@@ -137,7 +150,8 @@ def case_data(index: int, fmt):
 
 
 def paged_call(b, fmt):
-    return paged.attention(b["q"], b["pages"], b["table"], b["seq"], b["qsl"], fmt, b["signs"])
+    own = dict(key=b["own_k"], value=b["own_v"]) if fmt.exact_window else {}
+    return paged.attention(b["q"], b["pages"], b["table"], b["seq"], b["qsl"], fmt, b["signs"], **own)
 
 
 def worker() -> int:
@@ -244,7 +258,31 @@ def dequantized(b, reqs, ctx, hkv, d, fmt):
     return out
 
 
+def reference(b, reqs, ctx, qlen, shape, fmt):
+    """float64 attention over what the pages hold (the newest exact_window keys of each query
+    exact), in the kernel's rotated space: [reqs, hq, qlen, d]."""
+    hq, hkv, d = SHAPES[shape]
+    kq, vq = dequantized(b, reqs, ctx, hkv, d, fmt)
+    if fmt.exact_window:
+        kx, vx = (b[n].double().reshape(reqs, ctx, hkv, d).transpose(1, 2) for n in ("k", "v"))
+        if fmt.rotate:
+            kx, vx = (torch.ops.nexuskv.hadamard_rotate(x.float(), b["signs"]).double() for x in (kx, vx))
+    qd = b["q"].reshape(reqs, qlen, hq, d).transpose(1, 2).float()
+    qr = (torch.ops.nexuskv.hadamard_rotate(qd, b["signs"]) if fmt.rotate else qd).double()
+    kq, vq = (x.repeat_interleave(hq // hkv, 1) for x in (kq, vq))
+    s = qr @ kq.transpose(-1, -2) / d**0.5
+    qpos, kpos = torch.arange(ctx - qlen, ctx)[:, None], torch.arange(ctx)[None, :]
+    exact = (kpos > qpos - fmt.exact_window) & (kpos <= qpos)
+    if fmt.exact_window:
+        kx, vx = (x.repeat_interleave(hq // hkv, 1) for x in (kx, vx))
+        s = torch.where(exact, qr @ kx.transpose(-1, -2) / d**0.5, s)
+    p = torch.softmax(s.masked_fill(kpos > qpos, float("-inf")), -1)
+    out = (p * ~exact) @ vq + ((p * exact) @ vx if fmt.exact_window else 0)
+    return torch.ops.nexuskv.hadamard_rotate(out.float(), b["signs"], True).double() if fmt.rotate else out
+
+
 def main() -> None:
+    global BLOCK
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bits", type=int, default=4)
@@ -253,6 +291,8 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="directory holding an older nexuskv package to time beside")
     ap.add_argument("--reps", type=int, default=31, help="with --baseline: timed calls per case and install")
     ap.add_argument("--instructions", action="store_true", help="count the kernel's instructions (callgrind)")
+    ap.add_argument("--exact-window", type=int, default=0, help="also time pages with an exact window of W tokens")
+    ap.add_argument("--block", type=int, default=16, help="tokens per block (vLLM's CPU default: 128)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--count-worker", nargs=3, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -263,7 +303,9 @@ def main() -> None:
     if args.instructions:
         return instructions_table(args)
     torch.set_num_threads(args.threads)
+    BLOCK = args.block
     fmt = paged.PagedFormat(args.bits, args.bits, 64)
+    fmt_w = dataclasses.replace(fmt, exact_window=args.exact_window) if args.exact_window else None
     with open("/proc/loadavg") as f:
         load_before = f.read().split()[:3]
     rows = []
@@ -271,6 +313,8 @@ def main() -> None:
     head = ("shape", "req", "ctx", "q/req", "paged us", "SDPA bf16 us", "form", "ratio", "bytes")
     if workers:
         head += ("baseline us", "speed-up")
+    if fmt_w:
+        head += (f"window {args.exact_window} us", "vs paged")
     print(
         "{:7} {:>3} {:>6} {:>5} {:>10} {:>13} {:>5} {:>6} {:>6}".format(*head[:9])
         + "".join(f" {h:>11}" for h in head[9:])
@@ -307,6 +351,13 @@ def main() -> None:
             want = torch.ops.nexuskv.hadamard_rotate(want.float(), b["signs"], True).double()
         err = float((got - want).abs().max() / vq.abs().max())
         assert err < 2e-2, (shape, reqs, ctx, qlen, err)
+        window = {}
+        if fmt_w:
+            bw = case_data(index, fmt_w)
+            got_w = paged_call(bw, fmt_w).double().reshape(reqs, qlen, hq, d).transpose(1, 2)
+            err_w = float((got_w - reference(bw, reqs, ctx, qlen, shape, fmt_w)).abs().max() / vq.abs().max())
+            assert err_w < 2e-2, (shape, reqs, ctx, qlen, "exact window", err_w)
+            window = dict(window_us=timeit(lambda: paged_call(bw, fmt_w), args.budget) * 1e6, window_rel_error=err_w)
 
         paired = {}
         if workers:
@@ -331,10 +382,12 @@ def main() -> None:
                 bytes_vs_bf16=byte_ratio,
                 max_rel_error=err,
                 **paired,
+                **window,
             )
         )
         line = (shape, reqs, ctx, qlen, f"{tp * 1e6:.0f}", f"{ts * 1e6:.0f}", sdpa_form, f"{tp / ts:.2f}")
         tail = f" {paired['baseline_us']:>11.0f} {paired['speedup']:>10.2f}x" if paired else ""
+        tail += f" {window['window_us']:>11.0f} {window['window_us'] / (tp * 1e6):>8.2f}" if window else ""
         print("{:7} {:>3} {:>6} {:>5} {:>10} {:>13} {:>5} {:>6} {:>6.3f}".format(*line, byte_ratio) + tail, flush=True)
     for w in workers:
         w.close()
@@ -347,6 +400,8 @@ def main() -> None:
         torch=torch.__version__,
         nexuskv_file=nexuskv.__file__,
         bits=args.bits,
+        exact_window=args.exact_window,
+        block=BLOCK,
         baseline=args.baseline,
         loadavg_before=load_before,
         loadavg_after=load_after,

@@ -14,7 +14,8 @@ writes JSON.
     build/venv-vllm/bin/python benchmarks/bench_vllm.py --requests 24 --rate 2 \\
         --prompt-len 256 --output-len 64 --kv-mib 64 --out results/bench_vllm.json
 
-Configurations: stock (bf16 CPU_ATTN), nexuskv 4-bit and 2-bit (--configs to choose).
+Configurations: stock (bf16 CPU_ATTN), nexuskv 4-bit (its default exact window of 8; -w0: none)
+and 2-bit (--configs to choose).
 The budget is --kv-mib MiB through --kv-cache-memory-bytes (VLLM_CPU_KVCACHE_SPACE takes
 whole GiB only, which holds tens of thousands of SmolLM2 tokens)."""
 
@@ -33,7 +34,8 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {
     "stock": None,
-    "nexuskv-4bit": {"NEXUSKV_VLLM_KEY_BITS": "4", "NEXUSKV_VLLM_VALUE_BITS": "4"},
+    "nexuskv-4bit": {"NEXUSKV_VLLM_KEY_BITS": "4", "NEXUSKV_VLLM_VALUE_BITS": "4"},  # exact window: auto (8)
+    "nexuskv-4bit-w0": {"NEXUSKV_VLLM_KEY_BITS": "4", "NEXUSKV_VLLM_VALUE_BITS": "4", "NEXUSKV_VLLM_EXACT_WINDOW": "0"},
     "nexuskv-2bit": {"NEXUSKV_VLLM_KEY_BITS": "2", "NEXUSKV_VLLM_VALUE_BITS": "2"},
 }
 

@@ -83,34 +83,45 @@ at::Tensor hadamard_rotate(const at::Tensor& x, const at::Tensor& signs, bool in
 }
 
 int64_t paged_slot_bytes(int64_t head_dim, int64_t key_bits, int64_t value_bits, int64_t group_size,
-                         int64_t num_outliers, at::ScalarType dtype) {
-  using Sig = int64_t(int64_t, int64_t, int64_t, int64_t, int64_t, at::ScalarType);
+                         int64_t num_outliers, at::ScalarType dtype, int64_t exact_window, int64_t block_size) {
+  using Sig = int64_t(int64_t, int64_t, int64_t, int64_t, int64_t, at::ScalarType, int64_t, int64_t);
   static const auto op = find_op<Sig>("nexuskv::paged_slot_bytes");
-  return op.call(head_dim, key_bits, value_bits, group_size, num_outliers, dtype);
+  return op.call(head_dim, key_bits, value_bits, group_size, num_outliers, dtype, exact_window, block_size);
 }
 
 void paged_kv_write_(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
                      const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits, int64_t group_size,
                      int64_t num_outliers, const std::optional<at::Tensor>& rotation_signs, bool key_fit_range,
-                     bool value_fit_range) {
+                     bool value_fit_range, int64_t exact_window) {
   using Sig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                   int64_t, int64_t, const std::optional<at::Tensor>&, bool, bool);
+                   int64_t, int64_t, const std::optional<at::Tensor>&, bool, bool, int64_t);
   static const auto op = find_op<Sig>("nexuskv::paged_kv_write_");
   op.call(pages, key, value, slot_mapping, key_bits, value_bits, group_size, num_outliers, rotation_signs,
-          key_fit_range, value_fit_range);
+          key_fit_range, value_fit_range, exact_window);
+}
+
+void paged_exact_write_(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
+                        const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits, int64_t group_size,
+                        int64_t num_outliers, int64_t exact_window) {
+  using Sig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                   int64_t, int64_t, int64_t);
+  static const auto op = find_op<Sig>("nexuskv::paged_exact_write_");
+  op.call(pages, key, value, slot_mapping, key_bits, value_bits, group_size, num_outliers, exact_window);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pages, const at::Tensor& block_table,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t key_bits,
                            int64_t value_bits, int64_t group_size, int64_t num_outliers,
                            const std::optional<at::Tensor>& rotation_signs, std::optional<double> scale,
-                           std::optional<int64_t> window, std::optional<double> softcap) {
+                           std::optional<int64_t> window, std::optional<double> softcap, int64_t exact_window,
+                           const std::optional<at::Tensor>& key, const std::optional<at::Tensor>& value) {
   using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          int64_t, int64_t, int64_t, int64_t, const std::optional<at::Tensor>&, std::optional<double>,
-                         std::optional<int64_t>, std::optional<double>);
+                         std::optional<int64_t>, std::optional<double>, int64_t, const std::optional<at::Tensor>&,
+                         const std::optional<at::Tensor>&);
   static const auto op = find_op<Sig>("nexuskv::paged_attention");
   return op.call(q, pages, block_table, seq_lens, query_start_loc, key_bits, value_bits, group_size, num_outliers,
-                 rotation_signs, scale, window, softcap);
+                 rotation_signs, scale, window, softcap, exact_window, key, value);
 }
 
 }  // namespace nexuskv

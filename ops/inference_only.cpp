@@ -35,8 +35,9 @@ void inference_only(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(nexuskv, Autograd, m) {
-  for (const char* name : {"nq_compress", "nq_decompress", "dgq_compress", "dgq_decompress", "dgq_fused_attention",
-                           "hadamard_rotate", "static_kv_append_", "paged_kv_write_", "paged_attention"})
+  for (const char* name :
+       {"nq_compress", "nq_decompress", "dgq_compress", "dgq_decompress", "dgq_fused_attention", "hadamard_rotate",
+        "static_kv_append_", "paged_kv_write_", "paged_attention", "paged_exact_write_"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&inference_only>());
 }
 

@@ -98,11 +98,21 @@ void define_operators(torch::Library& m, const std::vector<at::Tag>& tags) {
   // into slot_mapping[t] = block * block_size + offset (-1: skip); with
   // rotation_signs it stores hadamard_rotate(x, signs); key_fit_range /
   // value_fit_range: fitted ranges as nq_compress's (the same slots for
-  // readers).  Mutates pages.
+  // readers); exact_window: the pages' format (W, paged_format.h; their rings
+  // are written by paged_exact_write_, not here).  Mutates pages.
   m.def(
       "paged_kv_write_(Tensor(a!) pages, Tensor key, Tensor value, Tensor slot_mapping, int key_bits, "
       "int value_bits, int group_size, int num_outliers=0, Tensor? rotation_signs=None, bool key_fit_range=False, "
-      "bool value_fit_range=False) -> ()",
+      "bool value_fit_range=False, int exact_window=0) -> ()",
+      tags);
+  // The exact window's rings (pages of exact_window W > 0): the rows of key /
+  // value [num_tokens, kv_heads, head_dim] as given (not rotated), each in
+  // the ring of its slot_mapping[t] (-1: skip), in token order.  Call it after
+  // paged_attention over the same tokens (that attention reads their rows
+  // from its own key / value, and older ones from the rings).  Mutates pages.
+  m.def(
+      "paged_exact_write_(Tensor(a!) pages, Tensor key, Tensor value, Tensor slot_mapping, int key_bits, "
+      "int value_bits, int group_size, int num_outliers, int exact_window) -> ()",
       tags);
   // Fused attention over the pages of ragged requests (vLLM's varlen batch):
   //   out = softmax(softcap(q . K^T * scale) + causal / window mask) . V   [num_tokens, q_heads, head_dim]
@@ -112,11 +122,16 @@ void define_operators(torch::Library& m, const std::vector<at::Tag>& tags) {
   // block_size].  GQA by q_heads / kv_heads; window: the query at position p
   // sees keys (p - window, p]; softcap as in dgq_fused_attention; q's dtype is
   // the dtype the keys and values were written in.  Rows of q past
-  // query_start_loc[-1] give zeros.  Allocates its output.
+  // query_start_loc[-1] give zeros.  exact_window W > 0: the query at
+  // position p reads keys and values (p - W, p] exact, from key / value
+  // [num_tokens, kv_heads, head_dim] (the queries' own tokens, as written by
+  // paged_kv_write_ before the call) and from the pages' rings (older ones).
+  // Allocates its output.
   m.def(
       "paged_attention(Tensor q, Tensor pages, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
       "int key_bits, int value_bits, int group_size, int num_outliers=0, Tensor? rotation_signs=None, "
-      "float? scale=None, int? window=None, float? softcap=None) -> Tensor",
+      "float? scale=None, int? window=None, float? softcap=None, int exact_window=0, Tensor? key=None, "
+      "Tensor? value=None) -> Tensor",
       tags);
 }
 
@@ -130,7 +145,7 @@ TORCH_LIBRARY(nexuskv, m) {
   // (Its kernel: csrc/aten/paged_args.cpp.)
   m.def(
       "paged_slot_bytes(int head_dim, int key_bits, int value_bits, int group_size, int num_outliers, "
-      "ScalarType dtype) -> int");
+      "ScalarType dtype, int exact_window=0, int block_size=0) -> int");
 
   // The compressed KV cache of one attention layer (policy and methods:
   // nexuskv/cache.h), for Python and TorchScript as

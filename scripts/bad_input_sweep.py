@@ -3570,6 +3570,44 @@ def paged_cases():
         for window in (None, 7):
             valid(op, f"{dtype} window {window} vs float64", lambda d=dtype, wnd=window: _paged_valid(d, wnd))
 
+    # The exact window (pages with rings of 4 tokens per block of 16): its write and the attention's key / value.
+    from nexuskv import paged
+
+    def ring_pages():
+        return torch.zeros(4, 2, 16, paged.slot_bytes(64, torch.bfloat16, 4, 4, 64, 0, 4, 16), dtype=torch.uint8)
+
+    def aw(key=lambda k: k, value=lambda v: v, exact=4):
+        _, qq, tt, ll, ss, _, _ = _paged_setup()
+        kv = rnd(3, 2, 64, dtype=torch.bfloat16)
+        k, v = key(kv), value(kv)
+        return A(qq, ring_pages(), tt, ll, ss, 4, 4, 64, 0, None, None, None, None, exact, k, v)
+
+    bad(op, "args", "exact window without key", lambda: aw(key=lambda k: None, value=lambda v: None), "key")
+    bad(op, "args", "exact window, key alone", lambda: aw(value=lambda v: None), "key")
+    bad(op, "args", "exact window past the block", lambda: aw(exact=17), "exact_window")
+    bad(op, "mismatch", "exact window of other slot bytes", lambda: aw(exact=8), "exact_window")
+    bad(op, "shape", "exact key tokens", lambda: aw(key=lambda k: k[:2]), "key")
+    bad(op, "shape", "exact value heads", lambda: aw(value=lambda v: v[:, :1]), "kv_heads")
+    bad(op, "dtype", "exact key float32", lambda: aw(key=lambda k: k.float()), "key")
+    bad(op, "meta", "exact key on meta", lambda: aw(key=lambda k: k.to("meta")), "key")
+
+    op = "paged_exact_write_"
+    X = torch.ops.nexuskv.paged_exact_write_
+
+    def xw(key=None, slots=None, exact=4, pages=ring_pages):
+        key = kk() if key is None else key
+        X(pages(), key, key, torch.tensor([5, 6, 7]) if slots is None else slots, 4, 4, 64, 0, exact)
+
+    bad(op, "args", "ring slot past the pool", lambda: xw(slots=torch.tensor([5, 6, 64])), "slot_mapping")
+    bad(op, "args", "ring slot twice", lambda: xw(slots=torch.tensor([5, 6, 5])), "slot_mapping")
+    bad(op, "args", "exact window 0", lambda: xw(exact=0), "exact_window")
+    bad(op, "args", "exact window past the block", lambda: xw(exact=17), "exact_window")
+    bad(op, "mismatch", "pages without rings", lambda: xw(pages=lambda: _paged_setup()[0]), "exact_window")
+    bad(op, "shape", "ring key heads", lambda: xw(key=kk()[:, :1]), "key")
+    bad(op, "dtype", "ring key int", lambda: xw(key=kk().int()), "key")
+    bad(op, "meta", "ring key on meta", lambda: xw(key=kk().to("meta")), "key")
+    bad(op, "grad", "ring key requires grad", lambda: xw(key=grad_leaf(kk())), "key")
+
 
 def build_cases():
     global _group

@@ -80,18 +80,28 @@ void static_kv_append_meta(at::TensorList k_store, at::TensorList v_store, const
 void paged_kv_write_meta(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
                          const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits, int64_t group_size,
                          int64_t num_outliers, const std::optional<at::Tensor>& rotation_signs, bool /*key_fit_range*/,
-                         bool /*value_fit_range*/) {
-  check_paged_write_args(pages, key, value, slot_mapping, key_bits, value_bits, group_size, num_outliers,
-                         rotation_signs);
+                         bool /*value_fit_range*/, int64_t exact_window) {
+  check_paged_write_args("paged_kv_write_", pages, key, value, slot_mapping, key_bits, value_bits, group_size,
+                         num_outliers, rotation_signs, exact_window);
+}
+
+void paged_exact_write_meta(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
+                            const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits, int64_t group_size,
+                            int64_t num_outliers, int64_t exact_window) {
+  constexpr const char* op = "paged_exact_write_";
+  check_paged_write_args(op, pages, key, value, slot_mapping, key_bits, value_bits, group_size, num_outliers,
+                         std::nullopt, exact_window);
+  TORCH_CHECK(exact_window > 0, op, ": pages without an exact window (exact_window=0) have no ring to write");
 }
 
 at::Tensor paged_attention_meta(const at::Tensor& q, const at::Tensor& pages, const at::Tensor& block_table,
                                 const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t key_bits,
                                 int64_t value_bits, int64_t group_size, int64_t num_outliers,
                                 const std::optional<at::Tensor>& rotation_signs, std::optional<double> scale,
-                                std::optional<int64_t> window, std::optional<double> softcap) {
+                                std::optional<int64_t> window, std::optional<double> softcap, int64_t exact_window,
+                                const std::optional<at::Tensor>& key, const std::optional<at::Tensor>& value) {
   check_paged_attention_args(q, pages, block_table, seq_lens, query_start_loc, key_bits, value_bits, group_size,
-                             num_outliers, rotation_signs, scale, window, softcap);
+                             num_outliers, rotation_signs, scale, window, softcap, exact_window, key, value);
   return at::empty(q.sizes(), q.options());
 }
 
@@ -107,6 +117,7 @@ TORCH_LIBRARY_IMPL(nexuskv_meta, Meta, m) {
   m.impl("static_kv_append_", &static_kv_append_meta);
   m.impl("paged_kv_write_", &paged_kv_write_meta);
   m.impl("paged_attention", &paged_attention_meta);
+  m.impl("paged_exact_write_", &paged_exact_write_meta);
 }
 
 }  // namespace nexuskv

@@ -19,20 +19,23 @@ namespace nexuskv {
 // The format of a pool of head_dim D, block_size P and dtype x: checks every
 // parameter on its int64 value.
 core::PagedLayout paged_layout(const char* op, int64_t head_dim, int64_t block_size, int64_t key_bits,
-                               int64_t value_bits, int64_t group_size, int64_t num_outliers, at::ScalarType dtype);
+                               int64_t value_bits, int64_t group_size, int64_t num_outliers, at::ScalarType dtype,
+                               int64_t exact_window);
 
-// The kernel of the operator paged_slot_bytes: C of paged_format.h.
+// The kernel of the operator paged_slot_bytes: C of paged_format.h (block_size
+// matters only with an exact window; 0: none given).
 int64_t paged_slot_bytes_kernel(int64_t head_dim, int64_t key_bits, int64_t value_bits, int64_t group_size,
-                                int64_t num_outliers, at::ScalarType dtype);
+                                int64_t num_outliers, at::ScalarType dtype, int64_t exact_window, int64_t block_size);
 
 struct PagedWriteShapes {
   core::PagedPool pool;
   int64_t num_tokens = 0;
 };
-PagedWriteShapes check_paged_write_args(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
-                                        const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits,
-                                        int64_t group_size, int64_t num_outliers,
-                                        const std::optional<at::Tensor>& rotation_signs);
+// op: paged_kv_write_ or paged_exact_write_ (which takes no rotation_signs).
+PagedWriteShapes check_paged_write_args(const char* op, const at::Tensor& pages, const at::Tensor& key,
+                                        const at::Tensor& value, const at::Tensor& slot_mapping, int64_t key_bits,
+                                        int64_t value_bits, int64_t group_size, int64_t num_outliers,
+                                        const std::optional<at::Tensor>& rotation_signs, int64_t exact_window);
 
 struct PagedAttentionShapes {
   core::PagedPool pool;
@@ -41,13 +44,12 @@ struct PagedAttentionShapes {
   int64_t window = 0;
   float softcap = 0.f;
 };
-PagedAttentionShapes check_paged_attention_args(const at::Tensor& q, const at::Tensor& pages,
-                                                const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                                const at::Tensor& query_start_loc, int64_t key_bits, int64_t value_bits,
-                                                int64_t group_size, int64_t num_outliers,
-                                                const std::optional<at::Tensor>& rotation_signs,
-                                                std::optional<double> scale, std::optional<int64_t> window,
-                                                std::optional<double> softcap);
+PagedAttentionShapes check_paged_attention_args(
+    const at::Tensor& q, const at::Tensor& pages, const at::Tensor& block_table, const at::Tensor& seq_lens,
+    const at::Tensor& query_start_loc, int64_t key_bits, int64_t value_bits, int64_t group_size, int64_t num_outliers,
+    const std::optional<at::Tensor>& rotation_signs, std::optional<double> scale, std::optional<int64_t> window,
+    std::optional<double> softcap, int64_t exact_window, const std::optional<at::Tensor>& key,
+    const std::optional<at::Tensor>& value);
 
 // key / value as the write reads them: heads and channels contiguous (a copy
 // only when they are not), any token stride.
@@ -71,11 +73,13 @@ core::PagedWrite<X> make_paged_write(const PagedWriteShapes& s, const at::Tensor
   return w;
 }
 
+// key / value: paged_rows of the call's key and value (exact window), or undefined.
 template <typename X>
 core::PagedAttention<X> make_paged_attention(const PagedAttentionShapes& s, const at::Tensor& q,
                                              const at::Tensor& pages, const at::Tensor& block_table,
                                              const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                             const std::optional<at::Tensor>& signs, const at::Tensor& out) {
+                                             const std::optional<at::Tensor>& signs, const at::Tensor& out,
+                                             const at::Tensor& key = {}, const at::Tensor& value = {}) {
   core::PagedAttention<X> p;
   p.pool = s.pool;
   p.pages = pages.data_ptr<uint8_t>();
@@ -94,6 +98,12 @@ core::PagedAttention<X> make_paged_attention(const PagedAttentionShapes& s, cons
   p.scale = s.scale;
   p.window = s.window;
   p.softcap = s.softcap;
+  if (key.defined()) {
+    p.key = core_ptr<const X>(key);
+    p.value = core_ptr<const X>(value);
+    p.key_stride_t = key.stride(0);
+    p.value_stride_t = value.stride(0);
+  }
   return p;
 }
 

@@ -20,7 +20,14 @@
 //     NaN/Inf score marks its row NaN);
 //     acc += (p * s_g) . codes_g per value group, four query rows per load, and
 //     p * (exact - dequantized) per value outlier; sum(p * z_g) per row and
-//     group apart (rescaled with acc), added to the group's channels at the end.
+//     group apart (rescaled with acc), added to the group's channels at the end;
+//   with an exact window W, the tiles read only the keys older than each row's
+//   window, and one last pass takes the task's window keys and values exact
+//   (the chunk's own rows or the page rings: PagedAttention::exact_row), not
+//   rotated: they meet the unrotated query and go to an unrotated accumulator
+//   added after the inverse rotation (q' . k' = q . k for an orthogonal map).
+//   Why unrotated: rotating every exact row per task would cost more than the
+//   window's own dot products.
 // Why fold the scales: dequantizing every slot to float (code * s + z per
 // channel, the scales spread over channels first) was 45 % of a decode on an
 // AVX2 CPU (perf, llama-like 1 x 4096); folded, each scale and zero costs one
@@ -29,6 +36,7 @@
 // meets, never on the other rows of its task, so its output is bit for bit the
 // same whichever query block or chunk of a prompt computes it.  No buffer
 // grows with the context.
+#include <algorithm>
 #include <cstring>
 #include <initializer_list>
 #include <type_traits>
@@ -184,6 +192,7 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
   const PagedLayout& l = p.pool.layout;
   const PagedOffsets off(l);
   const int D = l.head_dim, P = l.block_size, gq = p.gqa_group(), G = l.group_size, Bg = off.groups;
+  const int W = l.exact_window;
   // Row i: q head (i / queries) of the group, query i % queries; padded to a
   // multiple of four rows (q = 0, nothing visible) for dot4x4 and pv_rows.
   const int64_t rows = int64_t(gq) * t.queries, rows4 = (rows + 3) / 4 * 4;
@@ -205,6 +214,11 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
   Buffer<float> w_buf(rows4 * kTile), wg_buf(rows4 * kTile), zacc_buf(rows4 * Bg);
   Buffer<float> kcodes_buf(int64_t(kTile) * D), vcodes_buf(int64_t(kTile) * D);
   Buffer<float> kmeta_buf(2 * int64_t(Bg) * kTile), vmeta_buf(2 * int64_t(Bg) * kTile);
+  // The exact window: the rows' unrotated scaled queries and accumulators, and
+  // the task's exact keys and values [W - 1 + queries, D] (W <= kMaxExactWindow).
+  const int64_t exact_keys = W > 0 ? W - 1 + t.queries : 0;
+  Buffer<float> qx_buf(W > 0 ? rows4 * D : 1), accx_buf(W > 0 ? rows4 * D : 1);
+  Buffer<float> ek_buf(W > 0 ? exact_keys * D : 1), ev_buf(W > 0 ? exact_keys * D : 1), we_buf(exact_keys + 1);
   Buffer<int64_t> qpos_buf(rows4);
   Buffer<uint8_t> bad_buf(rows4);
   float *q = q_buf.data(), *qsum = qsum_buf.data(), *acc = acc_buf.data(), *mx = mx_buf.data(), *sum = sum_buf.data();
@@ -213,6 +227,13 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
   TileSlots vs{vcodes_buf.data(), vmeta_buf.data(), vmeta_buf.data() + int64_t(Bg) * kTile, {}, {}};
   int64_t* qpos = qpos_buf.data();
   uint8_t* bad = bad_buf.data();
+  // Row i's running accumulators times `correction` (a new running max).
+  const auto rescale = [&](int64_t i, float correction) {
+    if (correction == 1.f) return;
+    for (int c = 0; c < D; ++c) acc[i * D + c] *= correction;
+    for (int g = 0; g < Bg; ++g) zacc[i * Bg + g] *= correction;
+    sum[i] *= correction;
+  };
   bool corrupt = false;
 
   const int64_t q0 = p.q_begin(t.req) + t.first_query;
@@ -228,6 +249,8 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
       float* row = q + i * D;
       Rows<X>::widen(p.q + (q0 + i % t.queries) * p.q_stride_t + (int64_t(h) * gq + i / t.queries) * p.q_stride_h, D,
                      row);
+      if (W > 0)
+        for (int c = 0; c < D; ++c) qx_buf.p[i * D + c] = row[c] * p.scale;
       if (p.rotation_signs) hadamard_rotate_rows(row, row, 1, D, p.rotation_signs, false);
       for (int c = 0; c < D; ++c) row[c] *= p.scale;
     }
@@ -250,10 +273,12 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
     fill_f(zacc, rows4 * Bg, 0.f);
     std::memset(bad, 0, size_t(rows4));
 
-    for (int64_t k0 = key_begin / kTile * kTile; k0 < key_end; k0 += kTile) {
+    // The tiles read the coded keys [key_begin, coded_end): no row sees a newer one.
+    const int64_t coded_end = key_end - W;
+    for (int64_t k0 = key_begin / kTile * kTile; k0 < coded_end; k0 += kTile) {
       // Tokens [j0, n) of the tile are read; the others are zero codes, scales and zeros (finite: p = 0 meets them).
       const int j0 = int(key_begin > k0 ? key_begin - k0 : 0);
-      const int n = int(key_end - k0 < kTile ? key_end - k0 : kTile);
+      const int n = int(coded_end - k0 < kTile ? coded_end - k0 : kTile);
       for (const TileSlots* ts : {&ks, &vs}) {
         // (plane and integer paths: keys not widened, their scores are 0 outside [j0, n))
         if (ts != &ks || (!planes && !int_k)) {
@@ -311,14 +336,14 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
         float* wr = w + i * kTile;
         // A tile the row sees whole (the common case) needs no mask; whether it
         // does depends on the row and the tile only, not on the task.
-        const bool whole = p.visible(qpos[i], k0) && p.visible(qpos[i], k0 + kTile - 1);
+        const bool whole = p.visible_coded(qpos[i], k0) && p.visible_coded(qpos[i], k0 + kTile - 1);
         if (whole && !(p.softcap > 0.f)) {
           if (!all_finite(wr, kTile)) bad[i] = 1;
         } else {
           float check = 0.f;  // NaN once a seen score is NaN or Inf
           for (int j = 0; j < kTile; ++j) {
             float s = wr[j];
-            if (!whole && (j < j0 || j >= n || !p.visible(qpos[i], k0 + j))) {
+            if (!whole && (j < j0 || j >= n || !p.visible_coded(qpos[i], k0 + j))) {
               wr[j] = kNegInf;
               continue;
             }
@@ -335,13 +360,7 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
           continue;
         }
         const float new_max = max_f(tile_max, mx[i]);
-        const float correction = exp_nonpos(mx[i] - new_max);  // 0 on the first tile (mx = -inf)
-        if (correction != 1.f) {
-          float* ar = acc + i * D;
-          for (int c = 0; c < D; ++c) ar[c] *= correction;
-          for (int g = 0; g < Bg; ++g) zacc[i * Bg + g] *= correction;
-          sum[i] *= correction;
-        }
+        rescale(i, exp_nonpos(mx[i] - new_max));  // by 0 on the first tile (mx = -inf)
         mx[i] = new_max;
         exp_shifted(wr, kTile, 0, kTile, new_max);  // masked: exp(-inf) = 0
         sum[i] += sum_f(wr, kTile);
@@ -370,6 +389,44 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
       });
     }
 
+    // The exact window: keys [e0, key_end) exact, one pass (the last update of every row).
+    if (W > 0) {
+      const int64_t e0 = std::max(key_begin, first_pos - W + 1);
+      const int ne = int(key_end - e0);
+      float *ek = ek_buf.p, *ev = ev_buf.p, *we = we_buf.p, *accx = accx_buf.p;
+      for (int j = 0; j < ne; ++j) {
+        Rows<X>::widen(p.exact_row(off, t.req, e0 + j, h, false), D, ek + int64_t(j) * D);
+        Rows<X>::widen(p.exact_row(off, t.req, e0 + j, h, true), D, ev + int64_t(j) * D);
+      }
+      fill_f(accx, rows4 * D, 0.f);
+      // Row i reads keys [lo, hi) of them, in order, one at a time: its sums must not depend on
+      // where the task's keys start (a vector sum over the task's range would group them by it).
+      for (int64_t i = 0; i < rows; ++i) {
+        int64_t lo = qpos[i] - W + 1 > e0 ? qpos[i] - W + 1 - e0 : 0;
+        while (lo < ne && !p.visible_exact(qpos[i], e0 + lo)) ++lo;  // the sliding window's start
+        const int64_t hi = qpos[i] + 1 - e0;
+        float check = 0.f, tile_max = kNegInf;  // check: NaN once a seen score is NaN or Inf
+        for (int64_t j = lo; j < hi; ++j) {
+          float sc = dot_f(qx_buf.p + i * D, ek + j * D, D);
+          if (p.softcap > 0.f) sc = p.softcap * tanh_f(sc / p.softcap);
+          we[j] = sc;
+          check += sc * 0.f;
+          tile_max = max_f(tile_max, sc);
+        }
+        if (!(check == 0.f)) bad[i] = 1;
+        if (lo >= hi || bad[i]) continue;
+        const float new_max = max_f(tile_max, mx[i]);
+        rescale(i, exp_nonpos(mx[i] - new_max));
+        mx[i] = new_max;
+        float* xr = accx + i * D;
+        for (int64_t j = lo; j < hi; ++j) {
+          const float pj = exp_nonpos(we[j] - new_max), *vr = ev + j * D;
+          sum[i] += pj;
+          for (int c = 0; c < D; ++c) xr[c] += pj * vr[c];
+        }
+      }
+    }
+
     for (int64_t i = 0; i < rows; ++i) {
       float* ar = acc + i * D;
       for (int g = 0; g < Bg; ++g) {
@@ -380,6 +437,8 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
       const float inv = bad[i] || corrupt || !(sum[i] > 0.f) ? kQuietNaN : 1.f / sum[i];
       for (int c = 0; c < D; ++c) ar[c] *= inv;
       if (p.rotation_signs) hadamard_rotate_rows(ar, ar, 1, D, p.rotation_signs, true);
+      if (W > 0)
+        for (int c = 0; c < D; ++c) ar[c] += accx_buf.p[i * D + c] * inv;
       Rows<X>::store(ar, D, p.out + ((q0 + i % t.queries) * p.q_heads + int64_t(h) * gq + i / t.queries) * D);
     }
   }

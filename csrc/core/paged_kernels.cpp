@@ -4,6 +4,7 @@
 // what nq_compress gives for that token.  The attention dispatches to the
 // per-ISA kernel of paged_attention_kernel.cpp.
 #include <atomic>
+#include <cstring>
 #include <vector>
 
 #include "isa_kernels.h"
@@ -61,6 +62,24 @@ void paged_write_tokens(const PagedWrite<X>& w, int64_t begin, int64_t end, Comp
   }
 }
 
+template <typename X>
+void paged_write_exact(const PagedWrite<X>& w, int h_begin, int h_end) {
+  const PagedLayout& l = w.pool.layout;
+  const PagedOffsets off(l);
+  const int D = l.head_dim;
+  for (int h = h_begin; h < h_end; ++h)
+    for (int64_t t = 0; t < w.num_tokens; ++t) {  // in order: the last token of a ring row wins
+      const int64_t slot = w.slot_mapping[t];
+      if (slot < 0) continue;
+      uint8_t* page = w.pages + w.pool.head_page(slot / l.block_size, h);
+      const int offset = int(slot % l.block_size);
+      std::memcpy(paged_ring_row<X>(off, page, offset, D, false), w.key + t * w.key_stride_t + int64_t(h) * D,
+                  sizeof(X) * size_t(D));
+      std::memcpy(paged_ring_row<X>(off, page, offset, D, true), w.value + t * w.value_stride_t + int64_t(h) * D,
+                  sizeof(X) * size_t(D));
+    }
+}
+
 // The attention: the kernel of the instruction set chosen at run time
 // (paged_attention_kernel.cpp, compiled once per ISA).
 template <typename X>
@@ -76,6 +95,7 @@ bool paged_attention_task(const PagedAttention<X>& p, const PagedTask& t, int h_
 
 #define NEXUSKV_INSTANTIATE_PAGED(X)                                                            \
   template void paged_write_tokens<X>(const PagedWrite<X>&, int64_t, int64_t, CompressStatus*); \
+  template void paged_write_exact<X>(const PagedWrite<X>&, int, int);                           \
   template bool paged_attention_task<X>(const PagedAttention<X>&, const PagedTask&, int, int);
 NEXUSKV_INSTANTIATE_PAGED(float)
 NEXUSKV_INSTANTIATE_PAGED(half_t)

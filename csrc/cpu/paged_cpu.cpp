@@ -26,10 +26,10 @@ std::optional<at::Tensor> float_signs(const char* op, const std::optional<at::Te
 void paged_kv_write_cpu(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
                         const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits, int64_t group_size,
                         int64_t num_outliers, const std::optional<at::Tensor>& rotation_signs, bool key_fit_range,
-                        bool value_fit_range) {
+                        bool value_fit_range, int64_t exact_window) {
   constexpr const char* op = "paged_kv_write_";
-  const PagedWriteShapes s = check_paged_write_args(pages, key, value, slot_mapping, key_bits, value_bits, group_size,
-                                                    num_outliers, rotation_signs);
+  const PagedWriteShapes s = check_paged_write_args(op, pages, key, value, slot_mapping, key_bits, value_bits,
+                                                    group_size, num_outliers, rotation_signs, exact_window);
   if (s.num_tokens == 0) return;
   const at::Tensor slots = slot_mapping.contiguous();
   check_paged_slots(op, slots.data_ptr<int64_t>(), slots.numel(), s.pool.num_slots());
@@ -48,6 +48,26 @@ void paged_kv_write_cpu(const at::Tensor& pages, const at::Tensor& key, const at
     });
   });
   check_paged_write_status(op, key.scalar_type(), non_finite, overflow);
+}
+
+// The exact window's rings: every kv head's rows in token order.
+void paged_exact_write_cpu(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
+                           const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits, int64_t group_size,
+                           int64_t num_outliers, int64_t exact_window) {
+  constexpr const char* op = "paged_exact_write_";
+  const PagedWriteShapes s = check_paged_write_args(op, pages, key, value, slot_mapping, key_bits, value_bits,
+                                                    group_size, num_outliers, std::nullopt, exact_window);
+  TORCH_CHECK(exact_window > 0, op, ": pages without an exact window (exact_window=0) have no ring to write");
+  if (s.num_tokens == 0) return;
+  const at::Tensor slots = slot_mapping.contiguous();
+  check_paged_slots(op, slots.data_ptr<int64_t>(), slots.numel(), s.pool.num_slots());
+  const at::Tensor k = paged_rows(key), v = paged_rows(value);
+  dispatch_core_float(key.scalar_type(), op, [&](auto tag) {
+    using X = decltype(tag);
+    const core::PagedWrite<X> w = make_paged_write<X>(s, pages, k, v, slots, std::nullopt, false, false);
+    at::parallel_for(0, s.pool.kv_heads, 1,
+                     [&](int64_t begin, int64_t end) { core::paged_write_exact(w, int(begin), int(end)); });
+  });
 }
 
 // The attention's tasks (after its data checks): (request, block of queries),
@@ -83,16 +103,18 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& pages, con
                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t key_bits,
                                int64_t value_bits, int64_t group_size, int64_t num_outliers,
                                const std::optional<at::Tensor>& rotation_signs, std::optional<double> scale,
-                               std::optional<int64_t> window, std::optional<double> softcap) {
+                               std::optional<int64_t> window, std::optional<double> softcap, int64_t exact_window,
+                               const std::optional<at::Tensor>& key, const std::optional<at::Tensor>& value) {
   constexpr const char* op = "paged_attention";
   const PagedAttentionShapes s =
       check_paged_attention_args(q, pages, block_table, seq_lens, query_start_loc, key_bits, value_bits, group_size,
-                                 num_outliers, rotation_signs, scale, window, softcap);
+                                 num_outliers, rotation_signs, scale, window, softcap, exact_window, key, value);
   const at::Tensor table = block_table.contiguous(), lens = seq_lens.contiguous(), qsl = query_start_loc.contiguous();
   const std::vector<core::PagedTask> tasks =
       paged_tasks(op, s, qsl.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), table.data_ptr<int32_t>(), s.window);
   const std::optional<at::Tensor> signs = float_signs(op, rotation_signs);
   const at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous();
+  const at::Tensor kx = key ? paged_rows(*key) : at::Tensor(), vx = value ? paged_rows(*value) : at::Tensor();
   // The tasks write every row of the requests' queries; the rows past
   // query_start_loc[-1] (padding) are zeroed here.
   at::Tensor out = at::empty(q.sizes(), q.options());
@@ -101,7 +123,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& pages, con
   std::atomic<bool> corrupt{false};
   dispatch_core_float(q.scalar_type(), op, [&](auto tag) {
     using X = decltype(tag);
-    const core::PagedAttention<X> p = make_paged_attention<X>(s, qc, pages, table, lens, qsl, signs, out);
+    const core::PagedAttention<X> p = make_paged_attention<X>(s, qc, pages, table, lens, qsl, signs, out, kx, vx);
     // Each thread takes the next (task, kv head) until none is left (at::parallel_for
     // alone would hand each thread one contiguous range, whatever its work).
     std::atomic<int64_t> next{0};
@@ -119,6 +141,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& pages, con
 TORCH_LIBRARY_IMPL(nexuskv, CPU, m) {
   m.impl("paged_kv_write_", &paged_kv_write_cpu);
   m.impl("paged_attention", &paged_attention_cpu);
+  m.impl("paged_exact_write_", &paged_exact_write_cpu);
 }
 
 }  // namespace nexuskv

@@ -153,6 +153,11 @@ inline PagedWriteScratch paged_write_scratch(const core::PagedLayout& l, int64_t
 template <typename X>
 void launch_paged_write(const core::PagedWrite<X>& w, uint8_t* scratch, uint32_t* status, Stream stream);
 
+// The exact window's rings of w.num_tokens tokens, one block per kv head, in
+// token order; a slot outside [-1, num_slots) skips its token (kBadSlot).
+template <typename X>
+void launch_paged_exact_write(const core::PagedWrite<X>& w, uint32_t* status, Stream stream);
+
 // The paged attention, one block per (token, kv head, up to kPagedHeadsPerBlock
 // q heads of its GQA group); p.out is written in full (padding rows zero).
 // Device-side checks (rows NaN, status bits): query_start_loc / seq_lens

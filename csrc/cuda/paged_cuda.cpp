@@ -1,5 +1,5 @@
-// CUDA kernels of paged_kv_write_ / paged_attention: ATen glue over
-// launch_paged_write / launch_paged_attention (launch.h; kernels:
+// CUDA kernels of paged_kv_write_ / paged_exact_write_ / paged_attention: ATen
+// glue over launch_paged_write / _exact_write / _attention (launch.h; kernels:
 // paged_kernels.cuh).  Argument checks are the shared ones
 // (csrc/aten/paged_args.h); the checks that read data run on the device
 // (cuda_glue.h): an invalid slot skips its token, invalid lengths, block ids,
@@ -46,10 +46,10 @@ void check_attention_data_host(const char* op, const PagedAttentionShapes& s, co
 void paged_kv_write_cuda(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
                          const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits, int64_t group_size,
                          int64_t num_outliers, const std::optional<at::Tensor>& rotation_signs, bool key_fit_range,
-                         bool value_fit_range) {
+                         bool value_fit_range, int64_t exact_window) {
   constexpr const char* op = "paged_kv_write_";
-  const PagedWriteShapes s = check_paged_write_args(pages, key, value, slot_mapping, key_bits, value_bits, group_size,
-                                                    num_outliers, rotation_signs);
+  const PagedWriteShapes s = check_paged_write_args(op, pages, key, value, slot_mapping, key_bits, value_bits,
+                                                    group_size, num_outliers, rotation_signs, exact_window);
   if (s.num_tokens == 0) return;
   const c10::cuda::CUDAGuard guard(pages.device());
   const int64_t rows = s.num_tokens * s.pool.kv_heads;
@@ -80,15 +80,40 @@ void paged_kv_write_cuda(const at::Tensor& pages, const at::Tensor& key, const a
                            bad & (cuda::kMetaOverflow | cuda::kRangeOverflow));
 }
 
+void paged_exact_write_cuda(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
+                            const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits, int64_t group_size,
+                            int64_t num_outliers, int64_t exact_window) {
+  constexpr const char* op = "paged_exact_write_";
+  const PagedWriteShapes s = check_paged_write_args(op, pages, key, value, slot_mapping, key_bits, value_bits,
+                                                    group_size, num_outliers, std::nullopt, exact_window);
+  TORCH_CHECK(exact_window > 0, op, ": pages without an exact window (exact_window=0) have no ring to write");
+  if (s.num_tokens == 0) return;
+  const c10::cuda::CUDAGuard guard(pages.device());
+  const at::Tensor slots = slot_mapping.contiguous();
+  if (cuda::value_checks_on()) check_slots_host(op, slots, s.pool.num_slots());
+  const at::Tensor k = paged_rows(key), v = paged_rows(value);
+  const DeviceStatus status(pages);
+  dispatch_core_float(key.scalar_type(), op, [&](auto tag) {
+    using X = decltype(tag);
+    const core::PagedWrite<X> w = make_paged_write<X>(s, pages, k, v, slots, std::nullopt, false, false);
+    cuda::launch_paged_exact_write<X>(w, status.ptr(), cuda::current_stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  const uint32_t bad = status.read();
+  if (bad & cuda::kBadSlot) check_slots_host(op, slots, s.pool.num_slots());
+  TORCH_CHECK(!(bad & cuda::kBadSlot), op, ": slot_mapping changed during the call (the device saw invalid values)");
+}
+
 at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& pages, const at::Tensor& block_table,
                                 const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t key_bits,
                                 int64_t value_bits, int64_t group_size, int64_t num_outliers,
                                 const std::optional<at::Tensor>& rotation_signs, std::optional<double> scale,
-                                std::optional<int64_t> window, std::optional<double> softcap) {
+                                std::optional<int64_t> window, std::optional<double> softcap, int64_t exact_window,
+                                const std::optional<at::Tensor>& key, const std::optional<at::Tensor>& value) {
   constexpr const char* op = "paged_attention";
   const PagedAttentionShapes s =
       check_paged_attention_args(q, pages, block_table, seq_lens, query_start_loc, key_bits, value_bits, group_size,
-                                 num_outliers, rotation_signs, scale, window, softcap);
+                                 num_outliers, rotation_signs, scale, window, softcap, exact_window, key, value);
   const c10::cuda::CUDAGuard guard(q.device());
   const at::Tensor table = block_table.contiguous(), lens = seq_lens.contiguous(), qsl = query_start_loc.contiguous();
   std::optional<at::Tensor> signs;
@@ -98,6 +123,7 @@ at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& pages, co
     if (signs) check_signs_host(op, *signs);
   }
   const at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous();
+  const at::Tensor kx = key ? paged_rows(*key) : at::Tensor(), vx = value ? paged_rows(*value) : at::Tensor();
   // Every row is written by the kernel (padding rows zero).
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (s.num_tokens == 0) return out;
@@ -108,7 +134,7 @@ at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& pages, co
   const DeviceStatus status(q);
   dispatch_core_float(q.scalar_type(), op, [&](auto tag) {
     using X = decltype(tag);
-    const core::PagedAttention<X> p = make_paged_attention<X>(s, qc, pages, table, lens, qsl, signs, out);
+    const core::PagedAttention<X> p = make_paged_attention<X>(s, qc, pages, table, lens, qsl, signs, out, kx, vx);
     const int err = cuda::launch_paged_attention<X>(p, status.ptr(), cuda::current_stream());
     TORCH_CHECK(err == 0, op, ": could not reserve the kernel's shared memory (head_dim ", s.pool.layout.head_dim,
                 "): ", cudaGetErrorString(cudaError_t(err)));
@@ -129,6 +155,7 @@ at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& pages, co
 TORCH_LIBRARY_IMPL(nexuskv, CUDA, m) {
   m.impl("paged_kv_write_", &paged_kv_write_cuda);
   m.impl("paged_attention", &paged_attention_cuda);
+  m.impl("paged_exact_write_", &paged_exact_write_cuda);
 }
 
 }  // namespace nexuskv

@@ -20,7 +20,11 @@
 // tile into shared float rows (code * scale + zero, then the exact outliers),
 // scores * scale, soft-cap, online softmax in float32 (the CPU's rules: a
 // non-finite visible score makes the row NaN), acc += p . v; then 1 / sum,
-// the inverse rotation, X.  The arithmetic is the CPU's, in its order and
+// the inverse rotation, X.  With an exact window W, the tiles read the keys
+// older than the row's window, then tiles of its W newest keys and values
+// exact (the chunk's own rows or the page rings, PagedAttention::exact_row)
+// meet the unrotated query and go to an unrotated accumulator, added after
+// the inverse rotation (as on the CPU).  The arithmetic is the CPU's, in its order and
 // exactly rounded (no FMA contraction): the results differ from the CPU's
 // only through expf / tanhf against std::exp / std::tanh.  Invalid lengths,
 // block ids, signs or outlier positions make the block's rows NaN and set a
@@ -165,6 +169,38 @@ NKV_KERNEL void paged_scatter_kernel(const NKV_GRID_CONSTANT core::PagedPool poo
   report(status, bits);
 }
 
+// The exact window's rings: block h writes kv head h's ring rows of every
+// token in token order; thread c always writes channel c, so the last token
+// of a ring row wins without a race.
+template <typename X>
+NKV_KERNEL void paged_exact_write_kernel(const NKV_GRID_CONSTANT core::PagedWrite<X> w, uint32_t* status) {
+  const core::PagedLayout& l = w.pool.layout;
+  const core::PagedOffsets off(l);
+  const int h = int(blockIdx.x), D = l.head_dim;
+  for (int64_t t = 0; t < w.num_tokens; ++t) {
+    const int64_t slot = w.slot_mapping[t];  // the same for every thread
+    if (slot == -1) continue;
+    if (slot < -1 || slot >= w.pool.num_slots()) {
+      if (threadIdx.x == 0) report(status, kBadSlot);
+      continue;
+    }
+    uint8_t* page = w.pages + w.pool.head_page(slot / l.block_size, h);
+    const int offset = int(slot % l.block_size);
+    X* kr = core::paged_ring_row<X>(off, page, offset, D, false);
+    X* vr = core::paged_ring_row<X>(off, page, offset, D, true);
+    for (int c = threadIdx.x; c < D; c += blockDim.x) {
+      kr[c] = w.key[t * w.key_stride_t + int64_t(h) * D + c];
+      vr[c] = w.value[t * w.value_stride_t + int64_t(h) * D + c];
+    }
+  }
+}
+
+template <typename X>
+void launch_paged_exact_write(const core::PagedWrite<X>& w, uint32_t* status, Stream stream) {
+  if (w.num_tokens == 0) return;
+  launch(paged_exact_write_kernel<X>, Dim3(unsigned(w.pool.kv_heads)), Dim3(kPagedThreads), 0, stream, w, status);
+}
+
 template <typename X>
 void launch_paged_write(const core::PagedWrite<X>& w, uint8_t* scratch, uint32_t* status, Stream stream) {
   const core::PagedLayout& l = w.pool.layout;
@@ -205,9 +241,10 @@ void launch_paged_write(const core::PagedWrite<X>& w, uint8_t* scratch, uint32_t
 // Floats of dynamic shared memory for `heads` q rows of head_dim D: q, acc
 // [heads, D]; k, v tiles [kPagedTile, D + 1] (the padding column keeps the
 // score loop, one key per lane, free of bank conflicts); scores
-// [heads, kPagedTile]; running max, sum and rescale [heads].
-NKV_HOST_DEVICE int paged_attention_smem_floats(int D, int heads) {
-  return 2 * heads * D + 2 * kPagedTile * (D + 1) + heads * kPagedTile + 3 * heads;
+// [heads, kPagedTile]; running max, sum and rescale [heads]; with an exact
+// window the unrotated q and acc [heads, D] too.
+NKV_HOST_DEVICE int paged_attention_smem_floats(int D, int heads, bool exact) {
+  return (exact ? 4 : 2) * heads * D + 2 * kPagedTile * (D + 1) + heads * kPagedTile + 3 * heads;
 }
 
 template <typename X>
@@ -228,7 +265,10 @@ NKV_KERNEL void paged_attention_kernel(const NKV_GRID_CONSTANT core::PagedAttent
   float* p_s = v_s + T * KS;                                                 // [R, T] scores, then weights
   float* m_s = p_s + heads_per_block * T;                                    // [R] running max
   float* l_s = m_s + heads_per_block;                                        // [R] running sum
-  float* alpha_s = l_s + heads_per_block;     // [R] rescale of the tile; NaN: row not updated
+  float* alpha_s = l_s + heads_per_block;      // [R] rescale of the tile; NaN: row not updated
+  float* qx_s = alpha_s + heads_per_block;     // [R, D] unrotated q (exact window only)
+  float* accx_s = qx_s + heads_per_block * D;  // [R, D] unrotated acc of the exact keys (exact window only)
+  const int W = l.exact_window;
   __shared__ int64_t page_s[kPagedTile];      // head page of each key of the tile, -1: not read
   __shared__ int slot_s[kPagedTile];          // the key's slot in its page: position % block size
   __shared__ int bad_s[kPagedHeadsPerBlock];  // a visible score was not finite
@@ -277,6 +317,7 @@ NKV_KERNEL void paged_attention_kernel(const NKV_GRID_CONSTANT core::PagedAttent
     const int i = e / D, c = e % D;
     q_s[e] = core::to_float(p.q[token * p.q_stride_t + (int64_t(h) * gq + head0 + i) * p.q_stride_h + c]);
     acc_s[e] = 0.f;
+    if (W > 0) qx_s[e] = q_s[e], accx_s[e] = 0.f;
   }
   for (int i = threadIdx.x; i < R; i += blockDim.x) m_s[i] = kNegInf, l_s[i] = 0.f, bad_s[i] = 0;
   NKV_SYNC();
@@ -286,112 +327,137 @@ NKV_KERNEL void paged_attention_kernel(const NKV_GRID_CONSTANT core::PagedAttent
   // evaluated per element they made the tile loop ~100x slower than its arithmetic.
   const core::PagedOffsets off(l);
   const int G = off.groups, k = off.num_outliers;
-  for (int64_t k0 = key_begin / T * T; k0 < key_end; k0 += T) {
-    const int n = int(key_end - k0 < T ? key_end - k0 : T);
-    // Head pages of the tile's keys; positions before the window are not read.
-    for (int j = threadIdx.x; j < T; j += blockDim.x) {
-      int64_t page = -1;
-      if (j < n && k0 + j >= key_begin) {
-        const int32_t id = table[(k0 + j) / P];
-        if (id >= 0 && id < p.pool.num_blocks)
-          page = p.pool.head_page(id, h);
-        else
-          atomic_or(&flag, kBadBlock);
+  // Phase 0: the coded keys [key_begin, coded_end); phase 1: the exact window [exact_begin, key_end).
+  const int64_t coded_end = key_end - W, exact_begin = coded_end > key_begin ? coded_end : key_begin;
+  const int64_t chunk_start = p.seq_lens[req] - (qsl[req + 1] - qsl[req]);  // the call's own rows from here
+  for (int phase = 0; phase < (W > 0 ? 2 : 1); ++phase) {
+    const int64_t phase_begin = phase ? exact_begin : key_begin, phase_end = phase ? key_end : coded_end;
+    for (int64_t k0 = phase ? phase_begin : phase_begin / T * T; k0 < phase_end; k0 += T) {
+      const int n = int(phase_end - k0 < T ? phase_end - k0 : T);
+      // Head pages of the tile's keys; positions before the window are not read.
+      for (int j = threadIdx.x; j < T; j += blockDim.x) {
+        int64_t page = -1;
+        if (j < n && k0 + j >= key_begin) {
+          if (phase && k0 + j >= chunk_start) {
+            page = 0;  // read from the call's own key / value
+          } else {
+            const int32_t id = table[(k0 + j) / P];
+            if (id >= 0 && id < p.pool.num_blocks)
+              page = p.pool.head_page(id, h);
+            else
+              atomic_or(&flag, kBadBlock);
+          }
+        }
+        page_s[j] = page;
+        slot_s[j] = int((k0 + j) % P);
       }
-      page_s[j] = page;
-      slot_s[j] = int((k0 + j) % P);
-    }
-    NKV_SYNC();
-    // Dense part: code * scale + zero; rows not read are 0.  One warp per (half, key) row,
-    // its lanes over the channels: the slot's pointers once per row, no division per element.
-    for (int row = int(threadIdx.x) / 32; row < 2 * T; row += int(blockDim.x) / 32) {
-      const int half = row >= T ? 1 : 0, j = row - half * T;
-      float* dst = (half ? v_s : k_s) + j * KS;
-      if (page_s[j] < 0) {
-        for (int c = int(threadIdx.x) % 32; c < D; c += 32) dst[c] = 0.f;
-        continue;
-      }
-      const core::PagedSlot<X> s =
-          core::paged_slot<X>(off, const_cast<uint8_t*>(p.pages) + page_s[j], slot_s[j], half == 1);
-      const int bits = half ? l.value_bits : l.key_bits;
-      for (int c = int(threadIdx.x) % 32; c < D; c += 32) {
-        const int g = c / l.group_size;
-        const uint32_t code = core::layout::code_at(s.codes, bits, c);
-        dst[c] = add_rn(mul_rn(float(code), core::to_float(s.scale[g])), core::to_float(s.zero[g]));
-      }
-    }
-    NKV_SYNC();
-    // Exact outliers: one thread per (half, key, group), its k in order (the
-    // last of repeated positions wins, as on the CPU).
-    if (k > 0) {
-      for (int e = threadIdx.x; e < 2 * T * G; e += blockDim.x) {
-        const int half = e / (T * G), j = (e / G) % T, g = e % G;
-        if (page_s[j] < 0) continue;
-        const core::PagedSlot<X> s =
-            core::paged_slot<X>(off, const_cast<uint8_t*>(p.pages) + page_s[j], slot_s[j], half == 1);
-        const int begin = g * l.group_size, end = begin + l.group_size < D ? begin + l.group_size : D;
-        float* row = (half ? v_s : k_s) + j * KS;
-        for (int m = 0; m < k; ++m) {
-          const int pos = begin + s.outlier_idx[g * k + m];
-          if (pos >= end) {
-            atomic_or(&flag, kBadOutlierIndex);
+      NKV_SYNC();
+      if (phase) {
+        // Exact rows, as written (not rotated).
+        for (int e = threadIdx.x; e < 2 * T * D; e += blockDim.x) {
+          const int half = e / (T * D), j = (e / D) % T, c = e % D;
+          float* dst = (half ? v_s : k_s) + j * KS;
+          dst[c] = page_s[j] < 0 ? 0.f : core::to_float(p.exact_row(off, req, k0 + j, h, half == 1)[c]);
+        }
+        NKV_SYNC();
+      } else {
+        // Dense part: code * scale + zero; rows not read are 0.  One warp per (half, key) row,
+        // its lanes over the channels: the slot's pointers once per row, no division per element.
+        for (int row = int(threadIdx.x) / 32; row < 2 * T; row += int(blockDim.x) / 32) {
+          const int half = row >= T ? 1 : 0, j = row - half * T;
+          float* dst = (half ? v_s : k_s) + j * KS;
+          if (page_s[j] < 0) {
+            for (int c = int(threadIdx.x) % 32; c < D; c += 32) dst[c] = 0.f;
             continue;
           }
-          row[pos] = core::to_float(s.outlier_val[g * k + m]);
+          const core::PagedSlot<X> s =
+              core::paged_slot<X>(off, const_cast<uint8_t*>(p.pages) + page_s[j], slot_s[j], half == 1);
+          const int bits = half ? l.value_bits : l.key_bits;
+          for (int c = int(threadIdx.x) % 32; c < D; c += 32) {
+            const int g = c / l.group_size;
+            const uint32_t code = core::layout::code_at(s.codes, bits, c);
+            dst[c] = add_rn(mul_rn(float(code), core::to_float(s.scale[g])), core::to_float(s.zero[g]));
+          }
         }
+        NKV_SYNC();
+        // Exact outliers: one thread per (half, key, group), its k in order (the
+        // last of repeated positions wins, as on the CPU).
+        if (k > 0) {
+          for (int e = threadIdx.x; e < 2 * T * G; e += blockDim.x) {
+            const int half = e / (T * G), j = (e / G) % T, g = e % G;
+            if (page_s[j] < 0) continue;
+            const core::PagedSlot<X> s =
+                core::paged_slot<X>(off, const_cast<uint8_t*>(p.pages) + page_s[j], slot_s[j], half == 1);
+            const int begin = g * l.group_size, end = begin + l.group_size < D ? begin + l.group_size : D;
+            float* row = (half ? v_s : k_s) + j * KS;
+            for (int m = 0; m < k; ++m) {
+              const int pos = begin + s.outlier_idx[g * k + m];
+              if (pos >= end) {
+                atomic_or(&flag, kBadOutlierIndex);
+                continue;
+              }
+              row[pos] = core::to_float(s.outlier_val[g * k + m]);
+            }
+          }
+          NKV_SYNC();
+        }
+      }  // phase 0's dequantization
+      // Scores: one thread per (row, key), the keys of a warp consecutive.
+      for (int e = threadIdx.x; e < R * T; e += blockDim.x) {
+        const int i = e / T, j = e % T;
+        float score = kNegInf;
+        if (j < n && page_s[j] >= 0 && (phase ? p.visible_exact(qpos, k0 + j) : p.visible_coded(qpos, k0 + j))) {
+          const float* qr = (phase ? qx_s : q_s) + i * D;
+          const float* kr = k_s + j * KS;
+          float dot = 0.f;
+          for (int c = 0; c < D; ++c) dot = add_rn(dot, mul_rn(qr[c], kr[c]));
+          score = mul_rn(dot, p.scale);
+          if (p.softcap > 0.f) score = mul_rn(p.softcap, tanhf(div_rn(score, p.softcap)));
+          if (non_finite(score)) bad_s[i] = 1;
+        }
+        p_s[e] = score;
+      }
+      NKV_SYNC();
+      // Online softmax, one thread per row (the CPU's steps).
+      for (int i = threadIdx.x; i < R; i += blockDim.x) {
+        float* pr = p_s + i * T;
+        float tile_max = kNegInf;
+        for (int j = 0; j < n; ++j) tile_max = pr[j] > tile_max ? pr[j] : tile_max;
+        if (tile_max == kNegInf || bad_s[i]) {
+          alpha_s[i] = kNaN;  // no update
+          continue;
+        }
+        const float new_max = tile_max > m_s[i] ? tile_max : m_s[i];
+        const float correction = expf(m_s[i] - new_max);  // exp(-inf) = 0 on the first tile
+        float sum = mul_rn(l_s[i], correction);
+        for (int j = 0; j < n; ++j) {
+          const float w = pr[j] == kNegInf ? 0.f : expf(pr[j] - new_max);
+          pr[j] = w;
+          sum = add_rn(sum, w);
+        }
+        l_s[i] = sum;
+        m_s[i] = new_max;
+        alpha_s[i] = correction;
+      }
+      NKV_SYNC();
+      for (int e = threadIdx.x; e < R * D; e += blockDim.x) {
+        const int i = e / D, c = e % D;
+        const float alpha = alpha_s[i];
+        if (alpha != alpha) continue;
+        float* target = phase ? accx_s : acc_s;
+        if (phase)
+          acc_s[e] = mul_rn(acc_s[e], alpha);
+        else if (W > 0)
+          accx_s[e] = mul_rn(accx_s[e], alpha);  // (still 0: the exact tiles come last)
+        float a = mul_rn(target[e], alpha);
+        const float* pr = p_s + i * T;
+        for (int j = 0; j < n; ++j)
+          if (page_s[j] >= 0) a = add_rn(a, mul_rn(pr[j], v_s[j * KS + c]));  // the keys the row sees
+        target[e] = a;
       }
       NKV_SYNC();
     }
-    // Scores: one thread per (row, key), the keys of a warp consecutive.
-    for (int e = threadIdx.x; e < R * T; e += blockDim.x) {
-      const int i = e / T, j = e % T;
-      float score = kNegInf;
-      if (j < n && page_s[j] >= 0 && p.visible(qpos, k0 + j)) {
-        const float* qr = q_s + i * D;
-        const float* kr = k_s + j * KS;
-        float dot = 0.f;
-        for (int c = 0; c < D; ++c) dot = add_rn(dot, mul_rn(qr[c], kr[c]));
-        score = mul_rn(dot, p.scale);
-        if (p.softcap > 0.f) score = mul_rn(p.softcap, tanhf(div_rn(score, p.softcap)));
-        if (non_finite(score)) bad_s[i] = 1;
-      }
-      p_s[e] = score;
-    }
-    NKV_SYNC();
-    // Online softmax, one thread per row (the CPU's steps).
-    for (int i = threadIdx.x; i < R; i += blockDim.x) {
-      float* pr = p_s + i * T;
-      float tile_max = kNegInf;
-      for (int j = 0; j < n; ++j) tile_max = pr[j] > tile_max ? pr[j] : tile_max;
-      if (tile_max == kNegInf || bad_s[i]) {
-        alpha_s[i] = kNaN;  // no update
-        continue;
-      }
-      const float new_max = tile_max > m_s[i] ? tile_max : m_s[i];
-      const float correction = expf(m_s[i] - new_max);  // exp(-inf) = 0 on the first tile
-      float sum = mul_rn(l_s[i], correction);
-      for (int j = 0; j < n; ++j) {
-        const float w = pr[j] == kNegInf ? 0.f : expf(pr[j] - new_max);
-        pr[j] = w;
-        sum = add_rn(sum, w);
-      }
-      l_s[i] = sum;
-      m_s[i] = new_max;
-      alpha_s[i] = correction;
-    }
-    NKV_SYNC();
-    for (int e = threadIdx.x; e < R * D; e += blockDim.x) {
-      const int i = e / D, c = e % D;
-      const float alpha = alpha_s[i];
-      if (alpha != alpha) continue;
-      float a = mul_rn(acc_s[e], alpha);
-      const float* pr = p_s + i * T;
-      for (int j = 0; j < n; ++j)
-        if (page_s[j] >= 0) a = add_rn(a, mul_rn(pr[j], v_s[j * KS + c]));  // the keys the row sees
-      acc_s[e] = a;
-    }
-    NKV_SYNC();
-  }
+  }  // phases
 
   // Every query sees its own key, so sum > 0 unless a score was not finite.
   const bool poisoned = flag != 0;
@@ -402,7 +468,15 @@ NKV_KERNEL void paged_attention_kernel(const NKV_GRID_CONSTANT core::PagedAttent
   }
   NKV_SYNC();
   if (signs) rotate_rows_smem(acc_s, R, D, D, signs, true, pre_s);
-  for (int e = threadIdx.x; e < R * D; e += blockDim.x) out[e] = core::from_float<X>(acc_s[e]);
+  for (int e = threadIdx.x; e < R * D; e += blockDim.x) {
+    float o = acc_s[e];
+    if (W > 0) {
+      const int i = e / D;
+      const float inv = poisoned || bad_s[i] || !(l_s[i] > 0.f) ? kNaN : div_rn(1.f, l_s[i]);
+      o = add_rn(o, mul_rn(accx_s[e], inv));
+    }
+    out[e] = core::from_float<X>(o);
+  }
   if (threadIdx.x == 0 && poisoned) report(status, flag);
 }
 
@@ -412,7 +486,9 @@ int launch_paged_attention(const core::PagedAttention<X>& p, uint32_t* status, S
   const int gq = p.gqa_group();
   const int heads = gq < kPagedHeadsPerBlock ? gq : kPagedHeadsPerBlock;
   const int chunks = int(core::ceil_div(gq, kPagedHeadsPerBlock));
-  const size_t smem = size_t(paged_attention_smem_floats(p.pool.layout.head_dim, heads)) * sizeof(float);
+  const size_t smem =
+      size_t(paged_attention_smem_floats(p.pool.layout.head_dim, heads, p.pool.layout.exact_window > 0)) *
+      sizeof(float);
   // Opt in above the default (with room for the kernel's static shared memory).
   if (smem + 1024 > kDefaultSmem) {
     const int err = int(allow_smem(paged_attention_kernel<X>, smem));

@@ -532,6 +532,7 @@ def _paged_kv_write_fake(
     rotation_signs=None,
     key_fit_range=False,
     value_fit_range=False,
+    exact_window=0,
 ):
     named = [("pages", pages), ("key", key), ("value", value), ("slot_mapping", slot_mapping)]
     _one_device("paged_kv_write_", named + [("rotation_signs", rotation_signs)])
@@ -547,9 +548,22 @@ def _paged_kv_write_fake(
         rotation_signs,
         key_fit_range,
         value_fit_range,
+        exact_window,
     )
     if _concrete(args):
         _meta_outputs("paged_kv_write_", args)
+    return None
+
+
+@torch.library.register_fake("nexuskv::paged_exact_write_")
+def _paged_exact_write_fake(
+    pages, key, value, slot_mapping, key_bits, value_bits, group_size, num_outliers, exact_window
+):
+    named = [("pages", pages), ("key", key), ("value", value), ("slot_mapping", slot_mapping)]
+    _one_device("paged_exact_write_", named)
+    args = (pages, key, value, slot_mapping, key_bits, value_bits, group_size, num_outliers, exact_window)
+    if _concrete(args):
+        _meta_outputs("paged_exact_write_", args)
     return None
 
 
@@ -568,9 +582,13 @@ def _paged_attention_fake(
     scale=None,
     window=None,
     softcap=None,
+    exact_window=0,
+    key=None,
+    value=None,
 ):
     named = [("q", q), ("pages", pages), ("block_table", block_table), ("seq_lens", seq_lens)]
-    _one_device("paged_attention", named + [("query_start_loc", query_start_loc), ("rotation_signs", rotation_signs)])
+    named += [("query_start_loc", query_start_loc), ("rotation_signs", rotation_signs), ("key", key), ("value", value)]
+    _one_device("paged_attention", named)
     args = (
         q,
         pages,
@@ -585,6 +603,9 @@ def _paged_attention_fake(
         scale,
         window,
         softcap,
+        exact_window,
+        key,
+        value,
     )
     if _concrete(args):
         return _like(q, _meta_outputs("paged_attention", args))

@@ -1,7 +1,8 @@
 // The paged kernels of the torch-free core: tokens written to shuffled slots
 // hold the NQ buffers of nq_compress (byte for byte), and attention over a
 // request's pages matches a double-precision attention over the decompressed
-// rows, causal, with GQA and a sliding window.
+// rows, causal, with GQA, a sliding window and an exact window (each query's
+// newest tokens read exact: its own step's rows and the rings of older ones).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -29,12 +30,14 @@ TEST_CASE("paged write and attention against nq_compress and double attention", 
   };
   const Config configs[] = {{32, 1, 4, 2}, {24, 2, 4, 2}, {48, 20, 4, 2}, {64, 0, 2, 4}, {16, 1, 3, 3}, {64, 2, 8, 8}};
   for (auto [group_size, outliers, key_bits, value_bits] : configs)
-    for (int window : {0, 9}) {
-      INFO("group " << group_size << ", outliers " << outliers << ", bits " << key_bits << "/" << value_bits);
+    for (auto [window, exact] : {std::pair{0, 0}, std::pair{9, 0}, std::pair{0, 7}, std::pair{4, 7}}) {
+      INFO("group " << group_size << ", outliers " << outliers << ", bits " << key_bits << "/" << value_bits
+                    << ", exact window " << exact);
       PagedLayout l;
       l.head_dim = D, l.block_size = P, l.key_bits = key_bits, l.value_bits = value_bits, l.group_size = group_size;
       l.num_outliers = outliers;
       l.x_bytes = 4;
+      l.exact_window = exact;
       PagedPool pool{l, blocks, H};
       std::vector<uint8_t> pages(size_t(blocks * H * l.head_page_bytes()));
       std::mt19937 rng(3);
@@ -94,13 +97,28 @@ TEST_CASE("paged write and attention against nq_compress and double attention", 
           }
         }
 
-      // The last Q tokens are the queries.
+      // The last Q tokens are the queries; the rings hold the older ones (written after their
+      // own steps' attention, in token order), the queries' own rows come with the call.
+      if (exact > 0) {
+        PagedWrite<float> x;
+        x.pool = pool, x.pages = pages.data(), x.key = k.data(), x.value = v.data();
+        x.key_stride_t = x.value_stride_t = H * D, x.slot_mapping = slots.data(), x.num_tokens = T - Q;
+        paged_write_exact(x, 0, H);
+        for (int t = T - Q - exact; t < T - Q; ++t)  // the ring rows by the format's offsets
+          for (int h = 0; h < H; ++h) {
+            uint8_t* page = pages.data() + pool.head_page(table[size_t(t / P)], h);
+            const float* ring = reinterpret_cast<const float*>(page + int64_t(P) * l.code_slot_bytes());
+            CHECK(std::memcmp(ring + (t % P % exact) * D, &k[size_t((t * H + h) * D)], sizeof(float) * D) == 0);
+          }
+      }
       const int32_t seq_len = T, qsl[2] = {0, Q};
       PagedAttention<float> p;
       p.pool = pool, p.pages = pages.data(), p.q = q.data(), p.q_stride_t = Hq * D, p.q_stride_h = D;
       p.out = out.data(), p.num_tokens = Q, p.q_heads = Hq, p.num_reqs = 1, p.max_blocks = 3;
       p.block_table = table.data(), p.seq_lens = &seq_len, p.query_start_loc = qsl, p.scale = 0.125f;
       p.window = window;
+      p.key = &k[size_t((T - Q) * H * D)], p.value = &v[size_t((T - Q) * H * D)], p.key_stride_t = H * D;
+      p.value_stride_t = H * D;
       // Every instruction set this build and CPU have (paged_attention_kernel.cpp is compiled per ISA).
       for (CpuIsa isa : {CpuIsa::kGeneric, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
         if (!cpu_isa_supported(isa)) continue;
@@ -122,10 +140,14 @@ TEST_CASE("paged write and attention against nq_compress and double attention", 
             const std::vector<double>&kd = dense[size_t(2 * h)], &vd = dense[size_t(2 * h + 1)];
             std::vector<double> s(size_t(pos + 1), -INFINITY);
             double mx = -INFINITY, sum = 0;
+            // Key / value channel c of token t: exact within the exact window, else decompressed.
+            const auto kv = [&](const std::vector<double>& dec, const std::vector<float>& x, int t, int c) {
+              return t > pos - exact ? double(x[size_t((t * H + h) * D + c)]) : dec[size_t(t * D + c)];
+            };
             for (int t = 0; t <= pos; ++t) {
               if (window > 0 && t <= pos - window) continue;
               double dot = 0;
-              for (int c = 0; c < D; ++c) dot += double(q[size_t((i * Hq + hq) * D + c)]) * kd[size_t(t * D + c)];
+              for (int c = 0; c < D; ++c) dot += double(q[size_t((i * Hq + hq) * D + c)]) * kv(kd, k, t, c);
               s[size_t(t)] = dot * 0.125;
               mx = std::max(mx, s[size_t(t)]);
             }
@@ -134,7 +156,7 @@ TEST_CASE("paged write and attention against nq_compress and double attention", 
               if (s[size_t(t)] == -INFINITY) continue;
               const double e = std::exp(s[size_t(t)] - mx);
               sum += e;
-              for (int c = 0; c < D; ++c) o[size_t(c)] += e * vd[size_t(t * D + c)];
+              for (int c = 0; c < D; ++c) o[size_t(c)] += e * kv(vd, v, t, c);
             }
             for (int c = 0; c < D; ++c)
               worst = std::max(worst, std::abs(o[size_t(c)] / sum - out[size_t((i * Hq + hq) * D + c)]));

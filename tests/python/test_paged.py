@@ -1,5 +1,5 @@
-"""The paged operators (paged_slot_bytes, paged_kv_write_, paged_attention) against the
-documented page format and a float64 reference.
+"""The paged operators (paged_slot_bytes, paged_kv_write_, paged_attention, paged_exact_write_)
+against the documented page format and a float64 reference.
 
 The pages are decoded here from the layout as paged_format.h documents it (offsets computed
 in this file), the tokens' buffers compared bit for bit with nq_compress of the same token,
@@ -29,10 +29,20 @@ EPS = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8
 # ---- the layout, from the format's documentation --------------------------------------------
 
 
-def slot_bytes_doc(D, kb, vb, G, k, dtype):
+def slot_bytes_doc(D, kb, vb, G, k, dtype, W=0, P=16):
     xb = torch.empty(0, dtype=dtype).element_size()
     bg = math.ceil(D / G)
-    return _format.row_bytes(kb, D) + _format.row_bytes(vb, D) + bg * (4 * xb + 2 * k * (xb + 1))
+    ring = math.ceil(2 * W * D * xb / P)  # the exact window's two rings [W, D], spread over the P slots
+    return _format.row_bytes(kb, D) + _format.row_bytes(vb, D) + bg * (4 * xb + 2 * k * (xb + 1)) + ring
+
+
+def ring_rows(pages, block, head, fmt, D, dtype, value):
+    """The ring [W, D] of a head page's keys (or values), by paged_format.h: after the P code slots."""
+    P, W = pages.shape[2], fmt.exact_window
+    xb = torch.empty(0, dtype=dtype).element_size()
+    code = slot_bytes_doc(D, fmt.key_bits, fmt.value_bits, fmt.group_size, fmt.num_outliers, dtype)
+    start = P * code + (W * D * xb if value else 0)
+    return pages[block, head].reshape(-1)[start : start + W * D * xb].view(dtype).reshape(W, D)
 
 
 def head_page_buffers(pages, block, head, fmt, D, dtype, value):
@@ -50,7 +60,9 @@ def head_page_buffers(pages, block, head, fmt, D, dtype, value):
     off["vov"] = off["kov"] + meta * k
     off["koi"] = off["vov"] + meta * k
     off["voi"] = off["koi"] + P * bg * k
-    assert off["voi"] + P * bg * k == P * pages.shape[3]
+    assert off["voi"] + P * bg * k == P * pages.shape[3] - P * (
+        pages.shape[3] - slot_bytes_doc(D, fmt.key_bits, fmt.value_bits, fmt.group_size, k, dtype)
+    )
     p = "v" if value else "k"
     rb = vrb if value else krb
 
@@ -82,7 +94,7 @@ class Pool:
     def __init__(self, fmt, kv_heads=2, D=64, P=32, num_blocks=40, dtype=torch.bfloat16, device="cpu", seed=0):
         self.fmt, self.H, self.D, self.P, self.dtype, self.device = fmt, kv_heads, D, P, dtype, device
         self.g = torch.Generator().manual_seed(seed)
-        C = fmt.slot_bytes(D, dtype)
+        C = fmt.slot_bytes(D, dtype, P)
         self.pages = torch.zeros(num_blocks, kv_heads, P, C, dtype=torch.uint8, device=device)
         self.free = torch.randperm(num_blocks, generator=self.g).tolist()
         self.tables, self.k, self.v = [], [], []
@@ -111,6 +123,28 @@ class Pool:
             out.append(self.tables[r][t // self.P] * self.P + t % self.P)
         return out
 
+    def attend(self, q, table, lens, qsl, **kw):
+        """paged.attention over the last step's tokens; with an exact window, their own K/V
+        passed in, and their rings written after it (as a serving engine's step does)."""
+        W = self.fmt.exact_window
+        dev = self.device
+        key, value = (x.to(dev) for x in self.last_kv) if W else (None, None)
+        out = paged.attention(
+            q.to(dev),
+            self.pages,
+            table.to(dev),
+            lens.to(dev),
+            qsl.to(dev),
+            self.fmt,
+            self.signs,
+            key=key,
+            value=value,
+            **kw,
+        )
+        if W:
+            paged.write_exact_(self.pages, key, value, self.last_slots.to(dev), self.fmt)
+        return out
+
     def step(self, new, kv=None):
         """new: {request: n_new_tokens}; writes their K/V (random, or kv[request] = (k, v)) in a
         shuffled order and returns the attention arguments for those tokens."""
@@ -126,6 +160,7 @@ class Pool:
             qsl.append(qsl[-1] + new[r])
             lens.append(self.k[r].shape[0])
         k, v, s = torch.cat(keys), torch.cat(values), torch.tensor(slots, dtype=torch.int64)
+        self.last_kv, self.last_slots = (k, v), s  # in query order (Pool.attend)
         order = torch.randperm(len(s), generator=self.g)
         paged.write_(
             self.pages,
@@ -143,8 +178,10 @@ class Pool:
 
 
 def reference(pool, reqs, table, lens, qsl, q, q_heads, scale, window=None, softcap=None):
-    """float64 attention over the dequantized pages, per request; [num_tokens, q_heads, D]."""
-    fmt, D, H = pool.fmt, pool.D, pool.H
+    """float64 attention over the dequantized pages, per request; [num_tokens, q_heads, D].
+    With an exact window W, the query at position p reads keys and values (p - W, p] as they
+    were written (pool.k / pool.v), rotated like the pages' so that one V serves both."""
+    fmt, D, H, W = pool.fmt, pool.D, pool.H, pool.fmt.exact_window
     out = torch.zeros(q.shape[0], q_heads, D, dtype=F64)
     R = rotation_matrix(pool.signs.cpu()) if fmt.rotate else torch.eye(D, dtype=F64)
     group = q_heads // H
@@ -155,19 +192,22 @@ def reference(pool, reqs, table, lens, qsl, q, q_heads, scale, window=None, soft
             vb = token_buffers(pool.pages.cpu(), table[i], range(L), h, fmt, D, pool.dtype, True)
             K = reference_dequantize(kb, fmt.key_bits, fmt.group_size, -1, D)
             V = reference_dequantize(vb, fmt.value_bits, fmt.group_size, -1, D)
+            qpos = torch.arange(L - (q1 - q0), L)[:, None]
+            kpos = torch.arange(L)[None, :]
+            exact = (kpos > qpos - W) & (kpos <= qpos)  # [queries, L]
+            Kx, Vx = pool.k[reqs[i]][:, h].to(F64) @ R.T, pool.v[reqs[i]][:, h].to(F64) @ R.T
             for j in range(group):
                 hq = h * group + j
                 qr = q[q0:q1, hq].to(F64) @ R.T
-                s = qr @ K.T * scale
+                s = torch.where(exact, qr @ Kx.T, qr @ K.T) * scale
                 if softcap:
                     s = softcap * torch.tanh(s / softcap)
-                qpos = torch.arange(L - (q1 - q0), L)[:, None]
-                kpos = torch.arange(L)[None, :]
                 mask = kpos <= qpos
                 if window:
                     mask &= kpos > qpos - window
                 s = s.masked_fill(~mask, -math.inf)
-                out[q0:q1, hq] = (torch.softmax(s, -1) @ V) @ R
+                p = torch.softmax(s, -1)
+                out[q0:q1, hq] = ((p * ~exact) @ V + (p * exact) @ Vx) @ R
     return out
 
 
@@ -307,19 +347,21 @@ def test_attention_matches_float64_over_a_serving_sequence(device, dtype, fmt, k
 
 @pytest.mark.parametrize("window", [None, 19])
 @pytest.mark.parametrize("peaked", [False, True])
-def test_chunked_prefill_gives_the_same_bits(window, peaked):
-    """A 150-token prompt in one step or in chunks of 37 (and shuffled write orders): the
-    same pages and, for every query, the same output bit for bit.  Peaked: every fifth query
+@pytest.mark.parametrize("exact_window", [0, 8, 32])
+def test_chunked_prefill_gives_the_same_bits(window, peaked, exact_window):
+    """A 150-token prompt in one step or in chunks of 37, 16 or 5 (and shuffled write orders):
+    the same pages and, for every query, the same output bit for bit.  Peaked: every fifth query
     40x larger, so that its rows take a third key limb on AVX512-VNNI (paged_int_keys.h) while
-    the rest of its block of four rows takes two."""
-    fmt = paged.PagedFormat(4, 4, 64)
+    the rest of its block of four rows takes two.  With an exact window, a query's exact rows
+    come from the step's own K/V or from the rings (chunks of 5 < W: from both) alike."""
+    fmt = paged.PagedFormat(4, 4, 64, exact_window=exact_window)
     g = torch.Generator().manual_seed(0)
     q_all, k_all, v_all = (torch.randn(150, h, 64, generator=g) for h in (4, 2, 2))
     if peaked:
         q_all[::5] *= 40
     q_all, k_all, v_all = (x.to(torch.bfloat16) for x in (q_all, k_all, v_all))
     outs, pages = [], []
-    for chunk in (150, 37, 16):
+    for chunk in (150, 37, 16, 5):
         pool = Pool(fmt, kv_heads=2, D=64, P=32, dtype=torch.bfloat16, seed=chunk)  # other write orders
         pool.free = list(range(40))  # the same blocks in every run
         r = pool.add_request()
@@ -327,11 +369,87 @@ def test_chunked_prefill_gives_the_same_bits(window, peaked):
         for s in range(0, 150, chunk):
             n = min(chunk, 150 - s)
             reqs, table, lens, qsl = pool.step({r: n}, kv={r: (k_all[s : s + n], v_all[s : s + n])})
-            got.append(paged.attention(q_all[s : s + n], pool.pages, table, lens, qsl, fmt, pool.signs, window=window))
+            got.append(pool.attend(q_all[s : s + n], table, lens, qsl, window=window))
         outs.append(torch.cat(got))
         pages.append(pool.pages.clone())
-    assert torch.equal(pages[0], pages[1]) and torch.equal(pages[0], pages[2])
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    for i in range(1, 4):
+        assert torch.equal(pages[0], pages[i]) and torch.equal(outs[0], outs[i]), i
+
+
+# ---- the exact window ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("W,P", [(8, 128), (8, 16), (1, 16), (16, 16), (5, 32), (3, 48)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [64, 128, 80])
+def test_slot_bytes_with_an_exact_window(W, P, dtype, D):
+    assert paged.slot_bytes(D, dtype, 4, 2, 32, 1, W, P) == slot_bytes_doc(D, 4, 2, 32, 1, dtype, W, P)
+    assert paged.slot_bytes(D, dtype, 4, 2, 32, 1, 0, P) == slot_bytes_doc(D, 4, 2, 32, 1, dtype)
+
+
+def test_slot_bytes_of_exact_windows_in_common_blocks():
+    fmt = paged.PagedFormat(exact_window=8)
+    assert fmt.slot_bytes(64, torch.bfloat16, 128) == 88  # 72 + 8 x 2 x 64 x 2 / 128: 2.9x against bf16
+    assert fmt.slot_bytes(64, torch.bfloat16, 16) == 200  # the same ring over 16 slots
+    assert fmt.bits_per_element(64, torch.bfloat16, 128) == 5.5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rings_hold_each_blocks_newest_tokens(device):
+    """After every step each block's ring holds its newest W tokens (token t at row t % W), as
+    written, unrotated: by the layout of paged_format.h."""
+    fmt = paged.PagedFormat(4, 4, 64, exact_window=5)
+    pool = Pool(fmt, kv_heads=2, D=64, P=16, dtype=torch.float16, device=device, seed=3)
+    r = pool.add_request()
+    g = torch.Generator().manual_seed(1)
+    for n in (37, 1, 1, 9, 2):
+        reqs, table, lens, qsl = pool.step({r: n})
+        pool.attend(torch.randn(n, 2, 64, generator=g).half(), table, lens, qsl)
+        L = pool.k[r].shape[0]
+        for b, block in enumerate(pool.tables[r]):
+            filled = min(16, L - 16 * b)
+            for h in range(2):
+                for value, x in ((False, pool.k[r]), (True, pool.v[r])):
+                    ring = ring_rows(pool.pages.cpu(), block, h, fmt, 64, torch.float16, value)
+                    for t in range(max(0, filled - 5), filled):
+                        assert torch.equal(ring[t % 5], x[16 * b + t, h]), (L, b, h, value, t)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "fmt,kv_heads,q_heads,window,softcap",
+    [
+        (paged.PagedFormat(4, 4, 64, 0, rotate=True, exact_window=8), 2, 4, None, None),
+        (paged.PagedFormat(2, 2, 32, 1, rotate=True, seed=3, exact_window=16), 1, 3, 23, None),
+        (paged.PagedFormat(4, 4, 64, 0, rotate=False, exact_window=32), 2, 2, 20, 30.0),
+        (paged.PagedFormat(8, 4, 64, 0, rotate=True, exact_window=1), 3, 9, None, None),
+        (paged.PagedFormat(3, 2, 16, 2, rotate=False, key_fit_range=True, exact_window=3), 2, 4, 40, None),
+    ],
+    ids=["4bit-w8", "2bit-w16-window23", "4bit-w32-window20-softcap", "8-4-w1-gqa3", "3-2-w3-fit-window40"],
+)
+def test_exact_window_matches_float64_over_a_serving_sequence(device, dtype, fmt, kv_heads, q_heads, window, softcap):
+    """Each query's W newest keys and values exact (the step's own rows and the rings), the older
+    ones dequantized, against float64; ragged prefill, chunked prefill and decode (chunks shorter
+    and longer than W, blocks of 32, sliding windows shorter than W included).  A kernel that
+    read the window from the codes fails here: 2-8-bit codes are further off than the bound."""
+    pool = Pool(fmt, kv_heads=kv_heads, D=64, P=32, dtype=dtype, device=device, seed=7)
+    a, b, c = pool.add_request(), pool.add_request(), pool.add_request()
+    g = torch.Generator().manual_seed(11)
+    steps = [{a: 70, b: 3}, {a: 1, b: 45, c: 33}, {a: 1, b: 1, c: 1}, {c: 2, a: 1}, {c: 64, a: 5}]
+    for new in steps:
+        reqs, table, lens, qsl = pool.step(new)
+        n = int(qsl[-1])
+        q = torch.randn(n + 3, q_heads, 64, generator=g).to(dtype)  # 3 padding rows
+        if fmt.exact_window:
+            pool.last_kv = tuple(torch.cat([x, x[:3]]) for x in pool.last_kv)  # rows for the padding too
+            pool.last_slots = torch.cat([pool.last_slots, torch.full((3,), -1)])
+        got = pool.attend(q, table, lens, qsl, scale=0.125, window=window, softcap=softcap).cpu()
+        assert got.dtype == dtype and got.shape == q.shape
+        assert torch.equal(got[n:], torch.zeros_like(got[n:]))
+        want = reference(pool, reqs, table, lens, qsl, q[:n], q_heads, 0.125, window, softcap)
+        vmax = max(float(pool.v[r].abs().max()) for r in reqs) * 1.5
+        check_close(got[:n], want, dtype, vmax)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -396,6 +514,22 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.nexuskv.paged_attention.default, args)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_exact_window(device):
+    fmt = paged.PagedFormat(4, 4, 64, 0, rotate=True, exact_window=4)
+    pool = Pool(fmt, kv_heads=2, D=64, P=16, dtype=torch.float16, device=device, seed=4)
+    r = pool.add_request()
+    reqs, table, lens, qsl = pool.step({r: 20})
+    k, v = (x.to(device) for x in pool.last_kv)
+    slots = pool.last_slots.to(device)
+    q = torch.randn(20, 4, 64, dtype=torch.float16, device=device)
+    args = (q, pool.pages, table.to(device), lens.to(device), qsl.to(device), 4, 4, 64, 0, pool.signs, None, None)
+    torch.library.opcheck(torch.ops.nexuskv.paged_attention.default, args + (None, 4, k, v))
+    torch.library.opcheck(torch.ops.nexuskv.paged_exact_write_.default, (pool.pages, k, v, slots, 4, 4, 64, 0, 4))
+    pw = (pool.pages, k, v, slots, 4, 4, 64, 0, pool.signs, False, False, 4)
+    torch.library.opcheck(torch.ops.nexuskv.paged_kv_write_.default, pw)
+
+
 def test_compiles_with_fullgraph():
     fmt = paged.PagedFormat(4, 4, 64, 0, rotate=False)
     pool = Pool(fmt, kv_heads=1, D=64, P=16, dtype=torch.float32, seed=4)
@@ -441,13 +575,41 @@ def _setup():
 
 W = torch.ops.nexuskv.paged_kv_write_
 A = torch.ops.nexuskv.paged_attention
+X = torch.ops.nexuskv.paged_exact_write_
 
 
 def _bad_cases():
     fmt, pages, k, q, table, lens, qsl = _setup()
     s3 = torch.tensor([0, 1, 2])
     i32 = torch.int32
-    return [
+    pw = torch.zeros(4, 2, 16, paged.slot_bytes(64, torch.bfloat16, 4, 4, 64, 0, 4, 16), dtype=torch.uint8)
+
+    def AW(*tail, key=k, value=k, pages=pw, exact=4):  # attention over pages with an exact window of 4
+        return A(q, pages, table, lens, qsl, 4, 4, 64, 0, None, None, None, None, exact, key, value, *tail)
+
+    exact_cases = [
+        ("exact window > block", lambda: W(pw, k, k, s3, 4, 4, 64, 0, None, False, False, 17), r"exact_window must"),
+        ("exact window < 0", lambda: W(pw, k, k, s3, 4, 4, 64, 0, None, False, False, -1), r"\[0, min\(block_size"),
+        ("exact window bytes", lambda: W(pw, k, k, s3, 4, 4, 64, 0, None, False, False, 8), "exact_window=8"),
+        ("exact without key", lambda: AW(key=None, value=None), "required with exact_window > 0"),
+        ("exact key alone", lambda: AW(value=None), "key and value go together"),
+        ("key without exact", lambda: AW(pages=pages, exact=0), r"read only with an exact window"),
+        ("exact key shape", lambda: AW(key=k[:2]), r"key must have shape \[num_tokens, kv_heads, head_dim\]"),
+        ("exact value heads", lambda: AW(value=k[:, :1]), r"value must have shape .* got \[3, 1, 64\]"),
+        ("exact key dtype", lambda: AW(key=k.float()), "key must have q's dtype"),
+        ("exact key device", lambda: AW(key=k.to("meta")), "on q's device|one device"),
+        ("exact write, no ring", lambda: X(pages, k, k, s3, 4, 4, 64, 0, 0), "have no ring to write"),
+        ("exact write slot", lambda: X(pw, k, k, torch.tensor([0, 1, 99]), 4, 4, 64, 0, 4), r"slot_mapping\[2\] is 99"),
+        ("exact write twice", lambda: X(pw, k, k, torch.tensor([1, 1, 2]), 4, 4, 64, 0, 4), "holds slot 1 twice"),
+        ("exact write bytes", lambda: X(pw, k, k, s3, 4, 4, 64, 0, 2), "exact_window=2"),
+        ("exact write heads", lambda: X(pw, k[:, :1], k[:, :1], s3, 4, 4, 64, 0, 4), "key has 1 kv heads"),
+        (
+            "slot bytes without block",
+            lambda: torch.ops.nexuskv.paged_slot_bytes(64, 4, 4, 64, 0, torch.bfloat16, 8),
+            "give block_size",
+        ),
+    ]
+    return exact_cases + [
         ("slot range", lambda: W(pages, k, k, torch.tensor([0, 1, 64]), 4, 4, 64), r"slot_mapping\[2\] is 64, outside"),
         ("slot below -1", lambda: W(pages, k, k, torch.tensor([0, -2, 1]), 4, 4, 64), r"slot_mapping\[1\] is -2"),
         ("slot twice", lambda: W(pages, k, k, torch.tensor([3, 1, 3]), 4, 4, 64), "holds slot 3 twice"),

@@ -54,17 +54,22 @@ at::Tensor hadamard_rotate(const at::Tensor& x, const at::Tensor& signs, bool in
 // Paged KV for serving engines (the format: nexuskv/core/paged_format.h; the
 // schemas' comments in ops/registration.cpp).
 int64_t paged_slot_bytes(int64_t head_dim, int64_t key_bits, int64_t value_bits, int64_t group_size,
-                         int64_t num_outliers, at::ScalarType dtype);
+                         int64_t num_outliers, at::ScalarType dtype, int64_t exact_window = 0, int64_t block_size = 0);
 void paged_kv_write_(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
                      const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits, int64_t group_size,
                      int64_t num_outliers = 0, const std::optional<at::Tensor>& rotation_signs = std::nullopt,
-                     bool key_fit_range = false, bool value_fit_range = false);
+                     bool key_fit_range = false, bool value_fit_range = false, int64_t exact_window = 0);
+void paged_exact_write_(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
+                        const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits, int64_t group_size,
+                        int64_t num_outliers, int64_t exact_window);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pages, const at::Tensor& block_table,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t key_bits,
                            int64_t value_bits, int64_t group_size, int64_t num_outliers = 0,
                            const std::optional<at::Tensor>& rotation_signs = std::nullopt,
                            std::optional<double> scale = std::nullopt, std::optional<int64_t> window = std::nullopt,
-                           std::optional<double> softcap = std::nullopt);
+                           std::optional<double> softcap = std::nullopt, int64_t exact_window = 0,
+                           const std::optional<at::Tensor>& key = std::nullopt,
+                           const std::optional<at::Tensor>& value = std::nullopt);
 
 // Whether NEXUSKV_CUDA_CHECKS=1 is set: the CUDA operators and the cache then
 // read their value checks back from the device and raise the CPU's errors

@@ -48,6 +48,15 @@ process inherits them from the one started):
                                  ranges").  Default: keys with a recipe on vLLM's CPU
                                  engine, none otherwise (measured through the engine:
                                  docs/vllm.md; the fit's CUDA kernel is untested on a GPU)
+    NEXUSKV_VLLM_EXACT_WINDOW=auto  W: each query attends over its W newest keys and values
+                                 exact (a ring of W unquantized tokens in every block,
+                                 paged_format.h), the older ones from their codes;
+                                 costs ceil(4 W head_size / block_size) bytes per slot in
+                                 bf16 (16 at W = 8, head 64, vLLM's CPU blocks of 128).
+                                 0 .. min(block_size, 256), or auto = 8 with blocks of 64
+                                 tokens or more (the ring then costs at most 1/8 of the stock
+                                 cache's bytes per token), 0 with smaller ones.  With W > 0
+                                 speculative decoding and cross-layer KV sharing are refused
 
 A setting or a model that the backend cannot serve stops the engine at start-up
 with a ValueError that names the layer and the reason: MLA, encoder / cross
@@ -102,6 +111,10 @@ BACKEND_PATH = f"{__name__}.NexusKVAttentionBackend"
 BITS = (2, 3, 4, 8)
 MAX_HEAD_SIZE = 256
 BLOCK_MULTIPLE = 16  # the paged format's P % 16 == 0 (every buffer of a page 16-byte aligned)
+# NEXUSKV_VLLM_EXACT_WINDOW=auto: 8 newest tokens exact in blocks of at least 64 tokens.  Measured
+# through the engine (SmolLM2, 4-bit, docs/vllm.md): +3.5 -> +0.8 % prompt perplexity (+1.4 -> +0.7 %
+# with a recipe) for 16 more bytes per slot in vLLM's CPU blocks of 128 (72 -> 88).
+AUTO_EXACT_WINDOW, AUTO_EXACT_WINDOW_MIN_BLOCK = 8, 64
 
 
 class SetupError(ValueError):
@@ -118,6 +131,13 @@ class Settings:
     rotation_seed: int = 0
     recipe: str = ""  # a recipe file's path, "" = none
     fit_range: str = "none"  # least-squares fitted ranges when K/V are written: "none", "keys" or "all"
+    exact_window: int = -1  # W newest tokens of each query exact (a ring per block); -1: auto
+
+    def window_for(self, block_size: int) -> int:
+        """The exact window of pages of `block_size` tokens (auto resolved)."""
+        if self.exact_window >= 0:
+            return self.exact_window
+        return AUTO_EXACT_WINDOW if block_size >= AUTO_EXACT_WINDOW_MIN_BLOCK else 0
 
     def rotates(self, head_size: int) -> bool:
         return self.rotate == "1" or (self.rotate == "auto" and head_size & (head_size - 1) == 0)
@@ -142,6 +162,14 @@ class Settings:
             raise SetupError(
                 f"nexuskv (vLLM backend), {where}: NEXUSKV_VLLM_OUTLIERS={self.num_outliers} must be "
                 f"below the group size {self.group_for(head_size)}"
+            )
+
+    def check_block(self, block_size: int, where: str) -> None:
+        if self.window_for(block_size) > block_size:
+            raise SetupError(
+                f"nexuskv (vLLM backend), {where}: NEXUSKV_VLLM_EXACT_WINDOW={self.exact_window} exceeds the "
+                f"block size {block_size} (a query's exact tokens must lie in its block and the previous one); "
+                "lower it or raise --block-size"
             )
 
 
@@ -192,7 +220,15 @@ def settings() -> Settings:
         fit_range=_env_choice(
             "NEXUSKV_VLLM_FIT_RANGE", "keys" if recipe and _platform_is_cpu() else "none", ("none", "keys", "all")
         ),
+        exact_window=_env_window("NEXUSKV_VLLM_EXACT_WINDOW"),
     )
+
+
+def _env_window(name: str) -> int:
+    """NEXUSKV_VLLM_EXACT_WINDOW: auto (-1) or 0 .. 256."""
+    if os.environ.get(name, "").strip().lower() in ("", "auto"):
+        return -1
+    return _env_int(name, -1, lo=0, hi=256)
 
 
 @functools.lru_cache(maxsize=4)
@@ -239,11 +275,22 @@ def recipe_heads(total: int, local: int, rank: int, world: int) -> slice | None:
     return slice(first, first + local)
 
 
-def slot_bytes(s: Settings, head_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one (token, kv head) slot: the C of vLLM's [num_blocks, kv_heads, block_size, C] cache."""
+def slot_bytes(s: Settings, head_size: int, dtype: torch.dtype, block_size: int) -> int:
+    """Bytes of one (token, kv head) slot: the C of vLLM's [num_blocks, kv_heads, block_size, C] cache.
+    A block size that is no block of the format (vLLM asks with block_size=1 for the bytes of one token,
+    to choose the block size of hybrid models' sliding-window layers) gets the codes' bytes alone: the
+    exact window's ring is a share of a real block, counted when vLLM builds the layer's spec."""
+    window = s.window_for(block_size) if block_size % BLOCK_MULTIPLE == 0 else 0
     return int(
         torch.ops.nexuskv.paged_slot_bytes(
-            head_size, s.key_bits, s.value_bits, s.group_for(head_size), s.num_outliers, dtype
+            head_size,
+            s.key_bits,
+            s.value_bits,
+            s.group_for(head_size),
+            s.num_outliers,
+            dtype,
+            window,
+            block_size if window else 0,
         )
     )
 
@@ -328,14 +375,16 @@ class NexusKVAttentionBackend(AttentionBackend):
             )
         s = settings()
         s.check(spec.head_size, where)
-        c = slot_bytes(s, spec.head_size, spec.dtype)
+        if spec.block_size % BLOCK_MULTIPLE == 0:  # (not vLLM's bytes-per-token probe: slot_bytes)
+            s.check_block(spec.block_size, where)
+        c = slot_bytes(s, spec.head_size, spec.dtype, spec.block_size)
         itemsize = torch.empty((), dtype=spec.dtype).element_size()
         if c % itemsize:
             # vLLM views each layer's cache in the model dtype: C must be whole elements.
             raise SetupError(
                 f"nexuskv (vLLM backend), {where}: a slot of {c} bytes is not a whole number of "
-                f"{spec.dtype} elements (NEXUSKV_VLLM_OUTLIERS={s.num_outliers}); change the outliers "
-                "or the group size"
+                f"{spec.dtype} elements (NEXUSKV_VLLM_OUTLIERS={s.num_outliers}, exact window "
+                f"{s.window_for(spec.block_size)}); change the outliers, the group size or the window"
             )
         return replace(spec, state_content_bytes=c)
 
@@ -439,9 +488,11 @@ class NexusKVAttentionImpl(AttentionImpl[NexusKVAttentionMetadata]):
         if kv_cache_dtype != "auto":
             reasons.append(f"--kv-cache-dtype {kv_cache_dtype} does not combine with nexuskv; leave it auto")
         reasons += [f"option {k} not supported" for k, v in extra.items() if v not in (None, False)]
+        s = settings()
+        reasons += self._exact_window_reasons(s, kv_sharing_target_layer_name)
         if reasons:
             raise SetupError(f"nexuskv (vLLM backend) cannot serve {where}: " + "; ".join(reasons))
-        self.settings = s = settings()
+        self.settings = s
         s.check(head_size, where)
         self.num_heads = num_heads
         self.head_size = head_size
@@ -461,6 +512,33 @@ class NexusKVAttentionImpl(AttentionImpl[NexusKVAttentionMetadata]):
         name = _layer_name_being_built() if self.recipe is not None else None
         if name is not None:  # known at start-up: refuse a name or an index the recipe cannot serve now
             self.recipe_layer = self._recipe_layer(name)
+
+    @staticmethod
+    def _exact_window_reasons(s: Settings, kv_sharing_target_layer_name: str | None) -> list[str]:
+        """What an exact window cannot serve: a layer reading another layer's cache (its own
+        new keys are not the cache's), and speculative decoding (a rejected draft token leaves its
+        ring row holding it, where the token W positions earlier is still needed).  With auto,
+        the engine's block size decides the window (unknown: taken as auto's)."""
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        block = getattr(getattr(config, "cache_config", None), "block_size", None) if config is not None else None
+        window = s.window_for(block) if block else (s.exact_window if s.exact_window >= 0 else AUTO_EXACT_WINDOW)
+        if window == 0:
+            return []
+        how = f"NEXUSKV_VLLM_EXACT_WINDOW={window}" if s.exact_window >= 0 else f"an exact window of {window} (auto)"
+        reasons = []
+        if kv_sharing_target_layer_name is not None:
+            reasons.append(
+                f"{how} with cross-layer KV sharing ({kv_sharing_target_layer_name}) is not supported; "
+                "set NEXUSKV_VLLM_EXACT_WINDOW=0"
+            )
+        if config is not None and getattr(config, "speculative_config", None) is not None:
+            reasons.append(
+                f"{how} with speculative decoding is not supported (rejected draft tokens would overwrite ring "
+                "rows still read); set NEXUSKV_VLLM_EXACT_WINDOW=0"
+            )
+        return reasons
 
     def _check_recipe(self, where: str) -> Recipe:
         """The recipe, checked against the model vLLM serves and this layer (at start-up)."""
@@ -561,6 +639,7 @@ class NexusKVAttentionImpl(AttentionImpl[NexusKVAttentionMetadata]):
             self._signs_on(kv_cache.device),
             s.fit_range != "none",
             s.fit_range == "all",
+            s.window_for(kv_cache.size(2)),
         )
 
     def forward(
@@ -581,9 +660,14 @@ class NexusKVAttentionImpl(AttentionImpl[NexusKVAttentionMetadata]):
             return output
         m, s = attn_metadata, self.settings
         n = m.num_actual_tokens
+        pages = self._pages(kv_cache)
+        W = s.window_for(pages.size(2))
+        if W > 0:  # the chunk's own keys and values, as do_kv_cache_update quantized them
+            key = key[:n] if self.recipe is None else self._centered(layer, key[:n])
+            value = value[:n]
         out = torch.ops.nexuskv.paged_attention(
             query[:n],
-            self._pages(kv_cache),
+            pages,
             m.block_table,
             m.seq_lens,
             m.query_start_loc,
@@ -595,8 +679,23 @@ class NexusKVAttentionImpl(AttentionImpl[NexusKVAttentionMetadata]):
             self.scale,
             self.sliding_window,
             self.logits_soft_cap,
+            W,
+            key if W > 0 else None,
+            value if W > 0 else None,
         )
         output[:n].copy_(out.view(output[:n].shape))
+        if W > 0:  # after the attention: its first queries read ring rows these tokens overwrite
+            torch.ops.nexuskv.paged_exact_write_(
+                pages,
+                key,
+                value,
+                m.slot_mapping[:n],
+                s.key_bits,
+                s.value_bits,
+                self.group_size,
+                s.num_outliers,
+                W,
+            )
         return output
 
 

@@ -10,7 +10,12 @@
 // themselves: decode (q_len 1), prefill and chunked prefill alike.  Every key
 // is read from the pages, the queries' own tokens included (they were
 // written first), so the output does not depend on how a prompt was cut into
-// chunks.  Query head hq reads kv head hq / (q_heads / kv_heads) (GQA).
+// chunks.  With an exact window W (paged_format.h), the keys and values
+// (p - W, p] of the query at position p are read exact instead: from the
+// call's own key / value rows when they belong to the chunk attended (rows
+// aligned with q's), from the page rings when older, which gives them bit
+// for bit whatever the chunking.  Query head hq reads kv head
+// hq / (q_heads / kv_heads) (GQA).
 //
 // Contract (the ATen glue establishes it, csrc/aten/paged_args.h): pointers
 // on the kernel's device; q and out rows of head_dim contiguous channels;
@@ -75,6 +80,11 @@ struct PagedAttention {
   float scale = 1.f;
   int64_t window = 0;   // the query at position p sees keys (p - window, p]; 0: none
   float softcap = 0.f;  // score -> softcap * tanh(score / softcap); 0: none
+  // The chunk's own keys and values as the model computed them (rows aligned
+  // with q's), read for the exact window (pool.layout.exact_window > 0).
+  const X* key = nullptr;                        // [num_tokens, kv_heads, D]
+  const X* value = nullptr;                      // [num_tokens, kv_heads, D]
+  int64_t key_stride_t = 0, value_stride_t = 0;  // in elements
 
   NEXUSKV_HD_INLINE int gqa_group() const { return q_heads / pool.kv_heads; }
   NEXUSKV_HD_INLINE int64_t q_begin(int64_t r) const { return query_start_loc[r]; }
@@ -84,9 +94,29 @@ struct PagedAttention {
   NEXUSKV_HD_INLINE bool visible(int64_t qpos, int64_t kpos) const {
     return kpos <= qpos && (window <= 0 || kpos > qpos - window);
   }
+  // Visible and read from the codes: older than the exact window.
+  NEXUSKV_HD_INLINE bool visible_coded(int64_t qpos, int64_t kpos) const {
+    return visible(qpos, kpos) && kpos <= qpos - pool.layout.exact_window;
+  }
+  // Visible and read exact: within the exact window.
+  NEXUSKV_HD_INLINE bool visible_exact(int64_t qpos, int64_t kpos) const {
+    return visible(qpos, kpos) && kpos > qpos - pool.layout.exact_window;
+  }
   // Head page of token t of request r (kv head h), as a byte offset into pages.
   NEXUSKV_HD_INLINE int64_t token_page(int64_t r, int64_t t, int h) const {
     return pool.head_page(block_table[r * max_blocks + t / pool.layout.block_size], h);
+  }
+  // The exact key (value = false) or value row [D] of token t of request r,
+  // kv head h, for a token of its queries' exact windows: the call's own row
+  // when t is one of the request's queries, else its page's ring row.
+  NEXUSKV_HD_INLINE const X* exact_row(const PagedOffsets& o, int64_t r, int64_t t, int h, bool of_value) const {
+    const int64_t chunk_start = seq_lens[r] - q_len(r), D = pool.layout.head_dim;
+    if (t >= chunk_start) {
+      const int64_t row = q_begin(r) + t - chunk_start;
+      return (of_value ? value + row * value_stride_t : key + row * key_stride_t) + h * D;
+    }
+    uint8_t* page = const_cast<uint8_t*>(pages) + token_page(r, t, h);
+    return paged_ring_row<X>(o, page, int(t % pool.layout.block_size), int(D), of_value);
   }
 };
 
@@ -96,6 +126,14 @@ struct PagedAttention {
 // that overflows X (the token's slot then holds garbage: the caller raises).
 template <typename X>
 void paged_write_tokens(const PagedWrite<X>& w, int64_t begin, int64_t end, CompressStatus* status);
+
+// The exact window's write (after the attention of the same tokens): the
+// rows of every token of w.key / w.value, as given (w's rotation and fits
+// are the codes', not used here), into the rings of their slots for kv heads
+// [h_begin, h_end), tokens in order (a later token of the same ring row
+// wins).  Slots are the caller's to check.
+template <typename X>
+void paged_write_exact(const PagedWrite<X>& w, int h_begin, int h_end);
 
 // Queries per attention task: a task is (request, kv head, block of up to
 // kPagedQueryBlock queries), so that a long prefill spreads over threads and
