@@ -29,20 +29,28 @@ ENGINE = os.path.join(ROOT, "tests", "python", "vllm_engine.py")
 POEMS = "/usr/share/games/fortunes/songs-poems"
 BITS4 = {"NEXUSKV_VLLM_KEY_BITS": "4", "NEXUSKV_VLLM_VALUE_BITS": "4"}
 # name -> (environment of the backend, whether it reads the recipe); None: stock CPU_ATTN
-CONFIGS = {  # every one names its fit: with a recipe the backend's default is "keys"
-    "4bit": (dict(BITS4, NEXUSKV_VLLM_FIT_RANGE="none"), False),
-    "4bit-fit-keys": (dict(BITS4, NEXUSKV_VLLM_FIT_RANGE="keys"), False),
-    "4bit-recipe": (dict(BITS4, NEXUSKV_VLLM_FIT_RANGE="none"), True),
-    "4bit-recipe-fit-keys": (dict(BITS4, NEXUSKV_VLLM_FIT_RANGE="keys"), True),
-    "4bit-recipe-fit-all": (dict(BITS4, NEXUSKV_VLLM_FIT_RANGE="all"), True),
-    "4bit-g32-recipe-fit-all": (dict(BITS4, NEXUSKV_VLLM_GROUP_SIZE="32", NEXUSKV_VLLM_FIT_RANGE="all"), True),
+CONFIGS = {  # every one names its fit and its exact window: the backend's defaults changed over time
+    "4bit": (dict(BITS4, NEXUSKV_VLLM_FIT_RANGE="none", NEXUSKV_VLLM_EXACT_WINDOW="0"), False),
+    "4bit-fit-keys": (dict(BITS4, NEXUSKV_VLLM_FIT_RANGE="keys", NEXUSKV_VLLM_EXACT_WINDOW="0"), False),
+    "4bit-recipe": (dict(BITS4, NEXUSKV_VLLM_FIT_RANGE="none", NEXUSKV_VLLM_EXACT_WINDOW="0"), True),
+    "4bit-recipe-fit-keys": (dict(BITS4, NEXUSKV_VLLM_FIT_RANGE="keys", NEXUSKV_VLLM_EXACT_WINDOW="0"), True),
+    "4bit-recipe-fit-all": (dict(BITS4, NEXUSKV_VLLM_FIT_RANGE="all", NEXUSKV_VLLM_EXACT_WINDOW="0"), True),
+    "4bit-g32-recipe-fit-all": (
+        dict(BITS4, NEXUSKV_VLLM_GROUP_SIZE="32", NEXUSKV_VLLM_FIT_RANGE="all", NEXUSKV_VLLM_EXACT_WINDOW="0"),
+        True,
+    ),
     # an exact window of W tokens: 88 bytes per slot at W = 8 (vLLM's CPU blocks of 128), 80 at 4, 104 at 16
     "4bit-recipe-fit-keys-w4": (dict(BITS4, NEXUSKV_VLLM_FIT_RANGE="keys", NEXUSKV_VLLM_EXACT_WINDOW="4"), True),
     "4bit-recipe-fit-keys-w8": (dict(BITS4, NEXUSKV_VLLM_FIT_RANGE="keys", NEXUSKV_VLLM_EXACT_WINDOW="8"), True),
     "4bit-recipe-fit-keys-w16": (dict(BITS4, NEXUSKV_VLLM_FIT_RANGE="keys", NEXUSKV_VLLM_EXACT_WINDOW="16"), True),
     "4bit-w8": (dict(BITS4, NEXUSKV_VLLM_FIT_RANGE="none", NEXUSKV_VLLM_EXACT_WINDOW="8"), False),
     "8bit-keys-4bit-values": (
-        {"NEXUSKV_VLLM_KEY_BITS": "8", "NEXUSKV_VLLM_VALUE_BITS": "4", "NEXUSKV_VLLM_FIT_RANGE": "none"},
+        {
+            "NEXUSKV_VLLM_KEY_BITS": "8",
+            "NEXUSKV_VLLM_VALUE_BITS": "4",
+            "NEXUSKV_VLLM_FIT_RANGE": "none",
+            "NEXUSKV_VLLM_EXACT_WINDOW": "0",
+        },
         False,
     ),
 }

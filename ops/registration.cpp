@@ -238,6 +238,7 @@ TORCH_LIBRARY(nexuskv, m) {
       .def("key_bits", &nexuskv::Recipe::key_bits, "", {torch::arg("layer")})
       .def("value_bits", &nexuskv::Recipe::value_bits, "", {torch::arg("layer")})
       .def("setting", &nexuskv::Recipe::setting, "", {torch::arg("name")})
+      .def("flag", &nexuskv::Recipe::flag, "", {torch::arg("name")})
       .def("meta_dtype", &nexuskv::Recipe::meta_dtype)
       .def("check_geometry", &nexuskv::Recipe::check_geometry, "",
            {torch::arg("layers"), torch::arg("kv_heads"), torch::arg("head_dim")});

@@ -125,8 +125,10 @@ Recipe::Recipe(const std::string& path) : path_(path) {
   if (const json::Value* bits = header.find("bits")) {
     TORCH_CHECK(bits->kind == json::Value::Kind::Object, who, "the header's bits must be an object, got ",
                 bits->kind_name());
-    for (const auto& [name, v] : bits->object)
+    for (const auto& [name, v] : bits->object) {
       if (v.is_integer) settings_.emplace(name, v.integer);
+      if (v.kind == json::Value::Kind::Bool) flags_.emplace(name, v.boolean);
+    }
     if (const json::Value* meta_dtype = bits->find("meta_dtype")) {
       const auto dtype = meta_dtype->kind == json::Value::Kind::String ? scalar_type(meta_dtype->string) : std::nullopt;
       TORCH_CHECK(dtype, who, "bits.meta_dtype must be one of ['bfloat16', 'float16', 'float32']");
@@ -163,6 +165,12 @@ std::optional<int64_t> Recipe::setting(const std::string& name) const {
   return it->second;
 }
 
+std::optional<bool> Recipe::flag(const std::string& name) const {
+  const auto it = flags_.find(name);
+  if (it == flags_.end()) return std::nullopt;
+  return it->second;
+}
+
 void Recipe::check_geometry(int64_t layers, int64_t kv_heads, int64_t head_dim) const {
   std::string diff;
   auto compare = [&](const char* name, int64_t got, int64_t recipe) {
@@ -184,6 +192,28 @@ CacheOptions Recipe::cache_options(int64_t layer, CacheOptions base) const {
   base.keys.bits = key_bits(layer);
   base.values.bits = value_bits(layer);
   return base;
+}
+
+CacheOptions Recipe::allocated_options(int64_t layer, std::optional<int64_t> window) const {
+  check_layer(layer, "allocated_options");
+  const auto field = [&](const char* name, std::optional<int64_t> fallback, int64_t least) {
+    const std::optional<int64_t> v = setting(name) ? setting(name) : fallback;
+    TORCH_CHECK(v && *v >= least, "Recipe ", path_, ": allocated_options needs the header's bits.", name,
+                " (an integer >= ", least, "), ", v ? "got " + std::to_string(*v) : std::string("it has none"),
+                "; calibrate with --bits-budget writes it");
+    return *v;
+  };
+  CacheOptions o;
+  o.keys.group_size = field("group_size", std::nullopt, 1);
+  o.values.group_size = field("value_group_size", o.keys.group_size, 1);
+  const int64_t residual = field("residual", 128, 0);
+  o.residual = window ? field("window_residual", residual, 0) : residual;
+  o.sinks = window ? 0 : field("sinks", 0, 0);
+  o.window = window;
+  o.keys.meta_dtype = o.values.meta_dtype = meta_dtype_;
+  o.keys.fit_range = flag("fit_range").value_or(false);
+  o.values.fit_range = flag("value_fit_range").value_or(false);
+  return cache_options(layer, o);
 }
 
 }  // namespace nexuskv

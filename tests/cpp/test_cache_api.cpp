@@ -335,6 +335,54 @@ TEST_CASE("a recipe configures each layer's cache from C++") {
   CHECK_THROWS_WITH(recipe->cache_options(2, {}), Catch::Contains("layer must be in [0, 2), got 2"));
   std::filesystem::remove(path);
 
+  // The options the map was allocated for: the header's groups, tails, sinks and fits (Python's
+  // cache_for(model, recipe=...) given nothing else).
+  const std::string fitted = write_recipe(
+      "nexuskv_test_recipe_fit.safetensors",
+      R"({"format": "nexuskv-recipe", "version": 2, "model": {"model_type": "gemma3", "num_hidden_layers": 2,)"
+      R"( "num_key_value_heads": 1, "head_dim": 16}, "bits": {"group_size": 32, "value_group_size": 16,)"
+      R"( "residual": 24, "window_residual": 8, "sinks": 2, "fit_range": true, "value_fit_range": false}})");
+  const nexuskv::Recipe r(fitted);
+  CHECK(r.flag("fit_range") == true);
+  CHECK(r.flag("value_fit_range") == false);
+  CHECK(r.flag("residual") == std::nullopt);  // an integer, not a flag
+  for (int64_t layer = 0; layer < 2; ++layer) {
+    const nexuskv::CacheOptions full = r.allocated_options(layer);
+    CHECK(full.keys.bits == r.key_bits(layer));
+    CHECK(full.values.bits == r.value_bits(layer));
+    CHECK(full.keys.group_size == 32);
+    CHECK(full.values.group_size == 16);
+    CHECK(full.residual == 24);
+    CHECK(full.sinks == 2);
+    CHECK(!full.window);
+    CHECK(full.keys.fit_range);
+    CHECK(!full.values.fit_range);
+    CHECK(!full.keys.meta_dtype);  // the header names none: the input dtype
+    const nexuskv::CacheOptions sliding = r.allocated_options(layer, 512);
+    CHECK(sliding.residual == 8);  // window_residual
+    CHECK(sliding.sinks == 0);
+    CHECK(sliding.window == 512);
+    auto cache = c10::make_intrusive<KVCache>(sliding);  // a valid cache
+    cache->append(at::randn({1, 1, 40, 16}), at::randn({1, 1, 40, 16}), std::nullopt);
+    CHECK(cache->compressed_lengths().item<int64_t>() == 32);
+  }
+  // Defaults: value groups as the keys', a 128-token tail (the sliding layers' too), no sinks, min/max.
+  const nexuskv::CacheOptions d = recipe->allocated_options(0);
+  CHECK(d.values.group_size == 32);
+  CHECK(d.residual == 16);
+  CHECK(d.sinks == 2);
+  CHECK(!d.keys.fit_range);
+  CHECK(d.keys.meta_dtype == at::kBFloat16);
+  CHECK(recipe->allocated_options(1, 64).residual == 16);
+  std::filesystem::remove(fitted);
+  const std::string bare = write_recipe(
+      "nexuskv_test_recipe_bare.safetensors",
+      R"({"format": "nexuskv-recipe", "version": 2, "model": {"model_type": "llama", "num_hidden_layers": 2,)"
+      R"( "num_key_value_heads": 1, "head_dim": 16}, "bits": {"sinks": 2}})");
+  CHECK_THROWS_WITH(nexuskv::Recipe(bare).allocated_options(0),
+                    Catch::Contains("allocated_options needs the header's bits.group_size"));
+  std::filesystem::remove(bare);
+
   // What is not a recipe says why, naming the file.
   const std::string other =
       write_recipe("nexuskv_test_recipe_v9.safetensors", R"({"format": "nexuskv-recipe", "version": 9, "model": {}})");

@@ -212,7 +212,7 @@ def test_recipes_are_committed():
 def test_the_cpp_reader_reads_what_python_reads(path):
     """torch.classes.nexuskv.Recipe (nexuskv/recipe.h: LibTorch and TorchScript) on every
     committed recipe: the same facts, key means and bit map as nexuskv.recipe, bit for bit, and
-    the integer settings of the header's bits."""
+    the integer and boolean settings of the header's bits."""
     py, cpp = Recipe.load(str(path)), torch.classes.nexuskv.Recipe(str(path))
     facts = py.model
     assert cpp.path() == str(path) and cpp.version() == 2 and cpp.model_type() == facts["model_type"]
@@ -229,6 +229,10 @@ def test_the_cpp_reader_reads_what_python_reads(path):
     assert {"group_size", "residual", "sinks"} <= settings.keys()
     assert all(cpp.setting(k) == v for k, v in settings.items())
     assert cpp.setting("candidates") is None and cpp.setting("no such setting") is None
+    flags = {k: v for k, v in py.bits.items() if isinstance(v, bool)}
+    assert all(cpp.flag(k) == v for k, v in flags.items())
+    assert cpp.flag("fit_range") == flags.get("fit_range")  # None in recipes from before fitted ranges
+    assert cpp.flag("group_size") is None  # an integer, not a flag
     # A dtype is an int outside TorchScript; compare through a tensor of that dtype made there.
     assert torch.jit.script(_empty_of)(cpp.meta_dtype()).dtype == getattr(torch, py.bits["meta_dtype"])
     cpp.check_geometry(cpp.layers(), cpp.kv_heads(), cpp.head_dim())

@@ -18,11 +18,13 @@
 // (2, 3, 4, 8), the sensitivity's shape (float32) beside it.  The file may
 // not exceed kMaxFileBytes.
 //
-// Using it: cache_options(layer, base) is `base` with the layer's key and
-// value bits from the bit map, what cache_for(model, recipe=...) does in
-// Python; every other setting stays the caller's, and setting("group_size"),
-// setting("value_group_size"), setting("residual"), setting("sinks") give the
-// ones the map was allocated for (what it measured).  check_geometry() refuses
+// Using it: allocated_options(layer, window) is the layer's cache as the map
+// was allocated and measured for it, what cache_for(model, recipe=...) builds
+// in Python when given nothing else: the map's bits and the header's groups,
+// tail (window_residual on a sliding-window layer), sinks (none on a sliding-
+// window layer), meta dtype and fitted ranges.  cache_options(layer, base) is
+// `base` with the layer's bits alone (every other setting the caller's);
+// setting(name) and flag(name) give the header's fields one by one.  check_geometry() refuses
 // a model of another shape (layers, kv heads, head_dim: what a C++ program
 // knows of its model; Python's Recipe.check_model compares every fact of the
 // config).  key_center is for per-token keys (the vLLM
@@ -71,6 +73,8 @@ class Recipe : public torch::CustomClassHolder {
   // was allocated for: group_size, value_group_size, residual, sinks, ...);
   // nullopt when it has none of that name.
   std::optional<int64_t> setting(const std::string& name) const;
+  // A boolean setting of the header's "bits" object (fit_range, value_fit_range).
+  std::optional<bool> flag(const std::string& name) const;
   // The header's bits.meta_dtype ("bfloat16", "float16", "float32"), if any.
   std::optional<at::ScalarType> meta_dtype() const { return meta_dtype_; }
 
@@ -80,6 +84,15 @@ class Recipe : public torch::CustomClassHolder {
   // `base` with layer `layer`'s key and value bits from the bit map.  base must
   // configure the fused NQ storage through its specs (no key/value compressors).
   CacheOptions cache_options(int64_t layer, CacheOptions base = {}) const;
+  // Layer `layer`'s cache as the map was allocated for (see the top), `window`
+  // its sliding window if it has one.  Keys in groups of bits.group_size tokens,
+  // values in groups of bits.value_group_size channels (default: group_size);
+  // residual bits.residual (default 128) or, on a sliding-window layer,
+  // bits.window_residual (default: residual); sinks bits.sinks (default 0) on
+  // full-attention layers; fitted key / value ranges when bits.fit_range /
+  // value_fit_range say so (recipes from before fitted ranges: min/max).  A
+  // header without bits.group_size (a recipe of key means only) is refused.
+  CacheOptions allocated_options(int64_t layer, std::optional<int64_t> window = std::nullopt) const;
 
  private:
   void check_layer(int64_t layer, const char* who) const;
@@ -89,6 +102,7 @@ class Recipe : public torch::CustomClassHolder {
   at::Tensor key_center_;
   std::optional<at::Tensor> bit_map_;
   std::map<std::string, int64_t> settings_;
+  std::map<std::string, bool> flags_;
   std::optional<at::ScalarType> meta_dtype_;
 };
 
