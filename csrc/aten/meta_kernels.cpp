@@ -88,10 +88,8 @@ void paged_kv_write_meta(const at::Tensor& pages, const at::Tensor& key, const a
 void paged_exact_write_meta(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
                             const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits, int64_t group_size,
                             int64_t num_outliers, int64_t exact_window) {
-  constexpr const char* op = "paged_exact_write_";
-  check_paged_write_args(op, pages, key, value, slot_mapping, key_bits, value_bits, group_size, num_outliers,
-                         std::nullopt, exact_window);
-  TORCH_CHECK(exact_window > 0, op, ": pages without an exact window (exact_window=0) have no ring to write");
+  check_paged_exact_write_args(pages, key, value, slot_mapping, key_bits, value_bits, group_size, num_outliers,
+                               exact_window);
 }
 
 at::Tensor paged_attention_meta(const at::Tensor& q, const at::Tensor& pages, const at::Tensor& block_table,

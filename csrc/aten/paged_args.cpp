@@ -119,6 +119,16 @@ PagedWriteShapes check_paged_write_args(const char* op, const at::Tensor& pages,
   return s;
 }
 
+PagedWriteShapes check_paged_exact_write_args(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
+                                              const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits,
+                                              int64_t group_size, int64_t num_outliers, int64_t exact_window) {
+  constexpr const char* op = "paged_exact_write_";
+  const PagedWriteShapes s = check_paged_write_args(op, pages, key, value, slot_mapping, key_bits, value_bits,
+                                                    group_size, num_outliers, std::nullopt, exact_window);
+  TORCH_CHECK(exact_window > 0, op, ": pages without an exact window (exact_window=0) have no ring to write");
+  return s;
+}
+
 PagedAttentionShapes check_paged_attention_args(
     const at::Tensor& q, const at::Tensor& pages, const at::Tensor& block_table, const at::Tensor& seq_lens,
     const at::Tensor& query_start_loc, int64_t key_bits, int64_t value_bits, int64_t group_size, int64_t num_outliers,

@@ -36,6 +36,10 @@ PagedWriteShapes check_paged_write_args(const char* op, const at::Tensor& pages,
                                         const at::Tensor& value, const at::Tensor& slot_mapping, int64_t key_bits,
                                         int64_t value_bits, int64_t group_size, int64_t num_outliers,
                                         const std::optional<at::Tensor>& rotation_signs, int64_t exact_window);
+// paged_exact_write_'s: the write's checks (no rotation_signs) and pages with rings (exact_window > 0).
+PagedWriteShapes check_paged_exact_write_args(const at::Tensor& pages, const at::Tensor& key, const at::Tensor& value,
+                                              const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits,
+                                              int64_t group_size, int64_t num_outliers, int64_t exact_window);
 
 struct PagedAttentionShapes {
   core::PagedPool pool;

@@ -55,9 +55,8 @@ void paged_exact_write_cpu(const at::Tensor& pages, const at::Tensor& key, const
                            const at::Tensor& slot_mapping, int64_t key_bits, int64_t value_bits, int64_t group_size,
                            int64_t num_outliers, int64_t exact_window) {
   constexpr const char* op = "paged_exact_write_";
-  const PagedWriteShapes s = check_paged_write_args(op, pages, key, value, slot_mapping, key_bits, value_bits,
-                                                    group_size, num_outliers, std::nullopt, exact_window);
-  TORCH_CHECK(exact_window > 0, op, ": pages without an exact window (exact_window=0) have no ring to write");
+  const PagedWriteShapes s = check_paged_exact_write_args(pages, key, value, slot_mapping, key_bits, value_bits,
+                                                          group_size, num_outliers, exact_window);
   if (s.num_tokens == 0) return;
   const at::Tensor slots = slot_mapping.contiguous();
   check_paged_slots(op, slots.data_ptr<int64_t>(), slots.numel(), s.pool.num_slots());

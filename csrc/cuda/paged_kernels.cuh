@@ -444,11 +444,9 @@ NKV_KERNEL void paged_attention_kernel(const NKV_GRID_CONSTANT core::PagedAttent
         const int i = e / D, c = e % D;
         const float alpha = alpha_s[i];
         if (alpha != alpha) continue;
+        // The exact tiles come last: through the coded ones the exact accumulator is still 0.
         float* target = phase ? accx_s : acc_s;
-        if (phase)
-          acc_s[e] = mul_rn(acc_s[e], alpha);
-        else if (W > 0)
-          accx_s[e] = mul_rn(accx_s[e], alpha);  // (still 0: the exact tiles come last)
+        if (phase) acc_s[e] = mul_rn(acc_s[e], alpha);
         float a = mul_rn(target[e], alpha);
         const float* pr = p_s + i * T;
         for (int j = 0; j < n; ++j)

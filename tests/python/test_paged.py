@@ -60,9 +60,7 @@ def head_page_buffers(pages, block, head, fmt, D, dtype, value):
     off["vov"] = off["kov"] + meta * k
     off["koi"] = off["vov"] + meta * k
     off["voi"] = off["koi"] + P * bg * k
-    assert off["voi"] + P * bg * k == P * pages.shape[3] - P * (
-        pages.shape[3] - slot_bytes_doc(D, fmt.key_bits, fmt.value_bits, fmt.group_size, k, dtype)
-    )
+    assert off["voi"] + P * bg * k == P * slot_bytes_doc(D, fmt.key_bits, fmt.value_bits, fmt.group_size, k, dtype)
     p = "v" if value else "k"
     rb = vrb if value else krb
 

@@ -523,7 +523,7 @@ class NexusKVAttentionImpl(AttentionImpl[NexusKVAttentionMetadata]):
 
         config = get_current_vllm_config_or_none()
         block = getattr(getattr(config, "cache_config", None), "block_size", None) if config is not None else None
-        window = s.window_for(block) if block else (s.exact_window if s.exact_window >= 0 else AUTO_EXACT_WINDOW)
+        window = s.window_for(block or AUTO_EXACT_WINDOW_MIN_BLOCK)
         if window == 0:
             return []
         how = f"NEXUSKV_VLLM_EXACT_WINDOW={window}" if s.exact_window >= 0 else f"an exact window of {window} (auto)"
