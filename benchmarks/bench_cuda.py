@@ -28,7 +28,8 @@ info.not_captured).  The copy bandwidth and the compression are always timed eag
 
 --paged also times the page format of the vLLM backend (nexuskv.paged.attention: keys and
 values per token in groups of 64, rotated, 16-token blocks in a shuffled block table) on the
-same K/V, one decode query per request (JSON "paged").
+same K/V, one decode query per request, with its tensor-core kernel (paged_mma.cuh) and with
+the SIMT reference kernel side by side (JSON "paged").
 Bytes: the compressed tensors the fused kernel reads (codes, scales, zeros of K and V up to
 the context) plus q and the output; SDPA: dense K and V.  GB/s = bytes / median time, and
 the percentage of a device-to-device copy (a 2 GiB buffer, bytes read + written) measured
@@ -279,8 +280,14 @@ def bench_paged(timer, q, k, v, bits_list, sdpa, bw, gen, block_size=16):
         def paged_call():
             return nexuskv.paged.attention(qp, pages, table, seq_lens, starts, fmt, signs)
 
-        out = paged_call().float()
-        t = timer(paged_call)
+        # The tensor-core kernel (paged_mma.cuh; the call fails if it does not take the format),
+        # then the SIMT reference on the same pages.
+        with env("NEXUSKV_CUDA_ATTENTION", "mma"):
+            out = paged_call().float()
+            t = timer(paged_call)
+        with env("NEXUSKV_CUDA_ATTENTION", "simple"):
+            simt = paged_call().float()
+            t_simt = timer(paged_call)
         rows.append(
             dict(
                 kind="paged",
@@ -289,6 +296,9 @@ def bench_paged(timer, q, k, v, bits_list, sdpa, bw, gen, block_size=16):
                 bits=bits,
                 block_size=block_size,
                 paged_us=t * 1e6,
+                paged_simt_us=t_simt * 1e6,
+                mma_vs_simt=t_simt / t,
+                rel_err_mma_vs_simt=float((out - simt).norm() / simt.norm()),
                 page_bytes=nbytes([pages]),
                 paged_gbps=nbytes([pages]) / t / GB,
                 paged_pct_copy=100 * nbytes([pages]) / t / bw,
@@ -298,11 +308,12 @@ def bench_paged(timer, q, k, v, bits_list, sdpa, bw, gen, block_size=16):
             )
         )
         print(
-            f"paged batch {B} context {T} {bits}-bit: {t * 1e6:.0f} us ({rows[-1]['speedup_vs_sdpa_bf16']:.2f}x SDPA "
+            f"paged batch {B} context {T} {bits}-bit: {t * 1e6:.0f} us, SIMT {t_simt * 1e6:.0f} us "
+            f"({rows[-1]['speedup_vs_sdpa_bf16']:.2f}x SDPA "
             f"bf16, {rows[-1]['paged_gbps']:.0f} GB/s, err vs dense {rows[-1]['rel_err_vs_dense_sdpa']:.1e})",
             flush=True,
         )
-        pages = out = None
+        pages = out = simt = None
         torch.cuda.empty_cache()
     return rows
 
@@ -397,11 +408,15 @@ def main(argv=None) -> int:
             f"{r['per_step_us']:>12.1f}"
         )
     if paged_rows:
-        hdr = f"{'batch':>5} {'ctx':>6} {'bits':>4} {'paged us':>9} {'GB/s':>7} {'%copy':>6} {'x bf16':>7} {'err':>8}"
+        hdr = (
+            f"{'batch':>5} {'ctx':>6} {'bits':>4} {'paged us':>9} {'SIMT us':>9} {'GB/s':>7} {'%copy':>6} "
+            f"{'x bf16':>7} {'err':>8}"
+        )
         print("\n" + hdr)
         for r in paged_rows:
             print(
                 f"{r['batch']:>5} {r['context'] // 1024:>5}K {r['bits']:>4} {r['paged_us']:>9.1f} "
+                f"{r['paged_simt_us']:>9.1f} "
                 f"{r['paged_gbps']:>7.0f} {r['paged_pct_copy']:>5.1f}% {r['speedup_vs_sdpa_bf16']:>6.2f}x "
                 f"{r['rel_err_vs_dense_sdpa']:>8.1e}"
             )

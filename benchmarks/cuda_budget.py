@@ -1,6 +1,8 @@
-"""Static byte budget of the CUDA decode kernel (no GPU needed): for every variant of the
-tensor-core attention kernel (attention_mma_kernel<Launch, kBits, kD> in
-csrc/cuda/attention_mma.cuh) it reads, from the objects a CUDA build already compiled
+"""Static byte budget of the CUDA decode kernels (no GPU needed): for every variant of the
+tensor-core attention kernels (attention_mma_kernel<Launch, kBits, kD> in
+csrc/cuda/attention_mma.cuh, the contiguous cache; paged_attention_mma_kernel<X, kBits, kD> in
+csrc/cuda/paged_mma.cuh, vLLM's pages: the "paged" rows, whose tile is 64 keys of the paged
+format, keys and values per token: paged_tile_bytes) it reads, from the objects a CUDA build already compiled
 (build/py by default; nothing is compiled here):
 
   registers, stack and local memory (spills), static shared memory   cuobjdump --dump-resource-usage
@@ -73,7 +75,9 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 
-KERNEL = re.compile(r"attention_mma_kernel.*?(bf16_t|half_t).*?ELi(\d+)ELi(\d+)EEEv")
+KERNEL = re.compile(r"(?<!paged_)attention_mma_kernel.*?(bf16_t|half_t).*?ELi(\d+)ELi(\d+)EEEv")
+# The paged tensor-core kernel (paged_attention_mma_kernel<X, kBits, kD, kBg>, csrc/cuda/paged_mma.cuh).
+PAGED_KERNEL = re.compile(r"paged_attention_mma_kernelIN\w*?(bf16_t|half_t)ELi(\d+)ELi(\d+)ELi(\d+)EEEv")
 NQ_KERNEL = re.compile(r"(nq_decompress_kernel|nq_pack_kernel)I(\w+?)(?:Li(\d+)E)?EEv")
 DIV64 = "I2F.U64.RP"  # first instruction of the inline 64-bit integer division routine
 INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -93,6 +97,12 @@ def tile_bytes(bits: int, d: int, meta_bytes: int = 2) -> int:
     key_meta = 2 * d * meta_bytes  # scale + zero per channel, one 64-token group
     value_meta = TILE * -(-d // 64) * 2 * meta_bytes  # scale + zero per token and 64-channel group
     return codes + key_meta + value_meta
+
+
+def paged_tile_bytes(bits: int, d: int, group: int = 64, meta_bytes: int = 2) -> int:
+    """One 64-key tile of the paged format (paged_format.h, keys and values per token): codes, and
+    per token and group key scale, key zero, value scale and value zero."""
+    return 2 * TILE * row_bytes(bits, d) + TILE * -(-d // group) * 4 * meta_bytes
 
 
 def find_cuobjdump() -> str:
@@ -117,6 +127,8 @@ class Variant:
     dtype: str
     bits: int
     head_dim: int
+    kernel: str = "contiguous"  # or "paged" (vLLM's pages, paged_mma.cuh)
+    groups: int = 0  # paged: key / value groups per token (the kernel's kBg)
     registers: int = 0
     stack: int = 0
     local: int = 0
@@ -381,14 +393,17 @@ def predict(variant: Variant, batch: int, q_heads: int, kv_heads: int, ctx: int,
     at the budget's fraction of HBM.  Predicted = the larger + two launches.  Dense = the bf16
     K and V at the same fraction + two launches (FlashAttention / SDPA decode reads them once).
     """
-    blocks, tiles = grid(batch, q_heads, kv_heads, ctx, args.sms, variant.blocks_per_sm)
+    paged = variant.kernel == "paged"  # its splits start at the first key rounded down to 16 (paged_mma.cuh)
+    blocks, tiles = grid(batch, q_heads, kv_heads, ctx + (15 if paged else 0), args.sms, variant.blocks_per_sm)
+    launches = LAUNCH_US * (1.5 if paged else 1.0)  # paged: three launches (tiles, split kernel, merge), not two
     hz = args.clock_ghz * 1e9
     issue_us = cdiv(blocks, args.sms) * tiles * variant.loop_instructions / hz * 1e6
     bandwidth = args.fraction * args.hbm_tbps * 1e12
     bytes_us = batch * kv_heads * cdiv(ctx, TILE) * variant.tile_bytes / bandwidth * 1e6
     dense_us = batch * kv_heads * ctx * variant.head_dim * 2 * 2 / bandwidth * 1e6 + LAUNCH_US
-    predicted = max(issue_us, bytes_us) + LAUNCH_US
+    predicted = max(issue_us, bytes_us) + launches
     return {
+        "kernel": variant.kernel,
         "batch": batch,
         "context": ctx,
         "bits": variant.bits,
@@ -423,6 +438,7 @@ def main() -> None:
     args = ap.parse_args()
 
     objs = sorted(glob.glob(os.path.join(args.build, "CMakeFiles/nexuskv.dir/csrc/cuda/attention_*16.cu.o")))
+    objs += glob.glob(os.path.join(args.build, "CMakeFiles/nexuskv.dir/csrc/cuda/paged_kernels.cu.o"))
     if not objs:
         sys.exit(f"cuda_budget: no CUDA attention objects under {args.build} (build with NEXUSKV_WITH_CUDA=ON first)")
     cuobjdump = find_cuobjdump()
@@ -432,28 +448,44 @@ def main() -> None:
         res = resources(cuobjdump, obj)
         for arch in args.arch.split(","):
             for fn, code in sass_functions(cuobjdump, obj, arch).items():
-                m = KERNEL.search(fn)
+                m, kernel = PAGED_KERNEL.search(fn), "paged"
+                if not m:
+                    m, kernel = KERNEL.search(fn), "contiguous"
                 if not m:
                     continue
                 dtype, bits, d = {"bf16_t": "bf16", "half_t": "fp16"}[m.group(1)], int(m.group(2)), int(m.group(3))
                 r = res.get((arch, fn), {})
                 v = Variant(
-                    arch, dtype, bits, d, r.get("REG", 0), r.get("STACK", 0), r.get("LOCAL", 0), r.get("SHARED", 0)
+                    arch,
+                    dtype,
+                    bits,
+                    d,
+                    kernel,
+                    0,
+                    r.get("REG", 0),
+                    r.get("STACK", 0),
+                    r.get("LOCAL", 0),
+                    r.get("SHARED", 0),
                 )
                 v.blocks_per_sm = 65536 // (max(v.registers, 1) * 32 * WARPS) if v.registers else 0
-                v.tile_bytes = tile_bytes(bits, d)
+                if kernel == "paged":
+                    v.groups = int(m.group(4))
+                    v.tile_bytes = paged_tile_bytes(bits, d, d // v.groups)
+                else:
+                    v.tile_bytes = tile_bytes(bits, d)
                 v.budget = v.tile_bytes / per_sm_bytes_per_cycle
                 try:
                     analyse(v, code)
                 except ValueError as e:
                     sys.exit(f"cuda_budget: {os.path.basename(obj)} {arch} {dtype} {bits}-bit D{d}: {e}")
                 variants.append(v)
-    variants.sort(key=lambda v: (v.arch, v.dtype, v.bits, v.head_dim))
+    variants.sort(key=lambda v: (v.kernel, v.arch, v.dtype, v.bits, v.head_dim, v.groups))
     print(
         f"budget: tile bytes / ({args.fraction} * {args.hbm_tbps} TB/s / {args.sms} SMs) * {args.clock_ghz} GHz "
         f"= bytes / {per_sm_bytes_per_cycle:.2f} B per SM-cycle; instructions per warp per 64-key tile"
     )
     head = (
+        "kernel",
         "arch",
         "dtype",
         "bits",
@@ -472,12 +504,13 @@ def main() -> None:
         "CALL",
         "div64",
     )
-    fmt = "{:6} {:5} {:>4} {:>4} {:>5} {:>5} {:>6} {:>6} {:>7} {:>10} {:>6} {:>5} {:>5} {:>4} {:>5} {:>4} {:>5}"
+    fmt = "{:10} {:6} {:5} {:>4} {:>4} {:>5} {:>5} {:>6} {:>6} {:>7} {:>10} {:>6} {:>5} {:>5} {:>4} {:>5} {:>4} {:>5}"
     print(fmt.format(*head))
     for v in variants:
         c = v.loop_counts
         print(
             fmt.format(
+                v.kernel + (f"/{v.groups}g" if v.groups else ""),
                 v.arch,
                 v.dtype,
                 v.bits,
@@ -506,7 +539,8 @@ def main() -> None:
     # The prediction the GPU run will confirm or refute: llama-like decode (32 q / 8 kv heads, D 128).
     predictions = []
     for v in variants:
-        if v.arch == "sm_90" and v.dtype == "bf16" and v.head_dim == 128:
+        # the contiguous cache, and vLLM's pages in groups of 64 (two per head)
+        if v.arch == "sm_90" and v.dtype == "bf16" and v.head_dim == 128 and v.groups in (0, 2):
             for batch in (1, 64):
                 for ctx in (4096, 32768):
                     predictions.append(predict(v, batch, 32, 8, ctx, args))
@@ -516,12 +550,13 @@ def main() -> None:
             f"max(issue bound, bytes at {args.fraction} x {args.hbm_tbps} TB/s) + {LAUNCH_US:.0f} launch"
         )
         print(
-            f"{'batch':>5} {'ctx':>6} {'bits':>4} {'blocks':>6} {'tiles':>5} {'issue':>8} {'bytes':>7} "
+            f"{'kernel':>10} {'batch':>5} {'ctx':>6} {'bits':>4} {'blocks':>6} {'tiles':>5} {'issue':>8} {'bytes':>7} "
             f"{'predicted':>9} {'dense':>7} {'speed-up':>8}"
         )
         for p in predictions:
             print(
-                f"{p['batch']:>5} {p['context']:>6} {p['bits']:>4} {p['blocks']:>6} {p['tiles_per_block']:>5} "
+                f"{p['kernel']:>10} {p['batch']:>5} {p['context']:>6} {p['bits']:>4} {p['blocks']:>6} "
+                f"{p['tiles_per_block']:>5} "
                 f"{p['issue_us']:>8.1f} {p['bytes_us']:>7.1f} {p['predicted_us']:>9.1f} {p['dense_bf16_us']:>7.1f} "
                 f"{p['speedup_vs_dense']:>7.2f}x"
             )
@@ -544,13 +579,14 @@ def main() -> None:
     spilling = [v for v in variants if v.spills]
     if args.check_spills and spilling:
         sys.exit(
-            "cuda_budget: spills in " + ", ".join(f"{v.arch} {v.dtype} {v.bits}-bit D{v.head_dim}" for v in spilling)
+            "cuda_budget: spills in "
+            + ", ".join(f"{v.kernel} {v.arch} {v.dtype} {v.bits}-bit D{v.head_dim}" for v in spilling)
         )
     looping = [v for v in variants if v.loop_counts["DIV64"]]
     if args.check_loop_division and looping:
         sys.exit(
             "cuda_budget: 64-bit division calls in the tile loop of "
-            + ", ".join(f"{v.arch} {v.dtype} {v.bits}-bit D{v.head_dim}" for v in looping)
+            + ", ".join(f"{v.kernel} {v.arch} {v.dtype} {v.bits}-bit D{v.head_dim}" for v in looping)
         )
 
 

@@ -206,7 +206,7 @@ SANITIZER=$(find_sanitizer) && VERSION[compute-sanitizer]="$SANITIZER ($("$SANIT
 TEST_FILES=(tests/python/test_cuda_*.py tests/python/test_cache_device.py tests/python/test_attention.py
   tests/python/test_paged.py)
 declare -A NEEDS=(
-  [hypothesis]="tests/python/test_cuda_attention.py tests/python/test_attention.py tests/python/test_paged.py"
+  [hypothesis]="tests/python/test_cuda_attention.py tests/python/test_attention.py tests/python/test_paged.py tests/python/test_cuda_paged.py"
   [transformers]="tests/python/test_cuda_cache_hf.py"
 )
 PYTEST_SEL=(-k cuda -p no:cacheprovider)

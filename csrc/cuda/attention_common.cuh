@@ -155,38 +155,33 @@ NKV_DEVICE float dequant_element(const Cache& c, int64_t bh, int64_t t, int64_t 
 
 // ---- merge of the splits --------------------------------------------------------------------
 
-// Block (kv head x row tile, batch): for each of its query rows, the
-// log-sum-exp merge of the splits' partials, the division by the sum, the
-// inverse rotation, and the store into out [B, Hq, Lq, D] (q's dtype).  A row
-// whose partials carry NaN (a NaN/Inf score, or invalid input) is NaN; a
-// sequence of length 0 gives zeros.
-template <typename Out>
-NKV_KERNEL void attention_merge_kernel(MergeArgs a, Out* __restrict__ out) {  // out [B, Hq, Lq, D]
-  NKV_DYNAMIC_SMEM(smem);
-  const int64_t D = a.head_dim, b = blockIdx.y, h = blockIdx.x / a.row_tiles, rt = blockIdx.x % a.row_tiles;
-  const int64_t group = a.q_heads / a.kv_heads, r0 = rt * kAttnRows;
-  const int64_t left = group * a.q_len - r0, rows = left < kAttnRows ? left : kAttnRows;
-  float* row_s = reinterpret_cast<float*>(smem);  // [kAttnRows, D]
-  float* weight_s = row_s + kAttnRows * D;        // [kAttnRows, splits]: exp(m_s - m) / l
+// The log-sum-exp merge of `splits` partials for each of `rows` rows, by the
+// threads of a block: part(r, sp) points at row r's partial of split sp
+// ([D + 2]: unnormalized acc, max, sum).  row_s [rows, D] receives acc / sum;
+// a row whose partials carry NaN (a NaN/Inf score, or invalid input) is NaN,
+// one that attended nothing (length 0) zero.  weight_s [rows, splits] is
+// scratch: exp(m_s - m) / l.  Ends with a barrier.
+template <typename Part>
+NKV_DEVICE void merge_splits(int64_t rows, int64_t D, int64_t splits, Part part, float* row_s, float* weight_s) {
   const float kNaN = bits_float(0x7fc00000u), kNegInf = bits_float(0xff800000u);
   for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
     float m = kNegInf;
     bool nan = false;
-    for (int64_t sp = 0; sp < a.splits; ++sp) {
-      const float* part = a.partials + a.partial_index(b, h, rt, sp) + r * (D + 2);
-      m = part[D] > m ? part[D] : m;
-      nan |= part[D] != part[D] || part[D + 1] != part[D + 1];
+    for (int64_t sp = 0; sp < splits; ++sp) {
+      const float* pr = part(r, sp);
+      m = pr[D] > m ? pr[D] : m;
+      nan |= pr[D] != pr[D] || pr[D + 1] != pr[D + 1];
     }
     float l = 0.f;
-    for (int64_t sp = 0; sp < a.splits; ++sp) {
-      const float* part = a.partials + a.partial_index(b, h, rt, sp) + r * (D + 2);
-      const float w = m == kNegInf ? 0.f : expf(part[D] - m);  // exp(-inf) = 0 for empty splits
-      weight_s[r * a.splits + sp] = w;
-      l += w * part[D + 1];
+    for (int64_t sp = 0; sp < splits; ++sp) {
+      const float* pr = part(r, sp);
+      const float w = m == kNegInf ? 0.f : expf(pr[D] - m);  // exp(-inf) = 0 for empty splits
+      weight_s[r * splits + sp] = w;
+      l += w * pr[D + 1];
     }
     // NaN rows; zeros where nothing was attended (sequence of length 0).
-    for (int64_t sp = 0; sp < a.splits; ++sp) {
-      float& w = weight_s[r * a.splits + sp];
+    for (int64_t sp = 0; sp < splits; ++sp) {
+      float& w = weight_s[r * splits + sp];
       w = nan ? kNaN : (m == kNegInf ? 0.f : w / l);
     }
   }
@@ -194,11 +189,26 @@ NKV_KERNEL void attention_merge_kernel(MergeArgs a, Out* __restrict__ out) {  //
   for (int64_t e = threadIdx.x; e < rows * D; e += blockDim.x) {
     const int64_t r = e / D, d = e % D;
     float acc = 0.f;
-    for (int64_t sp = 0; sp < a.splits; ++sp)
-      acc += weight_s[r * a.splits + sp] * a.partials[a.partial_index(b, h, rt, sp) + r * (D + 2) + d];
+    for (int64_t sp = 0; sp < splits; ++sp) acc += weight_s[r * splits + sp] * part(r, sp)[d];
     row_s[e] = acc;
   }
   NKV_SYNC();
+}
+
+// Block (kv head x row tile, batch): for each of its query rows, the merge of
+// the splits' partials (merge_splits), the inverse rotation, and the store
+// into out [B, Hq, Lq, D] (q's dtype).
+template <typename Out>
+NKV_KERNEL void attention_merge_kernel(MergeArgs a, Out* __restrict__ out) {  // out [B, Hq, Lq, D]
+  NKV_DYNAMIC_SMEM(smem);
+  const int64_t D = a.head_dim, b = blockIdx.y, h = blockIdx.x / a.row_tiles, rt = blockIdx.x % a.row_tiles;
+  const int64_t group = a.q_heads / a.kv_heads, r0 = rt * kAttnRows;
+  const int64_t left = group * a.q_len - r0, rows = left < kAttnRows ? left : kAttnRows;
+  float* row_s = reinterpret_cast<float*>(smem);  // [kAttnRows, D]
+  float* weight_s = row_s + kAttnRows * D;        // [kAttnRows, splits]
+  merge_splits(
+      rows, D, a.splits,
+      [&](int64_t r, int64_t sp) { return a.partials + a.partial_index(b, h, rt, sp) + r * (D + 2); }, row_s, weight_s);
   const float* signs = a.rotation_signs;
   if (signs) fwht_rows(row_s, rows, D, [](int64_t) { return false; });  // inverse: butterflies, then norm * signs
   const float norm = 1.f / sqrtf(float(D));

@@ -57,17 +57,7 @@ core::SplitPlan cached_split_plan(int64_t units, int64_t slots, int64_t keys, in
   return last.plan;
 }
 
-// NEXUSKV_CUDA_ATTENTION=simple forces the reference kernel, =mma requires the
-// tensor-core kernel (an error if it does not take the problem): the tests
-// compare the two and know which one ran.
 using cuda::KernelChoice;
-KernelChoice kernel_choice() {
-  const char* v = std::getenv("NEXUSKV_CUDA_ATTENTION");
-  if (v == nullptr || *v == 0) return KernelChoice::kAuto;
-  if (std::strcmp(v, "simple") == 0) return KernelChoice::kSimple;
-  if (std::strcmp(v, "mma") == 0) return KernelChoice::kMma;
-  TORCH_CHECK(false, kOp, ": NEXUSKV_CUDA_ATTENTION must be simple or mma, got '", v, "'");
-}
 
 at::Tensor dgq_fused_attention_cuda(const at::Tensor& q_in, at::TensorList k_cache, at::TensorList v_cache,
                                     at::IntArrayRef k_format, at::IntArrayRef v_format,
@@ -144,7 +134,7 @@ at::Tensor dgq_fused_attention_cuda(const at::Tensor& q_in, at::TensorList k_cac
       L.p = make_attention_params<T, Meta, T>(shapes, q, kc, vc, lens, kt, vt, tl, ks, vs, sl, signs);
       L.row_tiles = row_tiles;
       L.status = status.ptr();
-      const KernelChoice choice = kernel_choice();
+      const KernelChoice choice = cuda::kernel_choice(kOp);
       const cuda::AttentionKernelInfo kernel = cuda::attention_kernel_info(L, choice);
       C10_CUDA_CHECK(cudaError_t(kernel.error));
       TORCH_CHECK(kernel.mma || choice != KernelChoice::kMma, kOp,

@@ -127,6 +127,35 @@ NKV_DEVICE uint32_t codes_half2(uint32_t lo_byte, uint32_t hi_byte, int plane) {
   return half2_minus_1024(codes | 0x64006400u);
 }
 
+// The A fragment of q . K for the 16 keys of warp `warp` (rows 16 warp + g and
+// + 8 of codes [kMmaTile][kRS], packed code rows in shared memory) at k-step ks
+// (channels 16 ks ..): exact fp16 codes.  (g, t) = (lane / 4, lane % 4).
+template <int kBits, int kRS>
+NKV_DEVICE void key_codes_fragment(const uint8_t (*codes)[kRS], int warp, int g, int t, int ks, uint32_t (&a)[4]) {
+  constexpr int kC = core::layout::kChunkChannels<kBits>, kPlanes = core::layout::kPlanes<kBits>;
+  const int chunk = (16 * ks) / kC, plane = ks % kPlanes;
+  const uint8_t* r0 = &codes[16 * warp + g][chunk * 16];
+  const uint8_t* r1 = &codes[16 * warp + g + 8][chunk * 16];
+  a[0] = codes_half2<kBits>(r0[2 * t], r0[2 * t + 1], plane);
+  a[1] = codes_half2<kBits>(r1[2 * t], r1[2 * t + 1], plane);
+  a[2] = codes_half2<kBits>(r0[2 * t + 8], r0[2 * t + 9], plane);
+  a[3] = codes_half2<kBits>(r1[2 * t + 8], r1[2 * t + 9], plane);
+}
+
+// The A fragment of P . V for m-tile mt (channels 16 mt ..) and keys 16 kk ..
+// of codes [kMmaTile][kRS]: exact fp16 codes.
+template <int kBits, int kRS>
+NKV_DEVICE void value_codes_fragment(const uint8_t (*codes)[kRS], int g, int t, int mt, int kk, uint32_t (&av)[4]) {
+  constexpr int kC = core::layout::kChunkChannels<kBits>, kPlanes = core::layout::kPlanes<kBits>;
+  const int j0 = 16 * kk + 2 * t;  // keys j0, j0 + 1, j0 + 8, j0 + 9
+  const int plane = mt % kPlanes;
+  const uint8_t* c0 = &codes[0][(16 * mt) / kC * 16];
+  av[0] = codes_half2<kBits>(c0[j0 * kRS + g], c0[(j0 + 1) * kRS + g], plane);
+  av[1] = codes_half2<kBits>(c0[j0 * kRS + g + 8], c0[(j0 + 1) * kRS + g + 8], plane);
+  av[2] = codes_half2<kBits>(c0[(j0 + 8) * kRS + g], c0[(j0 + 9) * kRS + g], plane);
+  av[3] = codes_half2<kBits>(c0[(j0 + 8) * kRS + g + 8], c0[(j0 + 9) * kRS + g + 8], plane);
+}
+
 // Exponent e with 2^14 <= |x| 2^e < 2^15 for the largest |x| of a set (max
 // finite, > 0), as the float 2^e; 1 for 0 or non-finite (NaN stays NaN).
 NKV_DEVICE float pow2_normalizer(float max_abs) {
@@ -146,6 +175,39 @@ NKV_DEVICE float pow2_inverse(float x) { return bits_float((254u << 23) - float_
 NKV_DEVICE void split_half2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
   hi = pack_half2(x0, x1);
   lo = pack_half2(x0 - half_bits_to_float(uint16_t(hi & 0xffffu)), x1 - half_bits_to_float(uint16_t(hi >> 16)));
+}
+
+// One row's step of the online softmax over a tile of kMmaTile keys, by one
+// warp (lane: keys lane and lane + 32): sc the row's scores, vis the keys the
+// row sees, softcap (0: none).  m is the row's running max (read by every lane,
+// then updated by lane 0 when `real`), lpart this lane's part of the row's
+// denominator (rescaled; NaN once a visible score is not finite).  Returns the
+// rescale exp(m_old - m_new); w the weights (0 where not visible).
+NKV_DEVICE float softmax_row(const float* sc, const bool (&vis)[2], float softcap, bool real, float& m, float& lpart,
+                             float (&w)[2]) {
+  const float kNegInf = bits_float(0xff800000u), kNaN = bits_float(0x7fc00000u);
+  const int lane = int(threadIdx.x) % kWarp;
+  float x[2], tile_max = kNegInf;
+  bool bad = false;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    x[h] = vis[h] ? sc[lane + kWarp * h] : kNegInf;
+    if (vis[h] && softcap > 0.f) x[h] = softcap * tanhf(x[h] / softcap);
+    if (vis[h]) {
+      tile_max = x[h] > tile_max ? x[h] : tile_max;
+      bad = bad || non_finite(x[h]);
+    }
+  }
+  for (int o = 16; o > 0; o /= 2) tile_max = fmaxf(tile_max, shfl_xor(tile_max, o));
+  const float m_old = real ? m : kNegInf;
+  const float m_new = m_old > tile_max ? m_old : tile_max;
+  const float alpha = m_new == kNegInf ? 1.f : expf(m_old - m_new);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) w[h] = vis[h] ? expf(x[h] - m_new) : 0.f;
+  lpart = bad ? kNaN : lpart * alpha + (w[0] + w[1]);
+  __syncwarp();  // every lane has read m
+  if (real && lane == 0) m = m_new;
+  return alpha;
 }
 
 // ---- the kernel ---------------------------------------------------------------------------------
@@ -175,8 +237,6 @@ struct MmaKernel {
   using Params = decltype(Launch::p);
   using T = typename Params::Element;
   using Meta = typename Params::MetaType;
-  static constexpr int kC = core::layout::kChunkChannels<kBits>;
-  static constexpr int kPlanes = core::layout::kPlanes<kBits>;
   static constexpr int kRB = int(core::row_bytes(kBits, kD));
   static_assert(kRB % 16 == 0 && (kRB & (kRB - 1)) == 0, "code rows: whole 16-byte copies, a power of two");
   static constexpr int kKSteps = kD / 16;      // k-steps of q . K (channels)
@@ -306,15 +366,8 @@ struct MmaKernel {
     NKV_SYNC();
   }
 
-  // A fragment of the warp's 16 keys for k-step ks (channels 16 ks ..): exact fp16 codes.
   NKV_DEVICE void key_fragment(const typename Smem::Stage& S, int ks, uint32_t (&a)[4]) const {
-    const int chunk = (16 * ks) / kC, plane = ks % kPlanes;
-    const uint8_t* r0 = &S.k_codes[16 * warp + g][chunk * 16];
-    const uint8_t* r1 = &S.k_codes[16 * warp + g + 8][chunk * 16];
-    a[0] = codes_half2<kBits>(r0[2 * t], r0[2 * t + 1], plane);
-    a[1] = codes_half2<kBits>(r1[2 * t], r1[2 * t + 1], plane);
-    a[2] = codes_half2<kBits>(r0[2 * t + 8], r0[2 * t + 9], plane);
-    a[3] = codes_half2<kBits>(r1[2 * t + 8], r1[2 * t + 9], plane);
+    key_codes_fragment<kBits>(S.k_codes, warp, g, t, ks, a);
   }
 
   // Channel of element e (0..3) of the B fragment of lane 4 g + lt at k-step ks.
@@ -439,37 +492,18 @@ struct MmaKernel {
   // only rescaled (full-precision tiles).
   template <bool kCompressed>  // S is a compressed tile's stage (else null: a full-precision tile)
   NKV_DEVICE void softmax(int64_t pos0, int n, const typename Smem::Stage* S) {
-    const float kNegInf = bits_float(0xff800000u), kNaN = bits_float(0x7fc00000u);
     const int Bm = int(ix.value_meta.divisor);
     for (int rr = 0; rr < kAttnRows / 4; ++rr) {  // warp w: rows 4w .. 4w + 3
       const int r = 4 * warp + rr;
       const bool real = r < rows;
       const int64_t qp = real ? sm.qpos[r] : 0;
-      float x[2], tile_max = kNegInf;
-      bool vis[2], bad = false;
-      for (int h = 0; h < 2; ++h) {
-        const int j = lane + kWarp * h;
-        vis[h] = real && j < n && p.visible(qp, pos0 + j);
-        x[h] = vis[h] ? sm.sc[r][j] : kNegInf;
-        if (vis[h] && p.softcap > 0.f) x[h] = p.softcap * tanhf(x[h] / p.softcap);
-        if (vis[h]) {
-          tile_max = x[h] > tile_max ? x[h] : tile_max;
-          bad = bad || non_finite(x[h]);
-        }
-      }
-      for (int o = 16; o > 0; o /= 2) tile_max = fmaxf(tile_max, shfl_xor(tile_max, o));
-      const float m_old = real ? sm.m[r] : kNegInf;
-      const float m_new = m_old > tile_max ? m_old : tile_max;
-      const float alpha = m_new == kNegInf ? 1.f : expf(m_old - m_new);
+      bool vis[2];
+      for (int h = 0; h < 2; ++h) vis[h] = real && lane + kWarp * h < n && p.visible(qp, pos0 + lane + kWarp * h);
       float w[2];
-      for (int h = 0; h < 2; ++h) {
-        w[h] = vis[h] ? expf(x[h] - m_new) : 0.f;
+      const float alpha = softmax_row(sm.sc[r], vis, p.softcap, real, sm.m[r], sm.lpart[r][lane], w);
+      for (int h = 0; h < 2; ++h)
         if (real) sm.sc[r][lane + kWarp * h] = w[h];
-      }
-      float& l = sm.lpart[r][lane];
-      l = bad ? kNaN : l * alpha + (w[0] + w[1]);
-      __syncwarp();  // every lane has read sm.m[r]
-      if (real && lane == 0) sm.m[r] = m_new, sm.alpha[r] = alpha;
+      if (real && lane == 0) sm.alpha[r] = alpha;
 #pragma unroll 1
       for (int b = 0; b < Bm; ++b) {
         float z = 0.f;
@@ -510,16 +544,8 @@ struct MmaKernel {
           f(acc[mi][nt][i], 8 * nt + 2 * t + i % 2, 16 * (warp * kMTiles + mi) + g + 8 * (i / 2));
   }
 
-  // A fragment of P . V for m-tile mt (channels 16 mt ..) and keys 16 kk ..: exact fp16 codes.
   NKV_DEVICE void value_fragment(const typename Smem::Stage& S, int mt, int kk, uint32_t (&av)[4]) const {
-    const int j0 = 16 * kk + 2 * t;  // keys j0, j0 + 1, j0 + 8, j0 + 9
-    const int plane = mt % kPlanes;
-    constexpr int kRS = Smem::kRS;
-    const uint8_t* c0 = &S.v_codes[0][(16 * mt) / kC * 16];
-    av[0] = codes_half2<kBits>(c0[j0 * kRS + g], c0[(j0 + 1) * kRS + g], plane);
-    av[1] = codes_half2<kBits>(c0[j0 * kRS + g + 8], c0[(j0 + 1) * kRS + g + 8], plane);
-    av[2] = codes_half2<kBits>(c0[(j0 + 8) * kRS + g], c0[(j0 + 9) * kRS + g], plane);
-    av[3] = codes_half2<kBits>(c0[(j0 + 8) * kRS + g + 8], c0[(j0 + 9) * kRS + g + 8], plane);
+    value_codes_fragment<kBits>(S.v_codes, g, t, mt, kk, av);
   }
 
   // B fragment of P . V for query row `row` and keys 16 kk ..: the weights

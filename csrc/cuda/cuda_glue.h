@@ -16,6 +16,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <cstdlib>
+#include <cstring>
+
+#include "attention_launch.h"
 #include "launch.h"
 #include "nexuskv/ops.h"
 #include "status.h"
@@ -24,6 +28,17 @@ namespace nexuskv::cuda {
 
 // NEXUSKV_CUDA_CHECKS=1: read back the kernels' status and raise (synchronizes).
 inline bool value_checks_on() { return cuda_value_checks_requested(); }
+
+// NEXUSKV_CUDA_ATTENTION=simple forces the reference kernels (dgq_fused_attention's
+// and paged_attention's), =mma requires the tensor-core ones (an error if one does
+// not take the problem): the tests compare the two and know which one ran.
+inline KernelChoice kernel_choice(const char* op) {
+  const char* v = std::getenv("NEXUSKV_CUDA_ATTENTION");
+  if (v == nullptr || *v == 0) return KernelChoice::kAuto;
+  if (std::strcmp(v, "simple") == 0) return KernelChoice::kSimple;
+  if (std::strcmp(v, "mma") == 0) return KernelChoice::kMma;
+  TORCH_CHECK(false, op, ": NEXUSKV_CUDA_ATTENTION must be simple or mma, got '", v, "'");
+}
 
 // (c10's stream and guard only: ATen/cuda/CUDAContext.h pulls in cuBLAS and
 // cuSPARSE headers, which a toolkit of just nvcc and the runtime lacks.)

@@ -158,16 +158,31 @@ void launch_paged_write(const core::PagedWrite<X>& w, uint8_t* scratch, uint32_t
 template <typename X>
 void launch_paged_exact_write(const core::PagedWrite<X>& w, uint32_t* status, Stream stream);
 
-// The paged attention, one block per (token, kv head, up to kPagedHeadsPerBlock
-// q heads of its GQA group); p.out is written in full (padding rows zero).
-// Device-side checks (rows NaN, status bits): query_start_loc / seq_lens
-// inconsistent for the row's request (kBadLengths), a block id outside the
-// pool (kBadBlock), signs not +-1 (kBadSigns), an outlier position outside its
-// group (kBadOutlierIndex).  Returns the cudaError_t of the shared-memory
-// opt-in (0: launched).  Needs p.num_tokens < 2^31 and
-// kv_heads * ceil(gqa_group / kPagedHeadsPerBlock) <= 65535.
+// The paged attention.  Two kernels: the tensor-core one (paged_mma.cuh) for
+// the common formats, the SIMT reference (paged_kernels.cuh: one block per
+// token, kv head and up to kPagedHeadsPerBlock q heads) for the rest; the plan
+// says which runs and what scratch it needs.  p.out is written in full
+// (padding rows zero).  Device-side checks (rows NaN, status bits):
+// query_start_loc / seq_lens inconsistent (kBadLengths), a block id outside
+// the pool (kBadBlock), signs not +-1 (kBadSigns), an outlier position outside
+// its group (kBadOutlierIndex).  Needs p.num_tokens < 2^31 and kv_heads x
+// ceil(gqa_group / kPagedHeadsPerBlock) <= 65535.
 constexpr int kPagedHeadsPerBlock = 8;
+struct PagedAttentionPlan {
+  bool mma = false;                                              // the tensor-core kernel (else the SIMT one)
+  int heads_per_tile = 1, tokens_per_tile = 1, head_chunks = 1;  // a row tile: tokens x q heads
+  int64_t tiles = 0;          // row tiles the grid holds (at least the request's tiles)
+  int64_t splits = 1;         // splits of each row tile's key range
+  int64_t scratch_bytes = 0;  // device scratch the launch needs (uint8)
+};
+// Host only (the shared-memory opt-in, no device work): the tensor-core plan
+// when allow_mma and it takes p, else the SIMT one; multiprocessors sizes the
+// split of the key range (core::plan_splits).
 template <typename X>
-int launch_paged_attention(const core::PagedAttention<X>& p, uint32_t* status, Stream stream);
+PagedAttentionPlan paged_attention_plan(const core::PagedAttention<X>& p, int multiprocessors, bool allow_mma);
+// Returns the cudaError_t of a shared-memory opt-in (0: launched).
+template <typename X>
+int launch_paged_attention(const core::PagedAttention<X>& p, const PagedAttentionPlan& plan, uint8_t* scratch,
+                           uint32_t* status, Stream stream);
 
 }  // namespace nexuskv::cuda

@@ -14,6 +14,8 @@
 // CPU kernel, and this one with NEXUSKV_CUDA_CHECKS=1, raise.
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "../aten/core_dispatch.h"
 #include "../aten/paged_args.h"
 #include "../cpu/value_checks.h"
@@ -131,10 +133,21 @@ at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& pages, co
   TORCH_CHECK(s.pool.kv_heads * head_chunks <= 65535, op, ": at most 65535 kv heads x ceil(q_heads / kv_heads / ",
               cuda::kPagedHeadsPerBlock, ") on CUDA, got ", s.pool.kv_heads, " x ", head_chunks);
   const DeviceStatus status(q);
+  const cuda::KernelChoice choice = cuda::kernel_choice(op);
   dispatch_core_float(q.scalar_type(), op, [&](auto tag) {
     using X = decltype(tag);
     const core::PagedAttention<X> p = make_paged_attention<X>(s, qc, pages, table, lens, qsl, signs, out, kx, vx);
-    const int err = cuda::launch_paged_attention<X>(p, status.ptr(), cuda::current_stream());
+    const cuda::PagedAttentionPlan plan =
+        cuda::paged_attention_plan<X>(p, cuda::multiprocessor_count(), choice != cuda::KernelChoice::kSimple);
+    TORCH_CHECK(plan.mma || choice != cuda::KernelChoice::kMma, op,
+                ": NEXUSKV_CUDA_ATTENTION=mma, but the tensor-core kernel does not take this problem (it needs fp16 "
+                "or bf16, the same 2/4/8 bits for keys and values, head_dim 64 or 128 in 1, 2 or 4 groups of a "
+                "multiple of 16 channels, no outliers, no exact window, 16-byte aligned pages)");
+    TORCH_CHECK(!plan.mma || s.pool.kv_heads * plan.head_chunks <= 65535 && plan.tiles < (int64_t(1) << 31), op,
+                ": too many kv heads or query tokens for the tensor-core kernel's grid");
+    const at::Tensor scratch = at::empty({std::max<int64_t>(plan.scratch_bytes, 1)}, pages.options());
+    const int err =
+        cuda::launch_paged_attention<X>(p, plan, scratch.data_ptr<uint8_t>(), status.ptr(), cuda::current_stream());
     TORCH_CHECK(err == 0, op, ": could not reserve the kernel's shared memory (head_dim ", s.pool.layout.head_dim,
                 "): ", cudaGetErrorString(cudaError_t(err)));
     C10_CUDA_KERNEL_LAUNCH_CHECK();

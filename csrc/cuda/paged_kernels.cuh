@@ -479,7 +479,7 @@ NKV_KERNEL void paged_attention_kernel(const NKV_GRID_CONSTANT core::PagedAttent
 }
 
 template <typename X>
-int launch_paged_attention(const core::PagedAttention<X>& p, uint32_t* status, Stream stream) {
+int launch_paged_attention_simt(const core::PagedAttention<X>& p, uint32_t* status, Stream stream) {
   if (p.num_tokens == 0) return 0;
   const int gq = p.gqa_group();
   const int heads = gq < kPagedHeadsPerBlock ? gq : kPagedHeadsPerBlock;

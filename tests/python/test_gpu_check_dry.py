@@ -78,7 +78,11 @@ def test_the_cuda_files_skip_without_hypothesis_or_transformers(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text(f"raise ModuleNotFoundError('hidden: {name}', name='{name}')\n")
     pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
-    files = ["tests/python/test_cuda_attention.py", "tests/python/test_cuda_cache_hf.py"]
+    files = [
+        "tests/python/test_cuda_attention.py",
+        "tests/python/test_cuda_paged.py",
+        "tests/python/test_cuda_cache_hf.py",
+    ]
     flags = "--collect-only -q -rs -p no:cacheprovider -p no:hypothesispytest".split()
     r = subprocess.run(
         [sys.executable, "-m", "pytest", *files, *flags],

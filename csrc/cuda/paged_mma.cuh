@@ -1,0 +1,759 @@
+// The paged attention on tensor cores: attention_mma.cuh's design on the
+// pages of paged_format.h (vLLM's block table), for the common formats.
+//
+// Which bytes are read.  Per 64-key tile of one (request, kv head) the four
+// 16-key chunks of the tile each lie in one head page (P % 16 == 0 and tiles
+// start at multiples of 16), where their K codes, V codes and the four [16,
+// Bg] meta rows (key scale, key zero, value scale, value zero) are contiguous:
+// all of it goes by 16-byte cp.async into shared memory, two stages, the next
+// tile's copies in flight during this tile's math.  One tile serves every
+// query row of the block: up to 16 rows = (tokens of one request) x (q heads
+// of the GQA group), so a decode step reads each page once per kv head.
+//
+// Keys are quantized per token here (unlike the contiguous cache's per-channel
+// keys), so the keys' scales lie on the M side of S^T = K . Q^T: the B
+// fragments are the (rotated, scaled) queries alone, normalized per row by a
+// power of two and split into fp16 hi + lo once per block (not once per key
+// group); each key group's k-steps accumulate apart and are scaled by the
+// key's group scale on the accumulator, plus zero x (sum of q over the group).
+// P . V is attention_mma.cuh's: codes of two token rows per register, the
+// weights p x value scale (normalized per tile and channel group) in fp16 hi +
+// lo, the values' zeros summed per row and group by the softmax pass.
+//
+// Work split: a pre-pass (one block) checks query_start_loc and numbers each
+// request's row tiles (tile_start); block (tile, kv head x head chunk, split)
+// finds its request by binary search, and each split of the key range writes
+// a partial (acc, max, sum) per (token, q head) row; the merge (one block per
+// token and kv head x head chunk) combines the splits, divides, un-rotates and
+// writes out, zeros for padding tokens (as the reference kernel does).
+//
+// It takes (paged_mma_takes): fp16 / bf16, no exact window, no outliers, the
+// same 2/4/8 bits for keys and values, head_dim 64 or 128 in 1, 2 or 4 groups
+// of a multiple of 16 channels per token (group_size >= head_dim: one), 16-byte
+// aligned pages; the rest runs the SIMT kernel (paged_kernels.cuh), which the
+// tests compare it with (tests/python/test_cuda_paged.py).  Compiles; untested
+// on a GPU until a lent one runs benchmarks/gpu_check.sh.
+#pragma once
+
+#include <cstddef>
+
+#include "attention_mma.cuh"
+#include "nexuskv/core/paged.h"
+#include "nexuskv/core/split_plan.h"
+
+namespace nexuskv::cuda {
+
+// Sizes the kernels index with, computed by the host (32-bit, no division by a
+// run-time size in the tile loop: benchmarks/cuda_budget.py counts it).
+struct PagedMmaIndex {
+  core::FastDivmod block;  // P: position -> (block-table column, slot)
+  core::FastDivmod heads;  // heads per row tile: block row -> (token, q head)
+  core::PagedOffsets off;  // buffer offsets of a head page
+  int64_t head_page_bytes = 0;
+  int64_t meta_array_bytes = 0;  // one [P, Bg] meta array of a head page
+  int tokens_per_tile = 1, head_chunks = 1;
+  int splits = 1;  // splits of each row tile's key range
+};
+
+// One launch: the problem, its index, and the scratch (paged_mma_scratch).
+template <typename X>
+struct PagedMmaArgs {
+  core::PagedAttention<X> p;
+  PagedMmaIndex ix;
+  int32_t* tile_start = nullptr;  // [num_reqs + 1]: first row tile of each request, then the total
+  uint32_t* bad = nullptr;        // [1]: query_start_loc invalid (every row NaN)
+  float* partials = nullptr;      // [num_tokens, q_heads, splits, D + 2]
+  uint32_t* status = nullptr;
+
+  NKV_HOST_DEVICE float* partial(int64_t token, int hq, int split) const {
+    return partials + ((token * p.q_heads + hq) * ix.splits + split) * (p.pool.layout.head_dim + 2);
+  }
+};
+
+// Byte offsets of the scratch arrays (256-byte aligned).
+struct PagedMmaScratch {
+  int64_t tile_start = 0, bad = 0, partials = 0, bytes = 0;
+};
+inline PagedMmaScratch paged_mma_scratch(int64_t num_reqs, int64_t num_tokens, int q_heads, int splits, int D) {
+  auto up = [](int64_t b) { return (b + 255) / 256 * 256; };
+  PagedMmaScratch s;
+  s.bad = up(4 * (num_reqs + 1));
+  s.partials = s.bad + 256;
+  s.bytes = s.partials + up(4 * num_tokens * q_heads * splits * (D + 2));
+  return s;
+}
+
+// ---- pre-pass: the row tiles of each request ---------------------------------------------------
+
+constexpr int kPagedTilesThreads = 256;
+
+// One block.  query_start_loc must start at 0, not decrease and end within
+// num_tokens (else *bad); tile_start[r] = sum over r' < r of ceil(q_len(r') /
+// tokens per tile), tile_start[num_reqs] the total.
+template <typename X>
+NKV_KERNEL void paged_mma_tiles_kernel(const NKV_GRID_CONSTANT PagedMmaArgs<X> a) {
+  __shared__ int64_t part[kPagedTilesThreads];
+  __shared__ uint32_t bad;
+  const int32_t* qsl = a.p.query_start_loc;
+  const int64_t R = a.p.num_reqs, per = (R + kPagedTilesThreads - 1) / kPagedTilesThreads;
+  const int64_t tpb = a.ix.tokens_per_tile, r0 = int64_t(threadIdx.x) * per;
+  const int64_t r1 = r0 + per < R ? r0 + per : R;
+  if (threadIdx.x == 0) bad = qsl[0] != 0 || qsl[R] > a.p.num_tokens ? 1u : 0u;
+  NKV_SYNC();
+  int64_t sum = 0;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t len = int64_t(qsl[r + 1]) - qsl[r];
+    if (len < 0) atomic_or(&bad, 1u);
+    sum += len > 0 ? (len + tpb - 1) / tpb : 0;
+  }
+  part[threadIdx.x] = sum;
+  NKV_SYNC();
+  if (threadIdx.x == 0) {  // exclusive scan of the threads' counts (256 adds)
+    int64_t run = 0;
+    for (int i = 0; i < kPagedTilesThreads; ++i) {
+      const int64_t c = part[i];
+      part[i] = run;
+      run += c;
+    }
+    if (run >= core::kFastDivmodLimit) bad = 1u;  // (q_end <= num_tokens < 2^31 keeps it below)
+    a.tile_start[R] = int32_t(bad ? 0 : run);
+    *a.bad = bad;
+  }
+  NKV_SYNC();
+  int64_t run = part[threadIdx.x];
+  for (int64_t r = r0; r < r1; ++r) {
+    a.tile_start[r] = int32_t(bad ? 0 : run);
+    const int64_t len = int64_t(qsl[r + 1]) - qsl[r];
+    run += len > 0 ? (len + tpb - 1) / tpb : 0;
+  }
+}
+
+// ---- the split kernel ---------------------------------------------------------------------------
+
+template <int kD, int kRB, typename X, int kBg>
+struct alignas(16) PagedMmaSmem {
+  static constexpr int kRS = code_row_stride<kRB>();
+  struct alignas(16) Stage {         // 16-byte aligned: the cp.async targets
+    uint8_t k_codes[kMmaTile][kRS];  // packed K rows of the tile
+    uint8_t v_codes[kMmaTile][kRS];  // packed V rows
+    X meta[4][kMmaTile * kBg];       // key scale, key zero, value scale, value zero: [64, Bg] each
+  };
+  union {
+    Stage stage[2];
+    float q[kAttnRows][kD];  // the block's queries, before they are folded (set-up only)
+  } buf;
+  uint4 qfrag[2][kD / 16][kWarp];  // normalized queries {hi, hi, lo, lo} per n-tile, k-step, lane
+  float qsum[kAttnRows][kBg];      // normalized sum of the row's q over each key group
+  float qdown[kAttnRows];          // 1 / the row's normalizer
+  float sc[kAttnRows][kMmaTile];   // scores, then softmax weights
+  float zacc[kAttnRows][kBg];      // sum of p * value zero per value group
+  // P . V weights {p x value scale x 2^k} as fp16 pairs hi + lo per value group, row and pair
+  // of keys (36 words a row: the 8 rows a fragment reads lie on distinct banks).
+  uint32_t whi[kBg][kAttnRows][36], wlo[kBg][kAttnRows][36];
+  float wdown[kBg];  // 1 / the weights' power of two per value group
+  float m[kAttnRows], alpha[kAttnRows];
+  float lpart[kAttnRows][kWarp];               // each lane's part of the row's softmax denominator (NaN: a bad score)
+  int32_t qpos[kAttnRows], kfirst[kAttnRows];  // the row's position and first visible key
+  uint32_t flag;
+};
+
+template <typename X, int kBits, int kD, int kBg>
+struct PagedMmaKernel {
+  static constexpr int kRB = int(core::row_bytes(kBits, kD));
+  static_assert(kRB % 16 == 0 && (kRB & (kRB - 1)) == 0, "code rows: whole 16-byte copies, a power of two");
+  static constexpr int kKSteps = kD / 16;      // k-steps of q . K
+  static constexpr int kMTiles = kD / 16 / 4;  // PV m-tiles per warp
+  static constexpr int kChunks = kMmaTile / 16;
+  static constexpr int kGroup = kD / kBg;          // channels per key / value group (G, or D when G >= D)
+  static constexpr int kGroupSteps = kGroup / 16;  // k-steps per key group
+  static_assert(kGroup % 16 == 0 && kBg * kGroup == kD, "whole groups of 16-channel k-steps");
+  using Smem = PagedMmaSmem<kD, kRB, X, kBg>;
+  using Stage = typename Smem::Stage;
+
+  const PagedMmaArgs<X>& a;
+  const core::PagedAttention<X>& p;
+  const PagedMmaIndex& ix;
+  Smem& sm;
+  const int warp, lane, g, t;
+  // The block's work, the same on every thread.
+  int h = 0, hq0 = 0, heads = 0;  // kv head, first q head, q heads of the row tile
+  int64_t req = 0, token0 = 0;    // request, first token of the tile (a row of q)
+  int rows = 0, ntiles = 1;       // query rows (token-major: row = token * heads per tile + head)
+  int32_t lo = 0, hi = 0;         // key positions of this split
+  int32_t first = 0;              // the earliest visible key of the block's rows
+  const int32_t* table = nullptr;
+
+  NKV_DEVICE PagedMmaKernel(const PagedMmaArgs<X>& args, Smem& smem)
+      : a(args), p(args.p), ix(args.ix), sm(smem), warp(int(threadIdx.x) / kWarp), lane(int(threadIdx.x) % kWarp),
+        g(lane / 4), t(lane % 4) {}
+
+  NKV_DEVICE int hpt() const { return int(ix.heads.divisor); }  // q heads per row tile
+  // Row r's partial (null for a row with no q head).
+  NKV_DEVICE float* partial_of(int r) const {
+    uint32_t tok, hd;
+    ix.heads.divmod(uint32_t(r), tok, hd);
+    if (r >= rows || int(hd) >= heads) return nullptr;
+    return a.partial(token0 + tok, hq0 + int(hd), int(blockIdx.z));
+  }
+
+  // ---- loads ---------------------------------------------------------------------------------
+
+  // The copies of one 16-key chunk: its K and V code rows (kRB 16-byte pieces
+  // each) and its four [16, Bg] meta rows (2 Bg pieces each).  Thread tid owns
+  // pieces tid, tid + 128, ... of every chunk of every tile, so where each of
+  // them comes from (bytes from the head page, plus slot x bytes per slot) and
+  // goes to (bytes from the stage, plus chunk x bytes per chunk) is worked out
+  // once per block (copy_plan), and a tile's copies cost an address each.
+  static constexpr int kCodePieces = 2 * kRB;
+  static constexpr int kPiecesPerChunk = kCodePieces + 4 * 2 * kBg;
+  static constexpr int kCopies = (kPiecesPerChunk + kMmaThreads - 1) / kMmaThreads;
+  int32_t copy_src[kCopies], copy_dst[kCopies];  // -1: no piece
+  bool copy_code[kCopies];
+
+  NKV_DEVICE void copy_plan() {
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int e = int(threadIdx.x) + i * kMmaThreads;
+      copy_code[i] = e < kCodePieces;
+      copy_src[i] = copy_dst[i] = -1;
+      if (e < kCodePieces) {
+        const int half = e / kRB, piece = e % kRB, row = 16 * piece / kRB, col = 16 * piece % kRB;
+        copy_src[i] = int32_t(ix.off.codes[half]) + 16 * piece;  // (a head page is < 2^31 bytes)
+        copy_dst[i] = int32_t((half ? offsetof(Stage, v_codes) : offsetof(Stage, k_codes)) + row * Smem::kRS + col);
+      } else if (e < kPiecesPerChunk) {
+        const int m = e - kCodePieces, arr = m / (2 * kBg), piece = m % (2 * kBg);
+        copy_src[i] = int32_t(ix.off.scale[0] + arr * ix.meta_array_bytes) + 16 * piece;
+        copy_dst[i] = int32_t(offsetof(Stage, meta) + arr * sizeof(Stage::meta[0])) + 16 * piece;
+      }
+    }
+  }
+
+  // Issues the copies of tile [t0, t0 + kMmaTile) into stage st (one commit
+  // group): the chunks that start before hi.  Lane c of each warp finds chunk
+  // c's head page (-1 when its block id is outside the pool: kBadBlock, since
+  // every chunk from the aligned first key on holds a visible key) and slot;
+  // the other lanes take them by shuffle.
+  NKV_DEVICE void prefetch(int32_t t0, int st) {
+    uint8_t* stage = reinterpret_cast<uint8_t*>(&sm.buf.stage[st]);
+    int64_t my_page = -1;
+    uint32_t col = 0, my_slot = 0;
+    if (lane < kChunks) {
+      const int32_t c0 = t0 + 16 * lane;
+      ix.block.divmod(uint32_t(c0), col, my_slot);
+      if (c0 < hi) {
+        const int32_t id = table[col];
+        if (id >= 0 && id < p.pool.num_blocks)
+          my_page = (int64_t(id) * p.pool.kv_heads + h) * ix.head_page_bytes;
+        else
+          atomic_or(&sm.flag, kBadBlock);
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int32_t slot = __shfl_sync(0xffffffffu, int32_t(my_slot), c);
+      const uint32_t lo32 = __shfl_sync(0xffffffffu, uint32_t(uint64_t(my_page)), c);
+      const uint32_t hi32 = __shfl_sync(0xffffffffu, uint32_t(uint64_t(my_page) >> 32), c);
+      const int64_t page = int64_t((uint64_t(hi32) << 32) | lo32);
+      if (page < 0) continue;  // (the same on every lane)
+      const uint8_t* base = p.pages + page;
+#pragma unroll
+      for (int i = 0; i < kCopies; ++i) {
+        if (copy_src[i] < 0) continue;
+        const int per_slot = copy_code[i] ? kRB : 2 * kBg, per_chunk = copy_code[i] ? 16 * Smem::kRS : 32 * kBg;
+        cp_async16(stage + copy_dst[i] + c * per_chunk, base + copy_src[i] + slot * per_slot);
+      }
+    }
+    cp_async_commit();
+  }
+
+  // The queries of the block's rows times the scale, rotated when the pages
+  // are, into buf.q; rows without a q head are 0.  Then folded once: each
+  // row normalized by a power of two (2^14 <= max |q| < 2^15) and split into
+  // fp16 hi + lo in the B fragments' order (qfrag), 1 / normalizer into qdown,
+  // the normalized sum of q over each key group into qsum.  Ends with a barrier.
+  NKV_DEVICE void load_and_fold_queries() {
+    const float* signs = p.rotation_signs;
+    if (signs)
+      for (int d = int(threadIdx.x); d < kD; d += kMmaThreads)
+        if (signs[d] != 1.f && signs[d] != -1.f) atomic_or(&sm.flag, kBadSigns);
+    for (int e = int(threadIdx.x); e < kAttnRows * kD; e += kMmaThreads) {
+      const int r = e / kD, d = e % kD;
+      uint32_t tok, hd;
+      ix.heads.divmod(uint32_t(r), tok, hd);
+      float v = 0.f;
+      if (r < rows && int(hd) < heads) {
+        v = fast_float(p.q[(token0 + tok) * p.q_stride_t + int64_t(hq0 + int(hd)) * p.q_stride_h + d]) * p.scale;
+        if (signs) v *= signs[d];
+      }
+      sm.buf.q[r][d] = v;
+    }
+    NKV_SYNC();
+    if (signs) {
+      fwht_rows(&sm.buf.q[0][0], kAttnRows, kD, [](int64_t) { return false; });
+      const float norm = 1.f / sqrtf(float(kD));
+      for (int e = int(threadIdx.x); e < kAttnRows * kD; e += kMmaThreads) (&sm.buf.q[0][0])[e] *= norm;
+      NKV_SYNC();
+    }
+    // Thread (row r, part) folds 4 kKSteps / 8 fragment entries of row r, as fold_queries does.
+    constexpr int kParts = 8, kItems = 4 * kKSteps / kParts;
+    const int tid = int(threadIdx.x), r = tid / kParts, part = tid % kParts;
+    if (r < 8 * ntiles) {
+      float x[kItems][4], mx = 0.f;
+#pragma unroll
+      for (int k = 0; k < kItems; ++k) {
+        const int item = part + kParts * k, ks = item / 4, lt = item % 4;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          x[k][e] = sm.buf.q[r][16 * ks + 2 * lt + (e % 2) + 8 * (e / 2)];  // (the B fragment's channel)
+          mx = fmaxf(mx, fabsf(x[k][e]));
+        }
+      }
+#pragma unroll
+      for (int o = 1; o < kParts; o *= 2) mx = fmaxf(mx, shfl_xor(mx, o));
+      const float up = pow2_normalizer(mx);
+      if (part == 0) sm.qdown[r] = pow2_inverse(up);
+#pragma unroll
+      for (int k = 0; k < kItems; ++k) {
+        const int item = part + kParts * k, ks = item / 4, lt = item % 4;
+        uint32_t hi0, hi1, lo0, lo1;
+        split_half2(x[k][0] * up, x[k][1] * up, hi0, lo0);
+        split_half2(x[k][2] * up, x[k][3] * up, hi1, lo1);
+        sm.qfrag[r / 8][ks][4 * (r % 8) + lt] = make_uint4(hi0, hi1, lo0, lo1);
+      }
+    }
+    NKV_SYNC();
+    // qsum[r][b] = normalizer x sum of q over key group b (a power of two: exact).
+    for (int e = tid; e < kAttnRows * kBg; e += kMmaThreads) {
+      const int rr = e / kBg, b = e % kBg;
+      float s = 0.f;
+      for (int c = b * kGroup; c < (b + 1) * kGroup; ++c) s += sm.buf.q[rr][c];
+      sm.qsum[rr][b] = rr < 8 * ntiles ? s * pow2_inverse(sm.qdown[rr]) : 0.f;
+    }
+    NKV_SYNC();  // buf.q is the stages' memory from here
+  }
+
+  // ---- the tile ------------------------------------------------------------------------------
+
+  NKV_DEVICE float meta_at(const Stage& S, int arr, int key, int b) const {
+    return fast_float(S.meta[arr][key * kBg + b]);
+  }
+
+  // Scores of the tile's keys (n of them) into sm.sc: per key group, the
+  // group's k-steps on tensor cores, then x the key's group scale + its zero x
+  // the group's sum of q; x 1 / the row's normalizer.
+  NKV_DEVICE void tile_scores(const Stage& S, int n) {
+    const int key_a = 16 * warp + g, key_b = key_a + 8;
+    float sacc[2][4] = {};
+#pragma unroll
+    for (int b = 0; b < kBg; ++b) {
+      float c[2][4] = {};
+#pragma unroll
+      for (int ks = b * kGroupSteps; ks < (b + 1) * kGroupSteps; ++ks) {
+        uint32_t af[4];
+        key_codes_fragment<kBits>(S.k_codes, warp, g, t, ks, af);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          if (nt >= ntiles) break;
+          const uint4 f = sm.qfrag[nt][ks][lane];
+          const uint32_t fh[2] = {f.x, f.y}, fl[2] = {f.z, f.w};
+          mma_16816(c[nt], af, fh);
+          mma_16816(c[nt], af, fl);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int key = i < 2 ? key_a : key_b, r = 8 * nt + 2 * t + i % 2;
+          sacc[nt][i] += c[nt][i] * meta_at(S, 0, key, b) + meta_at(S, 1, key, b) * sm.qsum[r][b];
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      if (nt >= ntiles) break;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int key = i < 2 ? key_a : key_b, r = 8 * nt + 2 * t + i % 2;
+        if (key < n && r < rows) sm.sc[r][key] = sacc[nt][i] * sm.qdown[r];
+      }
+    }
+  }
+
+  // Soft-cap, mask and online softmax of sm.sc [rows, n] at positions t0..;
+  // the rescale into sm.alpha, the denominators in parts per lane, sum p x
+  // value zero per row and group added to zacc; and the P . V weights of every
+  // row, once for all warps: p x value scale x a power of two per value group
+  // (2^14 <= the tile's largest |scale| x it < 2^15, 1 / it in wdown), fp16
+  // hi + lo in the B fragments' pairs of keys (whi / wlo; 0 where masked, past
+  // n, or for rows past rows).  Warp w: rows 4w .. 4w + 3.
+  NKV_DEVICE void softmax(const Stage& S, int32_t t0, int n) {
+    // Each warp finds the value groups' normalizers itself (keys before the block's first
+    // visible one may be pages never written: not counted).
+    float vup[kBg];
+    const int j0 = first - t0 > 0 ? first - t0 : 0;
+#pragma unroll
+    for (int b = 0; b < kBg; ++b) {
+      float mx = 0.f;
+      if (lane < n && lane >= j0) mx = fabsf(meta_at(S, 2, lane, b));
+      if (lane + kWarp < n && lane + kWarp >= j0) mx = fmaxf(mx, fabsf(meta_at(S, 2, lane + kWarp, b)));
+      for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, shfl_xor(mx, o));
+      vup[b] = pow2_normalizer(mx);
+      if (warp == 0 && lane == 0) sm.wdown[b] = pow2_inverse(vup[b]);
+    }
+    for (int rr = 0; rr < kAttnRows / 4; ++rr) {
+      const int r = 4 * warp + rr;
+      const bool real = r < rows;
+      const int32_t qp = real ? sm.qpos[r] : 0, kf = real ? sm.kfirst[r] : 0;
+      bool vis[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int j = lane + kWarp * hh;
+        vis[hh] = real && j < n && t0 + j <= qp && t0 + j >= kf;
+      }
+      float w[2];
+      const float alpha = softmax_row(sm.sc[r], vis, p.softcap, real, sm.m[r], sm.lpart[r][lane], w);
+      if (real && lane == 0) sm.alpha[r] = alpha;
+#pragma unroll
+      for (int b = 0; b < kBg; ++b) {
+        // (a weight of 0 skips its key: meta past the tile's keys is whatever the stage held)
+        float z = (w[0] != 0.f ? w[0] * meta_at(S, 3, lane, b) : 0.f) +
+                  (w[1] != 0.f ? w[1] * meta_at(S, 3, lane + kWarp, b) : 0.f);
+        for (int o = 16; o > 0; o /= 2) z += shfl_xor(z, o);
+        if (real && lane == 0) sm.zacc[r][b] = sm.zacc[r][b] * alpha + z;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int j = lane + kWarp * hh;
+          const float wj = w[hh] != 0.f ? w[hh] * meta_at(S, 2, j, b) * vup[b] : 0.f;
+          const float wn = shfl_xor(wj, 1);  // key j ^ 1's
+          if ((lane & 1) == 0) split_half2(wj, wn, sm.whi[b][r][j / 2], sm.wlo[b][r][j / 2]);
+        }
+      }
+    }
+  }
+
+  // acc = acc x alpha + W' . V for the tile: the value codes of each m-tile
+  // extracted once and multiplied with every n-tile's weights (softmax).
+  NKV_DEVICE void tile_values(const Stage& S, float (&acc)[kMTiles][2][4]) {
+    float c[2][kMTiles][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < kMmaTile / 16; ++kk) {
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi) {
+        const int b = 16 * (warp * kMTiles + mi) / kGroup;  // the m-tile's value group
+        uint32_t av[4];
+        value_codes_fragment<kBits>(S.v_codes, g, t, warp * kMTiles + mi, kk, av);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          if (nt >= ntiles) break;
+          const int row = 8 * nt + g, q = 8 * kk + t;  // B fragment: key pairs q and q + 4 of the row
+          const uint32_t whi[2] = {sm.whi[b][row][q], sm.whi[b][row][q + 4]};
+          const uint32_t wlo[2] = {sm.wlo[b][row][q], sm.wlo[b][row][q + 4]};
+          mma_16816(c[nt][mi], av, whi);
+          mma_16816(c[nt][mi], av, wlo);
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      if (nt >= ntiles) break;
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi) {
+        const float down = sm.wdown[16 * (warp * kMTiles + mi) / kGroup];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = 8 * nt + 2 * t + i % 2;
+          const float a_r = r < rows ? sm.alpha[r] : 1.f;
+          acc[mi][nt][i] = acc[mi][nt][i] * a_r + c[nt][mi][i] * down;
+        }
+      }
+    }
+  }
+
+  // ---- the block -----------------------------------------------------------------------------
+
+  // Finds the block's request, rows and key range; false when the block has
+  // nothing to do (beyond the last tile, or query_start_loc invalid: the merge
+  // makes every row NaN).  Sets `bad_len` when the request's lengths are invalid.
+  NKV_DEVICE bool setup(bool& bad_len) {
+    bad_len = false;
+    if (*a.bad) return false;
+    const int64_t R = p.num_reqs, x = blockIdx.x;
+    if (x >= a.tile_start[R]) return false;
+    req = core::find_segment(a.tile_start, R, x);  // the last request whose tiles start at or before x
+    const int32_t* qsl = p.query_start_loc;
+    const int64_t qb = qsl[req], qlen = int64_t(qsl[req + 1]) - qb;
+    const int64_t i0 = (x - a.tile_start[req]) * ix.tokens_per_tile;
+    const int64_t ntok = qlen - i0 < ix.tokens_per_tile ? qlen - i0 : ix.tokens_per_tile;
+    const int gq = p.gqa_group(), chunk = int(blockIdx.y) % ix.head_chunks;
+    h = int(blockIdx.y) / ix.head_chunks;
+    const int head0 = chunk * hpt();
+    heads = gq - head0 < hpt() ? gq - head0 : hpt();
+    hq0 = h * gq + head0;
+    token0 = qb + i0;
+    rows = int(ntok) * hpt();
+    ntiles = rows > 8 ? 2 : 1;
+    const int64_t len = p.seq_lens[req];
+    bad_len = !(len >= qlen && len <= p.max_blocks * p.pool.layout.block_size);
+    if (bad_len) return true;
+    const int32_t qlo = int32_t(len - qlen + i0), qhi = qlo + int32_t(ntok) - 1;
+    first = p.window > 0 && qlo - p.window + 1 > 0 ? int32_t(qlo - p.window + 1) : 0;
+    // The splits share the keys the block's rows see, [start, qhi], in whole tiles (not the
+    // block table's width, which sized their number: at a context shorter than the width every
+    // split still gets work).  One 32-bit division per block.
+    const int32_t start = first & ~15;  // chunks of 16 keys lie in one page
+    const int32_t per = (qhi + 1 - start + ix.splits - 1) / ix.splits;
+    const int32_t span = (per + kMmaTile - 1) / kMmaTile * kMmaTile;
+    const int64_t lo64 = start + int64_t(blockIdx.z) * span, hi64 = lo64 + span < qhi + 1 ? lo64 + span : qhi + 1;
+    hi = int32_t(hi64);  // <= the width < 2^31
+    lo = lo64 < hi64 ? int32_t(lo64) : hi;
+    table = p.block_table + req * p.max_blocks;
+    return true;
+  }
+
+  NKV_DEVICE void run() {
+    const float kNegInf = bits_float(0xff800000u), kNaN = bits_float(0x7fc00000u);
+    bool bad_len;
+    if (!setup(bad_len)) return;
+    const int D = kD;
+    if (bad_len) {  // rows NaN (the merge propagates it)
+      for (int e = int(threadIdx.x); e < rows * (D + 2); e += kMmaThreads)
+        if (float* pr = partial_of(e / (D + 2))) pr[e % (D + 2)] = kNaN;
+      if (threadIdx.x == 0) report(a.status, kBadLengths);
+      return;
+    }
+    if (threadIdx.x == 0) sm.flag = 0;
+    for (int r = int(threadIdx.x); r < kAttnRows; r += kMmaThreads) {
+      const int32_t qp = int32_t(p.seq_lens[req] - (p.query_start_loc[req + 1] - p.query_start_loc[req])) +
+                         int32_t(token0 - p.query_start_loc[req]) + int32_t(ix.heads.div(uint32_t(r)));
+      sm.qpos[r] = qp;
+      sm.kfirst[r] = p.window > 0 ? qp - int32_t(p.window) + 1 : 0;
+      sm.m[r] = kNegInf, sm.alpha[r] = 1.f;
+      for (int i = 0; i < kWarp; ++i) sm.lpart[r][i] = 0.f;
+      for (int b = 0; b < kBg; ++b) sm.zacc[r][b] = 0.f;
+    }
+    NKV_SYNC();
+    copy_plan();
+    load_and_fold_queries();
+    float acc[kMTiles][2][4];
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mi][nt][i] = 0.f;
+
+    if (lo < hi) prefetch(lo, 0);
+    int st = 0;
+    for (int32_t t0 = lo; t0 < hi; t0 += kMmaTile, st ^= 1) {
+      const int n = hi - t0 < kMmaTile ? hi - t0 : kMmaTile;
+      if (t0 + kMmaTile < hi)
+        prefetch(t0 + kMmaTile, st ^ 1);
+      else
+        cp_async_commit();  // an empty group keeps wait<1> meaning "this tile's group is done"
+      cp_async_wait<1>();
+      NKV_SYNC();
+      const Stage& S = sm.buf.stage[st];
+      tile_scores(S, n);
+      NKV_SYNC();
+      softmax(S, t0, n);
+      NKV_SYNC();
+      tile_values(S, acc);
+      NKV_SYNC();  // every warp is done with the stage before it is refilled
+    }
+    cp_async_wait<0>();
+    // The partials: acc + value zeros per group; max and the lanes' summed denominators.
+    const bool poisoned = sm.flag != 0;
+    for (int rr = 0; rr < kAttnRows / 4; ++rr) {
+      const int r = 4 * warp + rr;
+      float l = sm.lpart[r][lane];
+      for (int o = 16; o > 0; o /= 2) l += shfl_xor(l, o);
+      if (lane == 0)
+        if (float* pr = partial_of(r)) pr[D] = sm.m[r], pr[D + 1] = poisoned ? kNaN : l;
+    }
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = 8 * nt + 2 * t + i % 2, ch = 16 * (warp * kMTiles + mi) + g + 8 * (i / 2);
+          if (float* pr = partial_of(r)) pr[ch] = acc[mi][nt][i] + sm.zacc[r][ch / kGroup];
+        }
+    if (threadIdx.x == 0 && poisoned) report(a.status, sm.flag);
+  }
+};
+
+template <typename X, int kBits, int kD, int kBg>
+NKV_KERNEL void __launch_bounds__(kMmaThreads, kMmaMinBlocks)
+    paged_attention_mma_kernel(const NKV_GRID_CONSTANT PagedMmaArgs<X> a) {
+  using K = PagedMmaKernel<X, kBits, kD, kBg>;
+  NKV_DYNAMIC_SMEM(smem);
+  K(a, *reinterpret_cast<typename K::Smem*>(smem)).run();
+}
+
+// ---- merge --------------------------------------------------------------------------------------
+
+// Block (token, kv head x head chunk): the merge of its rows' splits, the
+// inverse rotation, out.  Padding tokens (past query_start_loc[num_reqs]) are
+// zero; every row is NaN when query_start_loc was invalid.
+template <typename X>
+NKV_KERNEL void paged_mma_merge_kernel(const NKV_GRID_CONSTANT PagedMmaArgs<X> a) {
+  NKV_DYNAMIC_SMEM(smem);
+  const core::PagedAttention<X>& p = a.p;
+  const int64_t token = blockIdx.x, D = p.pool.layout.head_dim, splits = a.ix.splits;
+  const int gq = p.gqa_group(), hpt = int(a.ix.heads.divisor);
+  const int h = int(blockIdx.y) / a.ix.head_chunks, head0 = (int(blockIdx.y) % a.ix.head_chunks) * hpt;
+  const int rows = gq - head0 < hpt ? gq - head0 : hpt, hq0 = h * gq + head0;
+  X* const out = p.out + (token * p.q_heads + hq0) * D;  // rows x D, contiguous
+  const bool bad = *a.bad != 0;
+  if (bad || token >= p.query_start_loc[p.num_reqs]) {
+    const float v = bad ? bits_float(0x7fc00000u) : 0.f;
+    for (int64_t e = threadIdx.x; e < rows * D; e += blockDim.x) out[e] = core::from_float<X>(v);
+    if (bad && threadIdx.x == 0) report(a.status, kBadLengths);
+    return;
+  }
+  float* row_s = reinterpret_cast<float*>(smem);  // [kAttnRows, D]
+  float* weight_s = row_s + kAttnRows * D;        // [kAttnRows, splits]
+  merge_splits(
+      rows, D, splits, [&](int64_t r, int64_t sp) { return a.partial(token, hq0 + int(r), int(sp)); }, row_s, weight_s);
+  const float* signs = p.rotation_signs;
+  if (signs) fwht_rows(row_s, rows, D, [](int64_t) { return false; });
+  const float norm = 1.f / sqrtf(float(D));
+  for (int64_t e = threadIdx.x; e < rows * D; e += blockDim.x)
+    out[e] = core::from_float<X>(signs ? row_s[e] * (norm * signs[e % D]) : row_s[e]);
+}
+
+// ---- host -------------------------------------------------------------------------------------
+
+// Key / value groups per token of the kernel's variants (1, 2 or 4 whole groups
+// of a multiple of 16 channels; a group_size >= head_dim is one group), 0 if none.
+inline int paged_mma_groups(const core::PagedLayout& l) {
+  const int bg = l.group_size >= l.head_dim ? 1 : l.head_dim / l.group_size;
+  const bool whole = l.group_size >= l.head_dim || l.head_dim % l.group_size == 0;
+  return whole && (bg == 1 || bg == 2 || bg == 4) && (l.head_dim / bg) % 16 == 0 ? bg : 0;
+}
+
+// p with a window no shorter than the block table's width dropped: it hides no
+// key (every position is below the width), and the kernel's 32-bit positions
+// could not hold it.
+template <typename X>
+core::PagedAttention<X> paged_mma_problem(core::PagedAttention<X> p) {
+  if (p.window >= p.max_blocks * p.pool.layout.block_size) p.window = 0;
+  return p;
+}
+
+// Whether the tensor-core kernel takes p (see the top of this file).
+template <typename X>
+bool paged_mma_takes(const core::PagedAttention<X>& p) {
+  const core::PagedLayout& l = p.pool.layout;
+  constexpr bool kTypes = std::is_same_v<X, core::bf16_t> || std::is_same_v<X, core::half_t>;
+  return kTypes && l.exact_window == 0 && l.num_outliers == 0 && l.key_bits == l.value_bits &&
+         (l.key_bits == 2 || l.key_bits == 4 || l.key_bits == 8) && (l.head_dim == 64 || l.head_dim == 128) &&
+         paged_mma_groups(l) > 0 && (reinterpret_cast<uintptr_t>(p.pages) & 15u) == 0 &&
+         p.max_blocks * l.block_size + kMmaTile < core::kFastDivmodLimit;
+}
+
+// The kernel of p's variant (p must be taken) and its shared memory.
+template <typename X>
+void (*paged_mma_kernel_of(const core::PagedAttention<X>& p, size_t& smem))(PagedMmaArgs<X>) {
+  void (*kernel)(PagedMmaArgs<X>) = nullptr;
+  if constexpr (std::is_same_v<X, core::bf16_t> || std::is_same_v<X, core::half_t>) {
+    const core::PagedLayout& l = p.pool.layout;
+    core::layout::with_bits(l.key_bits, [&]<int kBits>() {
+      if constexpr (kBits != 3) {
+        auto pick = [&]<int kD>() {
+          auto groups = [&]<int kBg>() {
+            smem = sizeof(typename PagedMmaKernel<X, kBits, kD, kBg>::Smem);
+            kernel = paged_attention_mma_kernel<X, kBits, kD, kBg>;
+          };
+          const int bg = paged_mma_groups(l);
+          if (bg == 1)
+            groups.template operator()<1>();
+          else if (bg == 2)
+            groups.template operator()<2>();
+          else
+            groups.template operator()<4>();
+        };
+        if (l.head_dim == 64)
+          pick.template operator()<64>();
+        else
+          pick.template operator()<128>();
+      }
+    });
+  }
+  return kernel;
+}
+
+// Rows per tile: the GQA group's q heads (up to kAttnRows) x as many tokens as fit.
+inline int paged_mma_heads_per_tile(int gq) { return gq < kAttnRows ? gq : kAttnRows; }
+
+template <typename X>
+PagedAttentionPlan paged_mma_plan(const core::PagedAttention<X>& problem, int multiprocessors) {
+  const core::PagedAttention<X> p = paged_mma_problem(problem);
+  PagedAttentionPlan plan;
+  if (!paged_mma_takes(p)) return plan;
+  size_t smem = 0;
+  auto kernel = paged_mma_kernel_of(p, smem);
+  if (kernel == nullptr) return plan;
+  if (smem > kDefaultSmem && allow_smem(kernel, smem) != 0) {
+    (void)cudaGetLastError();  // this GPU has less shared memory: the SIMT kernel runs
+    return plan;
+  }
+  const core::PagedLayout& l = p.pool.layout;
+  const int gq = p.gqa_group(), hpt = paged_mma_heads_per_tile(gq);
+  plan.mma = true;
+  plan.heads_per_tile = hpt;
+  plan.tokens_per_tile = kAttnRows / hpt;
+  plan.head_chunks = (gq + hpt - 1) / hpt;
+  plan.tiles = (p.num_tokens + plan.tokens_per_tile - 1) / plan.tokens_per_tile + p.num_reqs;
+  // The most keys one tile's rows see: the block table's width (or the window
+  // and the tile's tokens), and 15 before the first for the 16-key alignment.
+  const int64_t width = p.max_blocks * l.block_size;
+  const int64_t keys =
+      (p.window > 0 && p.window + plan.tokens_per_tile - 1 < width ? p.window + plan.tokens_per_tile - 1 : width) + 15;
+  // Decode (one token per request) has one tile per request.
+  const int64_t tiles = p.num_tokens == p.num_reqs ? p.num_reqs : plan.tiles;
+  const int64_t units = tiles * p.pool.kv_heads * plan.head_chunks;
+  const int per_sm = blocks_per_sm(kernel, kMmaThreads, smem);
+  const int64_t slots = int64_t(per_sm > 0 ? per_sm : 1) * (multiprocessors > 0 ? multiprocessors : 1);
+  plan.splits = core::plan_splits(units, slots, keys, kMmaTile).splits;
+  plan.scratch_bytes = paged_mma_scratch(p.num_reqs, p.num_tokens, p.q_heads, int(plan.splits), l.head_dim).bytes;
+  return plan;
+}
+
+template <typename X>
+int launch_paged_attention_mma(const core::PagedAttention<X>& p, const PagedAttentionPlan& plan, uint8_t* scratch,
+                               uint32_t* status, Stream stream) {
+  size_t smem = 0;
+  auto kernel = paged_mma_kernel_of(p, smem);
+  if (kernel == nullptr) return int(cudaErrorInvalidDeviceFunction);
+  const core::PagedLayout& l = p.pool.layout;
+  const PagedMmaScratch s = paged_mma_scratch(p.num_reqs, p.num_tokens, p.q_heads, int(plan.splits), l.head_dim);
+  PagedMmaArgs<X> a;
+  a.p = paged_mma_problem(p);
+  a.ix.block = core::FastDivmod(l.block_size);
+  a.ix.heads = core::FastDivmod(plan.heads_per_tile);
+  a.ix.off = core::PagedOffsets(l);
+  a.ix.head_page_bytes = l.head_page_bytes();
+  a.ix.meta_array_bytes = l.meta_bytes();
+  a.ix.tokens_per_tile = plan.tokens_per_tile;
+  a.ix.head_chunks = plan.head_chunks;
+  a.ix.splits = int(plan.splits);
+  a.tile_start = reinterpret_cast<int32_t*>(scratch + s.tile_start);
+  a.bad = reinterpret_cast<uint32_t*>(scratch + s.bad);
+  a.partials = reinterpret_cast<float*>(scratch + s.partials);
+  a.status = status;
+  launch(paged_mma_tiles_kernel<X>, Dim3(1), Dim3(kPagedTilesThreads), 0, stream, a);
+  launch(kernel, Dim3(unsigned(plan.tiles), unsigned(p.pool.kv_heads * plan.head_chunks), unsigned(plan.splits)),
+         Dim3(kMmaThreads), smem, stream, a);
+  const size_t merge_smem = size_t(kAttnRows * l.head_dim + kAttnRows * plan.splits) * sizeof(float);
+  if (merge_smem > kDefaultSmem) {
+    const int err = int(allow_smem(paged_mma_merge_kernel<X>, merge_smem));
+    if (err != 0) return err;
+  }
+  launch(paged_mma_merge_kernel<X>, Dim3(unsigned(p.num_tokens), unsigned(p.pool.kv_heads * plan.head_chunks)),
+         Dim3(kMmaThreads), merge_smem, stream, a);
+  return 0;
+}
+
+}  // namespace nexuskv::cuda

@@ -1,0 +1,127 @@
+"""paged_attention's tensor-core kernel (csrc/cuda/paged_mma.cuh) on a GPU: against the float64
+reference of test_paged.py over the formats it takes (2/4/8 bits, head_dim 64 / 128, groups of
+16 to 128, GQA 1 to 32, blocks of 16 to 128 tokens, rotation, sliding windows, soft-cap), for
+decode, ragged chunked prefill and contexts long enough to split the key range; against the
+SIMT kernel (NEXUSKV_CUDA_ATTENTION=simple) on the same pages; and its refusals and bad input.
+
+NEXUSKV_CUDA_ATTENTION=mma makes the operator raise when the tensor-core kernel does not take
+the problem, so every comparison below knows which kernel ran.  Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from devices import requires_cuda
+
+pytest.importorskip("hypothesis", reason="hypothesis is not installed")  # (test_paged imports test_attention)
+from test_paged import Pool, check_close, reference  # noqa: E402
+
+from nexuskv import paged  # noqa: E402
+
+pytestmark = requires_cuda
+
+HALVES = [torch.float16, torch.bfloat16]
+
+
+def run(pool, reqs, table, lens, qsl, q, kernel, monkeypatch, **kw):
+    monkeypatch.setenv("NEXUSKV_CUDA_ATTENTION", kernel)
+    out = pool.attend(q, table, lens, qsl, **kw)
+    torch.cuda.synchronize()
+    assert out.device.type == "cuda"
+    return out.cpu()
+
+
+def serve(pool, steps, q_heads, monkeypatch, seed=0, **kw):
+    """The steps ({request: new tokens}) through the tensor-core kernel, each step's output against
+    float64 and against the SIMT kernel; returns the largest errors seen."""
+    g = torch.Generator().manual_seed(seed)
+    ids = {}  # the steps' request names -> the pool's requests
+    for named in steps:
+        for r in named:
+            if r not in ids:
+                ids[r] = pool.add_request()
+        reqs, table, lens, qsl = pool.step({ids[r]: n for r, n in named.items()})
+        n = int(qsl[-1])
+        q = torch.randn(n + 2, q_heads, pool.D, generator=g).to(pool.dtype)  # 2 padding rows
+        got = run(pool, reqs, table, lens, qsl, q, "mma", monkeypatch, **kw)
+        simt = run(pool, reqs, table, lens, qsl, q, "simple", monkeypatch, **kw)
+        assert torch.equal(got[n:], torch.zeros_like(got[n:]))
+        want = reference(
+            pool, reqs, table, lens, qsl, q[:n], q_heads, kw.get("scale", 0.125), kw.get("window"), kw.get("softcap")
+        )
+        vmax = max(float(pool.v[r].abs().max()) for r in reqs) * 1.5
+        check_close(got[:n], want, pool.dtype, vmax)
+        check_close(simt[:n], want, pool.dtype, vmax)
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("D,G", [(64, 64), (128, 64), (64, 16), (128, 32), (64, 128), (128, 128)])
+def test_formats_against_float64(dtype, bits, D, G, monkeypatch):
+    fmt = paged.PagedFormat(bits, bits, G, 0, rotate=True, seed=bits)
+    pool = Pool(fmt, kv_heads=2, D=D, P=16, num_blocks=64, dtype=dtype, device="cuda", seed=D + G)
+    # Prefill of two ragged requests, chunked prefill beside decode, decode.
+    serve(
+        pool, [{0: 70, 1: 9}, {0: 1, 1: 40, 2: 23}, {0: 1, 1: 1, 2: 1}], q_heads=8, monkeypatch=monkeypatch, scale=0.125
+    )
+
+
+@pytest.mark.parametrize("q_heads", [2, 4, 8, 24, 64])  # GQA 1, 2, 4, 12 (4 dummy rows per tile), 32 (2 chunks)
+@pytest.mark.parametrize("P", [16, 32, 128])
+def test_gqa_groups_and_block_sizes(q_heads, P, monkeypatch):
+    fmt = paged.PagedFormat(4, 4, 64, 0, rotate=True)
+    pool = Pool(fmt, kv_heads=2, D=128, P=P, num_blocks=24, dtype=torch.bfloat16, device="cuda", seed=P)
+    serve(pool, [{0: 37, 1: 5}, {0: 17, 1: 1}, {0: 1, 1: 1}], q_heads=q_heads, monkeypatch=monkeypatch, scale=0.1)
+
+
+@pytest.mark.parametrize("window,softcap", [(19, None), (None, 30.0), (70, 20.0), (2**40, None)])  # 2^40: no key hidden
+def test_sliding_window_and_softcap(window, softcap, monkeypatch):
+    fmt = paged.PagedFormat(4, 4, 64, 0, rotate=False)
+    pool = Pool(fmt, kv_heads=1, D=64, P=16, num_blocks=32, dtype=torch.float16, device="cuda", seed=3)
+    serve(
+        pool,
+        [{0: 150, 1: 33}, {0: 1, 1: 60}, {0: 1, 1: 1}],
+        q_heads=4,
+        monkeypatch=monkeypatch,
+        scale=0.125,
+        window=window,
+        softcap=softcap,
+    )
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_long_contexts_split_the_key_range(bits, monkeypatch):
+    """2K-token contexts, decoded at batch 1 and 2 (a block table of 128 columns at units of 2
+    blocks: 8 splits of 256 keys, the merge combines them), and prefilled beside decode."""
+    fmt = paged.PagedFormat(bits, bits, 64, 0, rotate=True)
+    pool = Pool(fmt, kv_heads=2, D=128, P=16, num_blocks=260, dtype=torch.bfloat16, device="cuda", seed=9)
+    serve(pool, [{0: 2000}, {0: 1}, {0: 1, 1: 1500}, {0: 1, 1: 1}], q_heads=8, monkeypatch=monkeypatch, scale=0.09)
+
+
+def test_refuses_formats_it_does_not_take(monkeypatch):
+    for fmt, dtype in [
+        (paged.PagedFormat(4, 4, 64, 1), torch.bfloat16),  # outliers
+        (paged.PagedFormat(8, 4, 64, 0), torch.bfloat16),  # different bits
+        (paged.PagedFormat(4, 4, 64, 0, exact_window=8), torch.bfloat16),
+        (paged.PagedFormat(4, 4, 64, 0), torch.float32),
+        (paged.PagedFormat(4, 4, 48, 0), torch.bfloat16),  # groups of 48 do not divide 64 channels
+    ]:
+        pool = Pool(fmt, kv_heads=1, D=64, P=16, num_blocks=8, dtype=dtype, device="cuda")
+        reqs, table, lens, qsl = pool.step({pool.add_request(): 5})
+        q = torch.randn(5, 2, 64).to(dtype)
+        with pytest.raises(RuntimeError, match="tensor-core kernel does not take this problem"):
+            run(pool, reqs, table, lens, qsl, q, "mma", monkeypatch)
+        assert torch.isfinite(run(pool, reqs, table, lens, qsl, q, "simple", monkeypatch)).all()
+
+
+def test_invalid_lengths_make_rows_nan(monkeypatch):
+    fmt = paged.PagedFormat(4, 4, 64, 0)
+    pool = Pool(fmt, kv_heads=1, D=64, P=16, num_blocks=8, dtype=torch.float16, device="cuda")
+    reqs, table, lens, qsl = pool.step({pool.add_request(): 5, pool.add_request(): 3})
+    q = torch.randn(8, 2, 64).half()
+    bad_len = lens.clone()
+    bad_len[1] = 2  # shorter than its 3 queries
+    out = run(pool, reqs, table, bad_len, qsl, q, "mma", monkeypatch)
+    assert torch.isfinite(out[:5]).all() and torch.isnan(out[5:8]).all()
+    bad_qsl = torch.tensor([0, 6, 5], dtype=torch.int32)  # decreasing
+    assert torch.isnan(run(pool, reqs, table, lens, bad_qsl, q, "mma", monkeypatch)).all()
