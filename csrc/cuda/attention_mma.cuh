@@ -177,6 +177,32 @@ NKV_DEVICE void split_half2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
   lo = pack_half2(x0 - half_bits_to_float(uint16_t(hi & 0xffffu)), x1 - half_bits_to_float(uint16_t(hi >> 16)));
 }
 
+// Channel of element e (0..3) of the B fragment of lane 4 g + lt at k-step ks.
+NKV_DEVICE int b_channel(int ks, int lt, int e) { return 16 * ks + 2 * lt + (e % 2) + 8 * (e / 2); }
+
+// One query row's B fragments (q . K, n side) by the 8 threads of the row
+// (part 0..7): x[k][e] is the row's value at channel b_channel(ks, lt, e) of
+// the thread's item = part + 8 k (ks = item / 4, lt = item % 4), mx the
+// thread's largest |x|.  The row's max over its 8 threads gives a power of two
+// `up` (2^14 <= max |x| up < 2^15), and x up goes to qfrag[r / 8][ks][4 (r %
+// 8) + lt] as fp16 {hi, hi, lo, lo}.  Returns up.
+template <int kKSteps>
+NKV_DEVICE float fold_row_fragments(const float (&x)[4 * kKSteps / 8][4], float mx, int r, int part,
+                                    uint4 (*qfrag)[kKSteps][kWarp]) {
+#pragma unroll
+  for (int o = 1; o < 8; o *= 2) mx = fmaxf(mx, shfl_xor(mx, o));
+  const float up = pow2_normalizer(mx);
+#pragma unroll
+  for (int k = 0; k < 4 * kKSteps / 8; ++k) {
+    const int item = part + 8 * k, ks = item / 4, lt = item % 4;
+    uint32_t hi0, hi1, lo0, lo1;
+    split_half2(x[k][0] * up, x[k][1] * up, hi0, lo0);
+    split_half2(x[k][2] * up, x[k][3] * up, hi1, lo1);
+    qfrag[r / 8][ks][4 * (r % 8) + lt] = make_uint4(hi0, hi1, lo0, lo1);
+  }
+  return up;
+}
+
 // One row's step of the online softmax over a tile of kMmaTile keys, by one
 // warp (lane: keys lane and lane + 32): sc the row's scores, vis the keys the
 // row sees, softcap (0: none).  m is the row's running max (read by every lane,
@@ -370,9 +396,6 @@ struct MmaKernel {
     key_codes_fragment<kBits>(S.k_codes, warp, g, t, ks, a);
   }
 
-  // Channel of element e (0..3) of the B fragment of lane 4 g + lt at k-step ks.
-  NKV_DEVICE static int b_channel(int ks, int lt, int e) { return 16 * ks + 2 * lt + (e % 2) + 8 * (e / 2); }
-
   // Scores of the compressed tile (n keys) into sm.sc, every key group of the
   // tile in turn: the block folds the queries with the group's scales once
   // (fold_queries), then each warp multiplies its 16 keys' codes with them (the
@@ -442,17 +465,9 @@ struct MmaKernel {
         }
       }
 #pragma unroll
-      for (int o = 1; o < kParts; o *= 2) mx = fmaxf(mx, shfl_xor(mx, o)), bias += shfl_xor(bias, o);
-      const float up = pow2_normalizer(mx);
+      for (int o = 1; o < kParts; o *= 2) bias += shfl_xor(bias, o);
+      const float up = fold_row_fragments<kKSteps>(x, mx, r, part, sm.qfrag);
       if (part == 0) sm.qdown[r] = pow2_inverse(up), sm.qbias[r] = bias;
-#pragma unroll
-      for (int k = 0; k < kItems; ++k) {
-        const int item = part + kParts * k, ks = item / 4, lt = item % 4;
-        uint32_t hi0, hi1, lo0, lo1;
-        split_half2(x[k][0] * up, x[k][1] * up, hi0, lo0);
-        split_half2(x[k][2] * up, x[k][3] * up, hi1, lo1);
-        sm.qfrag[r / 8][ks][4 * (r % 8) + lt] = make_uint4(hi0, hi1, lo0, lo1);
-      }
     }
     NKV_SYNC();
   }

@@ -304,22 +304,12 @@ struct PagedMmaKernel {
         const int item = part + kParts * k, ks = item / 4, lt = item % 4;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          x[k][e] = sm.buf.q[r][16 * ks + 2 * lt + (e % 2) + 8 * (e / 2)];  // (the B fragment's channel)
+          x[k][e] = sm.buf.q[r][b_channel(ks, lt, e)];
           mx = fmaxf(mx, fabsf(x[k][e]));
         }
       }
-#pragma unroll
-      for (int o = 1; o < kParts; o *= 2) mx = fmaxf(mx, shfl_xor(mx, o));
-      const float up = pow2_normalizer(mx);
+      const float up = fold_row_fragments<kKSteps>(x, mx, r, part, sm.qfrag);
       if (part == 0) sm.qdown[r] = pow2_inverse(up);
-#pragma unroll
-      for (int k = 0; k < kItems; ++k) {
-        const int item = part + kParts * k, ks = item / 4, lt = item % 4;
-        uint32_t hi0, hi1, lo0, lo1;
-        split_half2(x[k][0] * up, x[k][1] * up, hi0, lo0);
-        split_half2(x[k][2] * up, x[k][3] * up, hi1, lo1);
-        sm.qfrag[r / 8][ks][4 * (r % 8) + lt] = make_uint4(hi0, hi1, lo0, lo1);
-      }
     }
     NKV_SYNC();
     // qsum[r][b] = normalizer x sum of q over key group b (a power of two: exact).
