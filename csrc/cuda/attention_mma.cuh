@@ -203,13 +203,13 @@ NKV_DEVICE float fold_row_fragments(const float (&x)[4 * kKSteps / 8][4], float 
   return up;
 }
 
-// One row's step of the online softmax over a tile of kMmaTile keys, by one
-// warp (lane: keys lane and lane + 32): sc the row's scores, vis the keys the
-// row sees, softcap (0: none).  m is the row's running max (read by every lane,
-// then updated by lane 0 when `real`), lpart this lane's part of the row's
+// One query row's step of the online softmax over a tile of kMmaTile keys, by
+// one warp (lane: keys lane and lane + 32): sc the row's scores, vis the keys
+// the row sees, softcap (0: none).  m is the row's running max (read by every
+// lane, then updated by lane 0), lpart this lane's part of the row's
 // denominator (rescaled; NaN once a visible score is not finite).  Returns the
 // rescale exp(m_old - m_new); w the weights (0 where not visible).
-NKV_DEVICE float softmax_row(const float* sc, const bool (&vis)[2], float softcap, bool real, float& m, float& lpart,
+NKV_DEVICE float softmax_row(const float* sc, const bool (&vis)[2], float softcap, float& m, float& lpart,
                              float (&w)[2]) {
   const float kNegInf = bits_float(0xff800000u), kNaN = bits_float(0x7fc00000u);
   const int lane = int(threadIdx.x) % kWarp;
@@ -225,14 +225,14 @@ NKV_DEVICE float softmax_row(const float* sc, const bool (&vis)[2], float softca
     }
   }
   for (int o = 16; o > 0; o /= 2) tile_max = fmaxf(tile_max, shfl_xor(tile_max, o));
-  const float m_old = real ? m : kNegInf;
+  const float m_old = m;
   const float m_new = m_old > tile_max ? m_old : tile_max;
   const float alpha = m_new == kNegInf ? 1.f : expf(m_old - m_new);
 #pragma unroll
   for (int h = 0; h < 2; ++h) w[h] = vis[h] ? expf(x[h] - m_new) : 0.f;
   lpart = bad ? kNaN : lpart * alpha + (w[0] + w[1]);
   __syncwarp();  // every lane has read m
-  if (real && lane == 0) m = m_new;
+  if (lane == 0) m = m_new;
   return alpha;
 }
 
@@ -508,17 +508,17 @@ struct MmaKernel {
   template <bool kCompressed>  // S is a compressed tile's stage (else null: a full-precision tile)
   NKV_DEVICE void softmax(int64_t pos0, int n, const typename Smem::Stage* S) {
     const int Bm = int(ix.value_meta.divisor);
-    for (int rr = 0; rr < kAttnRows / 4; ++rr) {  // warp w: rows 4w .. 4w + 3
-      const int r = 4 * warp + rr;
-      const bool real = r < rows;
-      const int64_t qp = real ? sm.qpos[r] : 0;
+    // Warp w: rows w, w + 4, ... below rows (a row past them has no weight, no denominator
+    // and no value-zero sum to update: at decode with 4 q heads a kv head, one row a warp).
+#pragma unroll 1
+    for (int r = warp; r < rows; r += 4) {  // (the same on the warp)
+      const int64_t qp = sm.qpos[r];
       bool vis[2];
-      for (int h = 0; h < 2; ++h) vis[h] = real && lane + kWarp * h < n && p.visible(qp, pos0 + lane + kWarp * h);
+      for (int h = 0; h < 2; ++h) vis[h] = lane + kWarp * h < n && p.visible(qp, pos0 + lane + kWarp * h);
       float w[2];
-      const float alpha = softmax_row(sm.sc[r], vis, p.softcap, real, sm.m[r], sm.lpart[r][lane], w);
-      for (int h = 0; h < 2; ++h)
-        if (real) sm.sc[r][lane + kWarp * h] = w[h];
-      if (real && lane == 0) sm.alpha[r] = alpha;
+      const float alpha = softmax_row(sm.sc[r], vis, p.softcap, sm.m[r], sm.lpart[r][lane], w);
+      for (int h = 0; h < 2; ++h) sm.sc[r][lane + kWarp * h] = w[h];
+      if (lane == 0) sm.alpha[r] = alpha;
 #pragma unroll 1
       for (int b = 0; b < Bm; ++b) {
         float z = 0.f;
@@ -526,7 +526,7 @@ struct MmaKernel {
           z = w[0] * fast_float(S->v_zero[lane][b]) + w[1] * fast_float(S->v_zero[lane + kWarp][b]);
           for (int o = 16; o > 0; o /= 2) z += shfl_xor(z, o);
         }
-        if (real && lane == 0) sm.zacc[r][b] = sm.zacc[r][b] * alpha + z;
+        if (lane == 0) sm.zacc[r][b] = sm.zacc[r][b] * alpha + z;
       }
     }
     NKV_SYNC();

@@ -39,9 +39,12 @@
 
 #include "attention_mma.cuh"
 #include "nexuskv/core/paged.h"
+#include "nexuskv/core/paged_split.h"
 #include "nexuskv/core/split_plan.h"
 
 namespace nexuskv::cuda {
+
+static_assert(core::kPagedTileRows == kAttnRows && core::kPagedKeyTile == kMmaTile, "paged_split.h's sizes");
 
 // Sizes the kernels index with, computed by the host (32-bit, no division by a
 // run-time size in the tile loop: benchmarks/cuda_budget.py counts it).
@@ -104,7 +107,7 @@ NKV_KERNEL void paged_mma_tiles_kernel(const NKV_GRID_CONSTANT PagedMmaArgs<X> a
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t len = int64_t(qsl[r + 1]) - qsl[r];
     if (len < 0) atomic_or(&bad, 1u);
-    sum += len > 0 ? (len + tpb - 1) / tpb : 0;
+    sum += core::paged_request_tiles(len, int(tpb));
   }
   part[threadIdx.x] = sum;
   NKV_SYNC();
@@ -123,8 +126,7 @@ NKV_KERNEL void paged_mma_tiles_kernel(const NKV_GRID_CONSTANT PagedMmaArgs<X> a
   int64_t run = part[threadIdx.x];
   for (int64_t r = r0; r < r1; ++r) {
     a.tile_start[r] = int32_t(bad ? 0 : run);
-    const int64_t len = int64_t(qsl[r + 1]) - qsl[r];
-    run += len > 0 ? (len + tpb - 1) / tpb : 0;
+    run += core::paged_request_tiles(int64_t(qsl[r + 1]) - qsl[r], int(tpb));
   }
 }
 
@@ -375,7 +377,8 @@ struct PagedMmaKernel {
   // row, once for all warps: p x value scale x a power of two per value group
   // (2^14 <= the tile's largest |scale| x it < 2^15, 1 / it in wdown), fp16
   // hi + lo in the B fragments' pairs of keys (whi / wlo; 0 where masked, past
-  // n, or for rows past rows).  Warp w: rows 4w .. 4w + 3.
+  // n, or for rows past rows: never written).  Warp w: rows w, w + 4, ... below
+  // rows (at decode with 4 q heads a kv head, one row a warp, not four).
   NKV_DEVICE void softmax(const Stage& S, int32_t t0, int n) {
     // Each warp finds the value groups' normalizers itself (keys before the block's first
     // visible one may be pages never written: not counted).
@@ -390,26 +393,25 @@ struct PagedMmaKernel {
       vup[b] = pow2_normalizer(mx);
       if (warp == 0 && lane == 0) sm.wdown[b] = pow2_inverse(vup[b]);
     }
-    for (int rr = 0; rr < kAttnRows / 4; ++rr) {
-      const int r = 4 * warp + rr;
-      const bool real = r < rows;
-      const int32_t qp = real ? sm.qpos[r] : 0, kf = real ? sm.kfirst[r] : 0;
+#pragma unroll 1
+    for (int r = warp; r < rows; r += 4) {  // (the same on the warp; the weights of rows past rows stay 0)
+      const int32_t qp = sm.qpos[r], kf = sm.kfirst[r];
       bool vis[2];
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int j = lane + kWarp * hh;
-        vis[hh] = real && j < n && t0 + j <= qp && t0 + j >= kf;
+        vis[hh] = j < n && t0 + j <= qp && t0 + j >= kf;
       }
       float w[2];
-      const float alpha = softmax_row(sm.sc[r], vis, p.softcap, real, sm.m[r], sm.lpart[r][lane], w);
-      if (real && lane == 0) sm.alpha[r] = alpha;
+      const float alpha = softmax_row(sm.sc[r], vis, p.softcap, sm.m[r], sm.lpart[r][lane], w);
+      if (lane == 0) sm.alpha[r] = alpha;
 #pragma unroll
       for (int b = 0; b < kBg; ++b) {
         // (a weight of 0 skips its key: meta past the tile's keys is whatever the stage held)
         float z = (w[0] != 0.f ? w[0] * meta_at(S, 3, lane, b) : 0.f) +
                   (w[1] != 0.f ? w[1] * meta_at(S, 3, lane + kWarp, b) : 0.f);
         for (int o = 16; o > 0; o /= 2) z += shfl_xor(z, o);
-        if (real && lane == 0) sm.zacc[r][b] = sm.zacc[r][b] * alpha + z;
+        if (lane == 0) sm.zacc[r][b] = sm.zacc[r][b] * alpha + z;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int j = lane + kWarp * hh;
@@ -486,16 +488,8 @@ struct PagedMmaKernel {
     bad_len = !(len >= qlen && len <= p.max_blocks * p.pool.layout.block_size);
     if (bad_len) return true;
     const int32_t qlo = int32_t(len - qlen + i0), qhi = qlo + int32_t(ntok) - 1;
-    first = p.window > 0 && qlo - p.window + 1 > 0 ? int32_t(qlo - p.window + 1) : 0;
-    // The splits share the keys the block's rows see, [start, qhi], in whole tiles (not the
-    // block table's width, which sized their number: at a context shorter than the width every
-    // split still gets work).  One 32-bit division per block.
-    const int32_t start = first & ~15;  // chunks of 16 keys lie in one page
-    const int32_t per = (qhi + 1 - start + ix.splits - 1) / ix.splits;
-    const int32_t span = (per + kMmaTile - 1) / kMmaTile * kMmaTile;
-    const int64_t lo64 = start + int64_t(blockIdx.z) * span, hi64 = lo64 + span < qhi + 1 ? lo64 + span : qhi + 1;
-    hi = int32_t(hi64);  // <= the width < 2^31
-    lo = lo64 < hi64 ? int32_t(lo64) : hi;
+    const core::PagedSplitRange range = core::paged_split_range(qlo, qhi, p.window, ix.splits, int(blockIdx.z));
+    first = range.first, lo = range.lo, hi = range.hi;
     table = p.block_table + req * p.max_blocks;
     return true;
   }
@@ -521,6 +515,9 @@ struct PagedMmaKernel {
       for (int i = 0; i < kWarp; ++i) sm.lpart[r][i] = 0.f;
       for (int b = 0; b < kBg; ++b) sm.zacc[r][b] = 0.f;
     }
+    // The weights of rows past rows stay 0 (softmax skips those rows).
+    for (int e = int(threadIdx.x); e < int(sizeof(sm.whi) / 4); e += kMmaThreads)
+      (&sm.whi[0][0][0])[e] = 0u, (&sm.wlo[0][0][0])[e] = 0u;
     NKV_SYNC();
     copy_plan();
     load_and_fold_queries();
@@ -674,9 +671,6 @@ void (*paged_mma_kernel_of(const core::PagedAttention<X>& p, size_t& smem))(Page
   return kernel;
 }
 
-// Rows per tile: the GQA group's q heads (up to kAttnRows) x as many tokens as fit.
-inline int paged_mma_heads_per_tile(int gq) { return gq < kAttnRows ? gq : kAttnRows; }
-
 template <typename X>
 PagedAttentionPlan paged_mma_plan(const core::PagedAttention<X>& problem, int multiprocessors) {
   const core::PagedAttention<X> p = paged_mma_problem(problem);
@@ -690,11 +684,11 @@ PagedAttentionPlan paged_mma_plan(const core::PagedAttention<X>& problem, int mu
     return plan;
   }
   const core::PagedLayout& l = p.pool.layout;
-  const int gq = p.gqa_group(), hpt = paged_mma_heads_per_tile(gq);
+  const core::PagedRowTiles rt = core::paged_row_tiles(p.gqa_group());
   plan.mma = true;
-  plan.heads_per_tile = hpt;
-  plan.tokens_per_tile = kAttnRows / hpt;
-  plan.head_chunks = (gq + hpt - 1) / hpt;
+  plan.heads_per_tile = rt.heads;
+  plan.tokens_per_tile = rt.tokens;
+  plan.head_chunks = rt.head_chunks;
   plan.tiles = (p.num_tokens + plan.tokens_per_tile - 1) / plan.tokens_per_tile + p.num_reqs;
   // The most keys one tile's rows see: the block table's width (or the window
   // and the tile's tokens), and 15 before the first for the 16-key alignment.
