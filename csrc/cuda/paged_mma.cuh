@@ -166,6 +166,7 @@ struct PagedMmaKernel {
   static constexpr int kKSteps = kD / 16;      // k-steps of q . K
   static constexpr int kMTiles = kD / 16 / 4;  // PV m-tiles per warp
   static constexpr int kChunks = kMmaTile / 16;
+  static_assert(sizeof(X) == 2, "2-byte meta: the copy plan's strides (paged_mma_takes checks x_bytes)");
   static constexpr int kGroup = kD / kBg;          // channels per key / value group (G, or D when G >= D)
   static constexpr int kGroupSteps = kGroup / 16;  // k-steps per key group
   static_assert(kGroup % 16 == 0 && kBg * kGroup == kD, "whole groups of 16-channel k-steps");
@@ -482,7 +483,7 @@ struct PagedMmaKernel {
     heads = gq - head0 < hpt() ? gq - head0 : hpt();
     hq0 = h * gq + head0;
     token0 = qb + i0;
-    rows = int(ntok) * hpt();
+    rows = (int(ntok) - 1) * hpt() + heads;  // (heads < hpt only in a GQA group's last chunk: one token a tile)
     ntiles = rows > 8 ? 2 : 1;
     const int64_t len = p.seq_lens[req];
     bad_len = !(len >= qlen && len <= p.max_blocks * p.pool.layout.block_size);
@@ -503,6 +504,11 @@ struct PagedMmaKernel {
       for (int e = int(threadIdx.x); e < rows * (D + 2); e += kMmaThreads)
         if (float* pr = partial_of(e / (D + 2))) pr[e % (D + 2)] = kNaN;
       if (threadIdx.x == 0) report(a.status, kBadLengths);
+      return;
+    }
+    if (lo >= hi) {  // a split past the rows' keys (a context shorter than splits x 64): an empty partial
+      for (int e = int(threadIdx.x); e < rows * (D + 2); e += kMmaThreads)
+        if (float* pr = partial_of(e / (D + 2))) pr[e % (D + 2)] = e % (D + 2) == D ? kNegInf : 0.f;
       return;
     }
     if (threadIdx.x == 0) sm.flag = 0;
@@ -634,9 +640,10 @@ template <typename X>
 bool paged_mma_takes(const core::PagedAttention<X>& p) {
   const core::PagedLayout& l = p.pool.layout;
   constexpr bool kTypes = std::is_same_v<X, core::bf16_t> || std::is_same_v<X, core::half_t>;
-  return kTypes && l.exact_window == 0 && l.num_outliers == 0 && l.key_bits == l.value_bits &&
-         (l.key_bits == 2 || l.key_bits == 4 || l.key_bits == 8) && (l.head_dim == 64 || l.head_dim == 128) &&
-         paged_mma_groups(l) > 0 && (reinterpret_cast<uintptr_t>(p.pages) & 15u) == 0 &&
+  return kTypes && l.x_bytes == int(sizeof(X)) && l.exact_window == 0 && l.num_outliers == 0 &&
+         l.key_bits == l.value_bits && (l.key_bits == 2 || l.key_bits == 4 || l.key_bits == 8) &&
+         (l.head_dim == 64 || l.head_dim == 128) && paged_mma_groups(l) > 0 &&
+         (reinterpret_cast<uintptr_t>(p.pages) & 15u) == 0 &&
          p.max_blocks * l.block_size + kMmaTile < core::kFastDivmodLimit;
 }
 

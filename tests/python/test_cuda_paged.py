@@ -66,7 +66,7 @@ def test_formats_against_float64(dtype, bits, D, G, monkeypatch):
     )
 
 
-@pytest.mark.parametrize("q_heads", [2, 4, 8, 24, 64])  # GQA 1, 2, 4, 12 (4 dummy rows per tile), 32 (2 chunks)
+@pytest.mark.parametrize("q_heads", [2, 4, 8, 24, 48, 64])  # GQA 1, 2, 4, 12, 24 (chunks of 16 + 8), 32
 @pytest.mark.parametrize("P", [16, 32, 128])
 def test_gqa_groups_and_block_sizes(q_heads, P, monkeypatch):
     fmt = paged.PagedFormat(4, 4, 64, 0, rotate=True)

@@ -14,7 +14,8 @@
 // multiple of 16).  The `splits` blocks of a row tile share that range in
 // whole tiles: their number comes from the host's plan over the block table's
 // width, their share from the rows' real positions, so a context shorter than
-// the width still spreads over every split.
+// the width still spreads over min(splits, its tiles) splits (the rest are
+// empty and return at once).
 #pragma once
 
 #include <cstdint>
@@ -60,8 +61,8 @@ NEXUSKV_HD_INLINE PagedSplitRange paged_split_range(int32_t q_first, int32_t q_l
   PagedSplitRange r;
   r.first = window > 0 && q_first - window + 1 > 0 ? int32_t(q_first - window + 1) : 0;
   const int32_t start = r.first & ~15;
-  const int32_t per = (q_last + 1 - start + splits - 1) / splits;
-  const int32_t span = (per + kPagedKeyTile - 1) / kPagedKeyTile * kPagedKeyTile;
+  const int64_t per = (int64_t(q_last) + 1 - start + splits - 1) / splits;
+  const int64_t span = (per + kPagedKeyTile - 1) / kPagedKeyTile * kPagedKeyTile;
   const int64_t lo = start + int64_t(split) * span, hi = lo + span < q_last + 1 ? lo + span : q_last + 1;
   r.hi = int32_t(hi);
   r.lo = lo < hi ? int32_t(lo) : r.hi;
