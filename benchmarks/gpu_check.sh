@@ -255,15 +255,39 @@ except Exception:  # missing or broken: test_attention imports it for its proper
     from unittest import mock
     sys.modules["hypothesis"] = sys.modules["hypothesis.strategies"] = mock.MagicMock()
 import nexuskv
+from nexuskv import paged
 from test_attention import Case
 from test_cuda_attention import on_cuda
 CASES = [Case(dtype=torch.bfloat16, **kw) for kw in (
     dict(), dict(q_len=5, tail=6, sinks=3, rotate=True), dict(dgq=True, q_len=2, ratio=3),
     dict(group=16, v_group=16, comp_lens=(70, 0), window=9, softcap=5.0))]
+
+
+def paged_case(device):
+    """The vLLM backend's format on two requests: 600 tokens decoding one, 37 prefilling 5 (GQA 4)."""
+    g = torch.Generator().manual_seed(0)
+    fmt = paged.PagedFormat(4, 4, 64, 0, rotate=True)
+    P, H, D, lens, qlens = 16, 2, 64, (600, 37), (1, 5)
+    pages = torch.zeros(96, H, P, fmt.slot_bytes(D, torch.bfloat16, P), dtype=torch.uint8, device=device)
+    table = torch.randperm(96, generator=g)[:80].view(2, 40).to(torch.int32)
+    signs = fmt.signs(D, device)
+    for r, L in enumerate(lens):
+        t = torch.arange(L)
+        slots = table[r, t // P].long() * P + t % P
+        k, v = (torch.randn(L, H, D, generator=g).to(torch.bfloat16) for _ in range(2))
+        paged.write_(pages, k.to(device), v.to(device), slots.to(device), fmt, signs)
+    q = torch.randn(sum(qlens), 4 * H, D, generator=g).to(torch.bfloat16).to(device)
+    qsl = torch.tensor([0, qlens[0], sum(qlens)], dtype=torch.int32, device=device)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    return paged.attention(q, pages, table.to(device), lens_t, qsl, fmt, signs)
+
+
 if sys.argv[1:] == ["--dry"]:
     for case in CASES:
         case.run()
-    print(f"smoke (dry): imports resolve, {len(CASES)} attention cases run on the CPU; no CUDA call made")
+    assert torch.isfinite(paged_case("cpu")).all()
+    print(f"smoke (dry): imports resolve, {len(CASES)} attention cases and a paged one run on the CPU; "
+          "no CUDA call made")
     sys.exit(0)
 x = torch.randn(2, 2, 40, 64, device="cuda")
 for bits in (2, 3, 4, 8):
@@ -274,10 +298,11 @@ d = torch.ops.nexuskv.dgq_compress(x, 4, 16, 16, None, 1, None)
 torch.ops.nexuskv.dgq_decompress(*d, 4, 16, 64, None)
 s = torch.ones(64, device="cuda")
 nexuskv.hadamard_rotate(x, s), nexuskv.hadamard_rotate(x, s, True)
-for kernel in ("simple", "mma"):
+for kernel in ("simple", "mma"):  # (the paged tensor-core kernel, paged_mma.cuh, with "mma")
     os.environ["NEXUSKV_CUDA_ATTENTION"] = kernel
     for case in CASES:
         on_cuda(case).run()
+    assert torch.isfinite(paged_case("cuda")).all()
 torch.cuda.synchronize()
 print("smoke: every kernel ran")
 EOF
