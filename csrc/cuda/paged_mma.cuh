@@ -527,13 +527,7 @@ struct PagedMmaKernel {
     NKV_SYNC();
     copy_plan();
     load_and_fold_queries();
-    float acc[kMTiles][2][4];
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[mi][nt][i] = 0.f;
+    float acc[kMTiles][2][4] = {};
 
     if (lo < hi) prefetch(lo, 0);
     int st = 0;
