@@ -39,6 +39,9 @@
 # Written for an H200 with torch 2.11+cu130, Python 3.12, nvcc 13.0, scikit-build-core,
 # ninja, pytest; PYTHON picks the interpreter.
 #
+# Knobs: GPU_CHECK_BUDGET_S (the run's seconds, 470), GPU_CHECK_BENCH_S (the bench step's, 60),
+# GPU_CHECK_BENCH_EXTRA (flags added to bench_cuda.py's, e.g. "--graphs --paged").
+#
 #   OUT=/tmp/out bash benchmarks/gpu_check.sh
 #   GPU_CHECK_DRY=1 OUT=/tmp/out PYTHON=/path/to/venv/bin/python bash benchmarks/gpu_check.sh
 set -uo pipefail
@@ -79,7 +82,7 @@ FAILED=0
 #   margin         5 s   timeout's --kill-after and tee between steps
 BUDGET=${GPU_CHECK_BUDGET_S:-470}
 BUILD_S=${GPU_CHECK_BUILD_S:-170}
-LOADS_S=20 TESTS_S=100 MEMCHECK_S=45 BENCH_S=60 RACECHECK_S=45 MARGIN_S=5
+LOADS_S=20 TESTS_S=100 MEMCHECK_S=45 BENCH_S=${GPU_CHECK_BENCH_S:-60} RACECHECK_S=45 MARGIN_S=5
 
 summary_line() { printf '%-12s %-28s %4ds\n' "$1" "$2" "$3" | tee -a "$SUMMARY"; }
 
@@ -309,6 +312,10 @@ EOF
 
 # shellcheck disable=SC2054  # the commas are inside flag values (bench_cuda.py's lists)
 BENCH_FLAGS=(--batches 1,64 --contexts 4096,32768 --bits 8,4,2 --reps 20 --warmup 3 --json "$OUT/bench_cuda.json")
+# GPU_CHECK_BENCH_EXTRA adds flags (e.g. "--graphs --paged": graph replays, and the vLLM pages with
+# both CUDA kernels); give the step the time they need with GPU_CHECK_BENCH_S (~150 s for those two).
+read -ra BENCH_EXTRA <<<"${GPU_CHECK_BENCH_EXTRA:-}"
+BENCH_FLAGS+=("${BENCH_EXTRA[@]}")
 
 # ---- build -----------------------------------------------------------------------------
 # Machine code for the GPU that is here (sm_90 on an H200): half the compile time of the
