@@ -17,9 +17,12 @@
 // Which units do the work, and why.
 //   q . K^T on tensor cores as S^T = K . Q'^T (mma.m16n8k16, fp16 in, fp32
 //     accumulate): A = 16 keys x 16 channels of raw codes, turned into exact
-//     fp16 integers by the magic-number trick (PRMT spreads two code bytes
-//     into the halves of a register, mask, OR 0x6400 gives 1024 + code,
-//     subtract 1024); B = the queries with the key group's per-channel scales
+//     fp16 integers by the magic-number trick (one 32-bit word of a code row
+//     holds a pair of codes in bytes 0 and 2 and another in bytes 1 and 3;
+//     one LOP3 masks a plane's pair in place under 0x6400, giving 1024 +
+//     2^shift code, one fma scales and unbiases it; the channels take the
+//     order of the words' bytes, and the queries the same order:
+//     b_channel); B = the queries with the key group's per-channel scales
 //     folded in (Q' = q * scale, once per key group), written as two fp16
 //     terms hi + lo after an exact power-of-two normalization per row, so
 //     that the product carries ~22 significant bits (the tests bound it);
@@ -29,7 +32,8 @@
 //     side, so the 8-wide N side holds query rows: GQA 4 at q_len 1 fills
 //     half of it, and nothing is wasted on M.
 //   P . V on tensor cores as O^T = V^T . W^T: A = 16 channels x 16 keys of
-//     value codes (bytes of two token rows per register, by PRMT), B = the
+//     value codes (bytes of two token rows per register, by PRMT, loaded
+//     once for every plane of a chunk), B = the
 //     softmax weights with the values' per-token scale folded in (W = p *
 //     scale, normalized per tile and channel group, hi + lo in fp16); the
 //     values' zeros are summed per row and channel group (sum p * zero, in
@@ -116,44 +120,71 @@ struct alignas(16) MmaSmem {
 
 // ---- code extraction --------------------------------------------------------------------------
 
-// Two codes as exact fp16 in one register from a 16-bit pair (byte lo, byte hi):
-// plane `plane` of kBits-bit codes (nq_format.h: channel 16 j + l of a chunk in
-// byte l at bit offset kBits * j).
+// Two codes as exact fp16 in one register: plane `plane` of the kBits-bit codes
+// in bytes 0 and 2 of x (nq_format.h: channel 16 j + l of a chunk in byte l at
+// bit offset kBits * j; bytes 1 and 3 of x are ignored).  The codes are masked
+// in place under fp16 1024's bits (1024 + 2^(kBits plane) code, exact: < 2048),
+// then scaled down and unbiased by one exact fma: two instructions a pair.
 template <int kBits>
-NKV_DEVICE uint32_t codes_half2(uint32_t lo_byte, uint32_t hi_byte, int plane) {
+NKV_DEVICE uint32_t codes_half2(uint32_t x, int plane) {
   constexpr uint32_t kMask = (1u << kBits) - 1u;
-  const uint32_t spread = lo_byte | (hi_byte << 16);  // [b_lo, 0, b_hi, 0]
-  const uint32_t codes = (spread >> (kBits * plane)) & (kMask | (kMask << 16));
-  return half2_minus_1024(codes | 0x64006400u);
+  const int shift = kBits * plane;
+  return half2_unbias(and_or(x, (kMask | (kMask << 16)) << shift, 0x64006400u), shift);
 }
 
 // The A fragment of q . K for the 16 keys of warp `warp` (rows 16 warp + g and
 // + 8 of codes [kMmaTile][kRS], packed code rows in shared memory) at k-step ks
-// (channels 16 ks ..): exact fp16 codes.  (g, t) = (lane / 4, lane % 4).
+// (channels 16 ks ..): exact fp16 codes.  (g, t) = (lane / 4, lane % 4).  Lane t
+// reads word t (bytes 4t .. 4t + 3) of its rows' chunk once for every plane: its
+// k slots 2t, 2t + 1 are bytes 4t, 4t + 2 and slots 2t + 8, 2t + 9 bytes 4t + 1,
+// 4t + 3 (q . k sums over the channels in any order: b_channel puts the
+// queries in the same one).
 template <int kBits, int kRS>
 NKV_DEVICE void key_codes_fragment(const uint8_t (*codes)[kRS], int warp, int g, int t, int ks, uint32_t (&a)[4]) {
   constexpr int kC = core::layout::kChunkChannels<kBits>, kPlanes = core::layout::kPlanes<kBits>;
+  static_assert(kRS % 4 == 0, "code rows hold whole words");
   const int chunk = (16 * ks) / kC, plane = ks % kPlanes;
-  const uint8_t* r0 = &codes[16 * warp + g][chunk * 16];
-  const uint8_t* r1 = &codes[16 * warp + g + 8][chunk * 16];
-  a[0] = codes_half2<kBits>(r0[2 * t], r0[2 * t + 1], plane);
-  a[1] = codes_half2<kBits>(r1[2 * t], r1[2 * t + 1], plane);
-  a[2] = codes_half2<kBits>(r0[2 * t + 8], r0[2 * t + 9], plane);
-  a[3] = codes_half2<kBits>(r1[2 * t + 8], r1[2 * t + 9], plane);
+  const uint32_t w0 = reinterpret_cast<const uint32_t*>(&codes[16 * warp + g][chunk * 16])[t];
+  const uint32_t w1 = reinterpret_cast<const uint32_t*>(&codes[16 * warp + g + 8][chunk * 16])[t];
+  a[0] = codes_half2<kBits>(w0, plane);
+  a[1] = codes_half2<kBits>(w1, plane);
+  a[2] = codes_half2<kBits>(w0 >> 8, plane);
+  a[3] = codes_half2<kBits>(w1 >> 8, plane);
 }
 
-// The A fragment of P . V for m-tile mt (channels 16 mt ..) and keys 16 kk ..
-// of codes [kMmaTile][kRS]: exact fp16 codes.
-template <int kBits, int kRS>
-NKV_DEVICE void value_codes_fragment(const uint8_t (*codes)[kRS], int g, int t, int mt, int kk, uint32_t (&av)[4]) {
-  constexpr int kC = core::layout::kChunkChannels<kBits>, kPlanes = core::layout::kPlanes<kBits>;
-  const int j0 = 16 * kk + 2 * t;  // keys j0, j0 + 1, j0 + 8, j0 + 9
-  const int plane = mt % kPlanes;
-  const uint8_t* c0 = &codes[0][(16 * mt) / kC * 16];
-  av[0] = codes_half2<kBits>(c0[j0 * kRS + g], c0[(j0 + 1) * kRS + g], plane);
-  av[1] = codes_half2<kBits>(c0[j0 * kRS + g + 8], c0[(j0 + 1) * kRS + g + 8], plane);
-  av[2] = codes_half2<kBits>(c0[(j0 + 8) * kRS + g], c0[(j0 + 9) * kRS + g], plane);
-  av[3] = codes_half2<kBits>(c0[(j0 + 8) * kRS + g + 8], c0[(j0 + 9) * kRS + g + 8], plane);
+// The value codes of chunk `chunk` (16 bytes of each code row [kMmaTile][kRS])
+// that lane (g, t) takes for keys 16 kk ..: bytes g and g + 8 of key pairs
+// (j0, j0 + 1) and (j0 + 8, j0 + 9), j0 = 16 kk + 2t, a key in bytes 0 and 2 of
+// each pair; every plane of the chunk (every m-tile it holds) extracts from
+// them with codes_half2.
+template <int kRS>
+NKV_DEVICE void value_code_pairs(const uint8_t (*codes)[kRS], int g, int t, int chunk, int kk, uint32_t (&pairs)[4]) {
+  const int j0 = 16 * kk + 2 * t;
+  const uint8_t* c0 = &codes[0][chunk * 16];
+  const auto pair = [&](int j, int c) { return uint32_t(c0[j * kRS + c]) | (uint32_t(c0[(j + 1) * kRS + c]) << 16); };
+  pairs[0] = pair(j0, g);
+  pairs[1] = pair(j0, g + 8);
+  pairs[2] = pair(j0 + 8, g);
+  pairs[3] = pair(j0 + 8, g + 8);
+}
+
+// The A fragments of P . V for the kMTiles m-tiles mt0 .. (channels 16 mt ..)
+// and keys 16 kk .. of codes [kMmaTile][kRS]: exact fp16 codes.  m-tiles in one
+// chunk (its planes) share the chunk's loads.
+template <int kBits, int kMTiles, int kRS>
+NKV_DEVICE void value_codes_fragments(const uint8_t (*codes)[kRS], int g, int t, int mt0, int kk,
+                                      uint32_t (&av)[kMTiles][4]) {
+  constexpr int kPlanes = core::layout::kPlanes<kBits>;
+  uint32_t pairs[4];
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+    const int mt = mt0 + mi;
+    // mt0 is a multiple of kMTiles, and kMTiles and kPlanes are powers of two:
+    // m-tile mi opens a chunk exactly where mi % kPlanes == 0.
+    if (mi % kPlanes == 0) value_code_pairs<kRS>(codes, g, t, mt / kPlanes, kk, pairs);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) av[mi][i] = codes_half2<kBits>(pairs[i], mt % kPlanes);
+  }
 }
 
 // Exponent e with 2^14 <= |x| 2^e < 2^15 for the largest |x| of a set (max
@@ -177,8 +208,10 @@ NKV_DEVICE void split_half2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
   lo = pack_half2(x0 - half_bits_to_float(uint16_t(hi & 0xffffu)), x1 - half_bits_to_float(uint16_t(hi >> 16)));
 }
 
-// Channel of element e (0..3) of the B fragment of lane 4 g + lt at k-step ks.
-NKV_DEVICE int b_channel(int ks, int lt, int e) { return 16 * ks + 2 * lt + (e % 2) + 8 * (e / 2); }
+// Channel of element e (0..3) of the B fragment of lane 4 g + lt at k-step ks:
+// the k slot 2 lt + (e % 2) + 8 (e / 2) that key_codes_fragment fills from
+// byte 4 lt + 2 (e % 2) + e / 2 of the chunk's plane ks % kPlanes.
+NKV_DEVICE int b_channel(int ks, int lt, int e) { return 16 * ks + 4 * lt + 2 * (e % 2) + e / 2; }
 
 // One query row's B fragments (q . K, n side) by the 8 threads of the row
 // (part 0..7): x[k][e] is the row's value at channel b_channel(ks, lt, e) of
@@ -559,10 +592,6 @@ struct MmaKernel {
           f(acc[mi][nt][i], 8 * nt + 2 * t + i % 2, 16 * (warp * kMTiles + mi) + g + 8 * (i / 2));
   }
 
-  NKV_DEVICE void value_fragment(const typename Smem::Stage& S, int mt, int kk, uint32_t (&av)[4]) const {
-    value_codes_fragment<kBits>(S.v_codes, g, t, mt, kk, av);
-  }
-
   // B fragment of P . V for query row `row` and keys 16 kk ..: the weights
   // p * (value scale of channel group b) * up as fp16 hi + lo.
   NKV_DEVICE void value_weights(const typename Smem::Stage& S, int row, int kk, int b, float up, uint32_t (&hi)[2],
@@ -594,15 +623,14 @@ struct MmaKernel {
       float c[kMTiles][4] = {};
 #pragma unroll
       for (int kk = 0; kk < kMmaTile / 16; ++kk) {
-        uint32_t hi[2], lo[2];
+        uint32_t hi[2], lo[2], av[kMTiles][4];
+        value_codes_fragments<kBits, kMTiles>(S.v_codes, g, t, warp * kMTiles, kk, av);
 #pragma unroll
         for (int mi = 0; mi < kMTiles; ++mi) {
           // The weights' B fragment, shared by the warp's m-tiles of one channel group.
           if (mi == 0 || bm[mi] != bm[mi - 1]) value_weights(S, 8 * nt + g, kk, bm[mi], up[mi], hi, lo);
-          uint32_t av[4];
-          value_fragment(S, warp * kMTiles + mi, kk, av);
-          mma_16816(c[mi], av, hi);
-          mma_16816(c[mi], av, lo);
+          mma_16816(c[mi], av[mi], hi);
+          mma_16816(c[mi], av[mi], lo);
         }
       }
       // c[mi][i]: channel 16 (warp kMTiles + mi) + g + 8 (i / 2), row 8 nt + 2t + i % 2.

@@ -430,19 +430,19 @@ struct PagedMmaKernel {
     float c[2][kMTiles][4] = {};
 #pragma unroll
     for (int kk = 0; kk < kMmaTile / 16; ++kk) {
+      uint32_t av[kMTiles][4];
+      value_codes_fragments<kBits, kMTiles>(S.v_codes, g, t, warp * kMTiles, kk, av);
 #pragma unroll
       for (int mi = 0; mi < kMTiles; ++mi) {
         const int b = 16 * (warp * kMTiles + mi) / kGroup;  // the m-tile's value group
-        uint32_t av[4];
-        value_codes_fragment<kBits>(S.v_codes, g, t, warp * kMTiles + mi, kk, av);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           if (nt >= ntiles) break;
           const int row = 8 * nt + g, q = 8 * kk + t;  // B fragment: key pairs q and q + 4 of the row
           const uint32_t whi[2] = {sm.whi[b][row][q], sm.whi[b][row][q + 4]};
           const uint32_t wlo[2] = {sm.wlo[b][row][q], sm.wlo[b][row][q + 4]};
-          mma_16816(c[nt][mi], av, whi);
-          mma_16816(c[nt][mi], av, wlo);
+          mma_16816(c[nt][mi], av[mi], whi);
+          mma_16816(c[nt][mi], av[mi], wlo);
         }
       }
     }

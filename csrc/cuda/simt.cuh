@@ -110,10 +110,19 @@ NKV_DEVICE uint32_t pack_half2(float lo, float hi) {
   asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
-// Two fp16 values minus 1024 each (exact for 1024 + small integers).
-NKV_DEVICE uint32_t half2_minus_1024(uint32_t h) {
+// (a & b) | c in one LOP3 (the compiler splits the C expression in two when b
+// and c are both immediates).
+NKV_DEVICE uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t r;
-  asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(h), "r"(0x64006400u));
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+// Two fp16 values 1024 + 2^shift c (shift 0..8) -> c, exact: one fma by 2^-shift
+// and -2^(10 - shift), both fp16 (exponent field e + 15 for 2^e).
+NKV_DEVICE uint32_t half2_unbias(uint32_t h, int shift) {
+  const uint32_t down = uint32_t(15 - shift) << 10, bias = 0x8000u | (uint32_t(25 - shift) << 10);
+  uint32_t r;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(h), "r"(down | (down << 16)), "r"(bias | (bias << 16)));
   return r;
 }
 // D = A . B + D for one m16n8k16 tile: A fp16 16x16 row-major, B fp16 16x8
