@@ -180,7 +180,8 @@ NKV_DEVICE void value_codes_fragments(const uint8_t (*codes)[kRS], int g, int t,
   for (int mi = 0; mi < kMTiles; ++mi) {
     const int mt = mt0 + mi;
     // mt0 is a multiple of kMTiles, and kMTiles and kPlanes are powers of two:
-    // m-tile mi opens a chunk exactly where mi % kPlanes == 0.
+    // m-tile mi is the first of the warp's m-tiles in its chunk exactly where
+    // mi % kPlanes == 0.
     if (mi % kPlanes == 0) value_code_pairs<kRS>(codes, g, t, mt / kPlanes, kk, pairs);
 #pragma unroll
     for (int i = 0; i < 4; ++i) av[mi][i] = codes_half2<kBits>(pairs[i], mt % kPlanes);

@@ -172,6 +172,10 @@ struct PagedMmaKernel {
   static_assert(kGroup % 16 == 0 && kBg * kGroup == kD, "whole groups of 16-channel k-steps");
   using Smem = PagedMmaSmem<kD, kRB, X, kBg>;
   using Stage = typename Smem::Stage;
+  // Blocks per SM the registers must allow: D64 in one group fits 5 (<= 102
+  // registers, for ~20 more loop instructions than its free choice of ~103,
+  // which allows 4), the others 3 (<= 168).
+  static constexpr int kMinBlocks = kD == 64 && kBg == 1 ? 5 : kMmaMinBlocks;
 
   const PagedMmaArgs<X>& a;
   const core::PagedAttention<X>& p;
@@ -203,42 +207,47 @@ struct PagedMmaKernel {
 
   // The copies of one 16-key chunk: its K and V code rows (kRB 16-byte pieces
   // each) and its four [16, Bg] meta rows (2 Bg pieces each).  Thread tid owns
-  // pieces tid, tid + 128, ... of every chunk of every tile, so where each of
-  // them comes from (bytes from the head page, plus slot x bytes per slot) and
-  // goes to (bytes from the stage, plus chunk x bytes per chunk) is worked out
-  // once per block (copy_plan), and a tile's copies cost an address each.
-  static constexpr int kCodePieces = 2 * kRB;
-  static constexpr int kPiecesPerChunk = kCodePieces + 4 * 2 * kBg;
-  static constexpr int kCopies = (kPiecesPerChunk + kMmaThreads - 1) / kMmaThreads;
-  int32_t copy_src[kCopies], copy_dst[kCopies];  // -1: no piece
-  bool copy_code[kCopies];
+  // code pieces tid, tid + 128, ... and meta pieces tid, tid + 128, ... of
+  // every chunk of every tile, so where each of them comes from (bytes from the
+  // chunk's first code row or first meta entry in the head page) and goes to
+  // (bytes from the chunk's place in the stage) is worked out once per block
+  // (copy_plan); a piece's kind, and so its strides, is known at compile time.
+  static constexpr int kCodePieces = 2 * kRB, kMetaPieces = 4 * 2 * kBg;
+  static constexpr int kCodeCopies = (kCodePieces + kMmaThreads - 1) / kMmaThreads;
+  static constexpr int kMetaCopies = (kMetaPieces + kMmaThreads - 1) / kMmaThreads;
+  int32_t code_src[kCodeCopies], code_dst[kCodeCopies];  // -1: no piece
+  int32_t meta_src[kMetaCopies], meta_dst[kMetaCopies];
 
   NKV_DEVICE void copy_plan() {
 #pragma unroll
-    for (int i = 0; i < kCopies; ++i) {
+    for (int i = 0; i < kCodeCopies; ++i) {
       const int e = int(threadIdx.x) + i * kMmaThreads;
-      copy_code[i] = e < kCodePieces;
-      copy_src[i] = copy_dst[i] = -1;
+      const int half = e / kRB, piece = e % kRB, row = 16 * piece / kRB, col = 16 * piece % kRB;
+      code_src[i] = code_dst[i] = -1;
       if (e < kCodePieces) {
-        const int half = e / kRB, piece = e % kRB, row = 16 * piece / kRB, col = 16 * piece % kRB;
-        copy_src[i] = int32_t(ix.off.codes[half]) + 16 * piece;  // (a head page is < 2^31 bytes)
-        copy_dst[i] = int32_t((half ? offsetof(Stage, v_codes) : offsetof(Stage, k_codes)) + row * Smem::kRS + col);
-      } else if (e < kPiecesPerChunk) {
-        const int m = e - kCodePieces, arr = m / (2 * kBg), piece = m % (2 * kBg);
-        copy_src[i] = int32_t(ix.off.scale[0] + arr * ix.meta_array_bytes) + 16 * piece;
-        copy_dst[i] = int32_t(offsetof(Stage, meta) + arr * sizeof(Stage::meta[0])) + 16 * piece;
+        code_src[i] = int32_t(ix.off.codes[half]) + 16 * piece;  // (a head page is < 2^31 bytes)
+        code_dst[i] = int32_t((half ? offsetof(Stage, v_codes) : offsetof(Stage, k_codes)) + row * Smem::kRS + col);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kMetaCopies; ++i) {
+      const int m = int(threadIdx.x) + i * kMmaThreads, arr = m / (2 * kBg), piece = m % (2 * kBg);
+      meta_src[i] = meta_dst[i] = -1;
+      if (m < kMetaPieces) {
+        meta_src[i] = int32_t(ix.off.scale[0] + arr * ix.meta_array_bytes) + 16 * piece;
+        meta_dst[i] = int32_t(offsetof(Stage, meta) + arr * sizeof(Stage::meta[0])) + 16 * piece;
       }
     }
   }
 
   // Issues the copies of tile [t0, t0 + kMmaTile) into stage st (one commit
   // group): the chunks that start before hi.  Lane c of each warp finds chunk
-  // c's head page (-1 when its block id is outside the pool: kBadBlock, since
+  // c's head page (none when its block id is outside the pool: kBadBlock, since
   // every chunk from the aligned first key on holds a visible key) and slot;
   // the other lanes take them by shuffle.
   NKV_DEVICE void prefetch(int32_t t0, int st) {
     uint8_t* stage = reinterpret_cast<uint8_t*>(&sm.buf.stage[st]);
-    int64_t my_page = -1;
+    uint64_t my_page = 0;  // the head page's address; 0: no copies
     uint32_t col = 0, my_slot = 0;
     if (lane < kChunks) {
       const int32_t c0 = t0 + 16 * lane;
@@ -246,25 +255,26 @@ struct PagedMmaKernel {
       if (c0 < hi) {
         const int32_t id = table[col];
         if (id >= 0 && id < p.pool.num_blocks)
-          my_page = (int64_t(id) * p.pool.kv_heads + h) * ix.head_page_bytes;
+          my_page = reinterpret_cast<uint64_t>(p.pages + (int64_t(id) * p.pool.kv_heads + h) * ix.head_page_bytes);
         else
           atomic_or(&sm.flag, kBadBlock);
       }
     }
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
+      const uint32_t lo32 = __shfl_sync(0xffffffffu, uint32_t(my_page), c);
+      const uint32_t hi32 = __shfl_sync(0xffffffffu, uint32_t(my_page >> 32), c);
       const int32_t slot = __shfl_sync(0xffffffffu, int32_t(my_slot), c);
-      const uint32_t lo32 = __shfl_sync(0xffffffffu, uint32_t(uint64_t(my_page)), c);
-      const uint32_t hi32 = __shfl_sync(0xffffffffu, uint32_t(uint64_t(my_page) >> 32), c);
-      const int64_t page = int64_t((uint64_t(hi32) << 32) | lo32);
-      if (page < 0) continue;  // (the same on every lane)
-      const uint8_t* base = p.pages + page;
+      if ((lo32 | hi32) == 0) continue;  // (the same on every lane)
+      const uint8_t* page = reinterpret_cast<const uint8_t*>((uint64_t(hi32) << 32) | lo32);
+      const uint8_t* codes = page + slot * kRB;       // the chunk's first code row
+      const uint8_t* meta = page + slot * (2 * kBg);  // its first meta entry (2-byte meta)
 #pragma unroll
-      for (int i = 0; i < kCopies; ++i) {
-        if (copy_src[i] < 0) continue;
-        const int per_slot = copy_code[i] ? kRB : 2 * kBg, per_chunk = copy_code[i] ? 16 * Smem::kRS : 32 * kBg;
-        cp_async16(stage + copy_dst[i] + c * per_chunk, base + copy_src[i] + slot * per_slot);
-      }
+      for (int i = 0; i < kCodeCopies; ++i)
+        if (code_src[i] >= 0) cp_async16(stage + code_dst[i] + c * (16 * Smem::kRS), codes + code_src[i]);
+#pragma unroll
+      for (int i = 0; i < kMetaCopies; ++i)
+        if (meta_src[i] >= 0) cp_async16(stage + meta_dst[i] + c * (32 * kBg), meta + meta_src[i]);
     }
     cp_async_commit();
   }
@@ -571,7 +581,7 @@ struct PagedMmaKernel {
 };
 
 template <typename X, int kBits, int kD, int kBg>
-NKV_KERNEL void __launch_bounds__(kMmaThreads, kMmaMinBlocks)
+NKV_KERNEL void __launch_bounds__(kMmaThreads, (PagedMmaKernel<X, kBits, kD, kBg>::kMinBlocks))
     paged_attention_mma_kernel(const NKV_GRID_CONSTANT PagedMmaArgs<X> a) {
   using K = PagedMmaKernel<X, kBits, kD, kBg>;
   NKV_DYNAMIC_SMEM(smem);
