@@ -12,7 +12,9 @@
 #      test_cache_device.py, test_attention.py and test_paged.py),
 #   5. runs compute-sanitizer memcheck on small cases of every kernel (the smoke script),
 #   6. runs the GPU benchmark (benchmarks/bench_cuda.py) on the grid of issue 23,
-#   7. runs compute-sanitizer racecheck on the same small cases.
+#   7. runs compute-sanitizer racecheck on the same small cases,
+#   8. with what is left of the budget, reads the tensor-core kernels' dynamic instruction count
+#      per tile with Nsight Compute (benchmarks/cuda_dynamic.py; a measurement: never fails the run).
 # A step whose time limit would pass the 8-minute budget is cut short or skipped (and
 # the run then fails, saying so in summary.txt).
 #
@@ -40,7 +42,8 @@
 # ninja, pytest; PYTHON picks the interpreter.
 #
 # Knobs: GPU_CHECK_BUDGET_S (the run's seconds, 470), GPU_CHECK_BENCH_S (the bench step's, 60),
-# GPU_CHECK_BENCH_EXTRA (flags added to bench_cuda.py's, e.g. "--graphs --paged").
+# GPU_CHECK_BENCH_EXTRA (flags added to bench_cuda.py's, e.g. "--graphs --paged"),
+# GPU_CHECK_NCU_S (the ncu step's most, 40; 0 skips it).
 #
 #   OUT=/tmp/out bash benchmarks/gpu_check.sh
 #   GPU_CHECK_DRY=1 OUT=/tmp/out PYTHON=/path/to/venv/bin/python bash benchmarks/gpu_check.sh
@@ -79,10 +82,12 @@ FAILED=0
 #                        8/4/2 bits, fused vs dense bf16 (and fp16) SDPA, 20 reps each
 #                        (the figures of issue 23; 128K and batch 16 are left out)
 #   racecheck      45 s  the smoke script only
+#   ncu         <= 40 s  only in what is left (GPU_CHECK_NCU_S; with a wheel, most of the build's)
 #   margin         5 s   timeout's --kill-after and tee between steps
 BUDGET=${GPU_CHECK_BUDGET_S:-470}
 BUILD_S=${GPU_CHECK_BUILD_S:-170}
-LOADS_S=20 TESTS_S=100 MEMCHECK_S=45 BENCH_S=${GPU_CHECK_BENCH_S:-60} RACECHECK_S=45 MARGIN_S=5
+LOADS_S=20 TESTS_S=100 MEMCHECK_S=45 BENCH_S=${GPU_CHECK_BENCH_S:-60} NCU_S=${GPU_CHECK_NCU_S:-40} RACECHECK_S=45
+MARGIN_S=5
 
 summary_line() { printf '%-12s %-28s %4ds\n' "$1" "$2" "$3" | tee -a "$SUMMARY"; }
 
@@ -198,6 +203,9 @@ find_sanitizer() {
   done
   return 1
 }
+# Nsight Compute, for the ncu step: PATH, the toolkit, or its own install under /opt/nvidia.
+NCU=$(command -v ncu || ls ${CUDA_HOME:+"$CUDA_HOME"/bin/ncu} /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu \
+  2>/dev/null | head -1)
 SANITIZER=$(find_sanitizer) && VERSION[compute-sanitizer]="$SANITIZER ($("$SANITIZER" --version | grep -o \
   'Version [^ ]*' | head -1))"
 
@@ -239,6 +247,7 @@ for tool in hypothesis transformers pytest-xdist pytest-timeout compute-sanitize
         "/usr/local/cuda*): memcheck and racecheck are SKIP" ;;
   esac
 done
+if [ -n "$NCU" ]; then echo "tool: ncu $NCU"; else echo "skipped: ncu not found: the ncu step is SKIP"; fi
 # 8 workers x 2 threads on 16 cores (torch would give every worker all 16 threads);
 # 90 s per test: a hung kernel is named instead of eating the step (the slowest test, a
 # cold inductor compile, takes well under a minute).
@@ -450,6 +459,21 @@ if [ -n "$SANITIZER" ]; then
     "${SAN[@]}" --tool racecheck --racecheck-report hazard "$PY" "$SMOKE"
 else
   skip racecheck "no compute-sanitizer"
+fi
+
+# The tile loops' dynamic instruction counts (benchmarks/cuda_dynamic.py under Nsight Compute):
+# a measurement, not a check: it runs last, in what is left of the budget (up to NCU_S), its
+# verdict is on its summary line, and it does not fail the run.
+if [ -n "$NCU" ] && [ "$NCU_S" -gt 0 ]; then
+  saved=$FAILED
+  step ncu "$NCU_S" "$OUT/bench_cuda.txt" bash -c '"$1" --csv --clock-control none \
+    --kernel-name regex:attention_mma_kernel \
+    --metrics smsp__inst_executed.sum,gpu__time_duration.sum,dram__bytes_read.sum \
+    "$2" benchmarks/cuda_dynamic.py --run >/tmp/nexuskv_ncu.csv; rc=$?; cat /tmp/nexuskv_ncu.csv
+    [ $rc -eq 0 ] && "$2" benchmarks/cuda_dynamic.py --parse /tmp/nexuskv_ncu.csv' _ "$NCU" "$PY"
+  FAILED=$saved
+else
+  skip ncu "no Nsight Compute (ncu) or GPU_CHECK_NCU_S=0"
 fi
 
 echo "== summary ($((SECONDS - START)) s in all)"
