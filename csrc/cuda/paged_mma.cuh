@@ -149,9 +149,12 @@ struct alignas(16) PagedMmaSmem {
   float qdown[kAttnRows];          // 1 / the row's normalizer
   float sc[kAttnRows][kMmaTile];   // scores, then softmax weights
   float zacc[kAttnRows][kBg];      // sum of p * value zero per value group
-  // P . V weights {p x value scale x 2^k} as fp16 pairs hi + lo per value group, row and pair
-  // of keys (36 words a row: the 8 rows a fragment reads lie on distinct banks).
-  uint32_t whi[kBg][kAttnRows][36], wlo[kBg][kAttnRows][36];
+  // P . V weights {p x value scale x 2^k} as fp16 pairs hi + lo per value group and row, in
+  // the B fragments' order: entry 4 kk + t holds {hi(q), hi(q + 4), lo(q), lo(q + 4)} of key
+  // pairs q = 8 kk + t and q + 4, one 128-bit load a fragment (20 entries a row: the two rows a
+  // quarter-warp reads lie on distinct banks).
+  static constexpr int kWStride = kMmaTile / 16 * 4 + 4;
+  uint4 w[kBg][kAttnRows][kWStride];
   float wdown[kBg];  // 1 / the weights' power of two per value group
   float m[kAttnRows], alpha[kAttnRows];
   float lpart[kAttnRows][kWarp];               // each lane's part of the row's softmax denominator (NaN: a bad score)
@@ -172,10 +175,9 @@ struct PagedMmaKernel {
   static_assert(kGroup % 16 == 0 && kBg * kGroup == kD, "whole groups of 16-channel k-steps");
   using Smem = PagedMmaSmem<kD, kRB, X, kBg>;
   using Stage = typename Smem::Stage;
-  // Blocks per SM the registers must allow: D64 in one group fits 5 (<= 102
-  // registers, for ~20 more loop instructions than its free choice of ~103,
-  // which allows 4), the others 3 (<= 168).
-  static constexpr int kMinBlocks = kD == 64 && kBg == 1 ? 5 : kMmaMinBlocks;
+  // Blocks per SM the registers must allow: one group fits 5 at D64 (<= 102
+  // registers) and 4 at D128 (<= 128), the others 3 (<= 168).
+  static constexpr int kMinBlocks = kBg == 1 ? (kD == 64 ? 5 : 4) : kMmaMinBlocks;
 
   const PagedMmaArgs<X>& a;
   const core::PagedAttention<X>& p;
@@ -246,7 +248,7 @@ struct PagedMmaKernel {
   // every chunk from the aligned first key on holds a visible key) and slot;
   // the other lanes take them by shuffle.
   NKV_DEVICE void prefetch(int32_t t0, int st) {
-    uint8_t* stage = reinterpret_cast<uint8_t*>(&sm.buf.stage[st]);
+    const uint32_t stage = shared_address(&sm.buf.stage[st]);
     uint64_t my_page = 0;  // the head page's address; 0: no copies
     uint32_t col = 0, my_slot = 0;
     if (lane < kChunks) {
@@ -364,12 +366,14 @@ struct PagedMmaKernel {
         }
       }
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < 2; ++nt) {
+        if (nt >= ntiles) break;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int key = i < 2 ? key_a : key_b, r = 8 * nt + 2 * t + i % 2;
           sacc[nt][i] += c[nt][i] * meta_at(S, 0, key, b) + meta_at(S, 1, key, b) * sm.qsum[r][b];
         }
+      }
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
@@ -387,7 +391,7 @@ struct PagedMmaKernel {
   // value zero per row and group added to zacc; and the P . V weights of every
   // row, once for all warps: p x value scale x a power of two per value group
   // (2^14 <= the tile's largest |scale| x it < 2^15, 1 / it in wdown), fp16
-  // hi + lo in the B fragments' pairs of keys (whi / wlo; 0 where masked, past
+  // hi + lo in the B fragments' pairs of keys (w; 0 where masked, past
   // n, or for rows past rows: never written).  Warp w: rows w, w + 4, ... below
   // rows (at decode with 4 q heads a kv head, one row a warp, not four).
   NKV_DEVICE void softmax(const Stage& S, int32_t t0, int n) {
@@ -428,7 +432,11 @@ struct PagedMmaKernel {
           const int j = lane + kWarp * hh;
           const float wj = w[hh] != 0.f ? w[hh] * meta_at(S, 2, j, b) * vup[b] : 0.f;
           const float wn = shfl_xor(wj, 1);  // key j ^ 1's
-          if ((lane & 1) == 0) split_half2(wj, wn, sm.whi[b][r][j / 2], sm.wlo[b][r][j / 2]);
+          if ((lane & 1) == 0) {             // key pair j / 2 = 8 kk + 4 half + t
+            const int pair = j / 2, half = pair % 8 / 4;
+            uint32_t* e = reinterpret_cast<uint32_t*>(&sm.w[b][r][pair / 8 * 4 + pair % 4]);
+            split_half2(wj, wn, e[half], e[2 + half]);
+          }
         }
       }
     }
@@ -448,9 +456,8 @@ struct PagedMmaKernel {
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           if (nt >= ntiles) break;
-          const int row = 8 * nt + g, q = 8 * kk + t;  // B fragment: key pairs q and q + 4 of the row
-          const uint32_t whi[2] = {sm.whi[b][row][q], sm.whi[b][row][q + 4]};
-          const uint32_t wlo[2] = {sm.wlo[b][row][q], sm.wlo[b][row][q + 4]};
+          const uint4 f = sm.w[b][8 * nt + g][4 * kk + t];  // B fragment: key pairs 8 kk + t and + 4
+          const uint32_t whi[2] = {f.x, f.y}, wlo[2] = {f.z, f.w};
           mma_16816(c[nt][mi], av[mi], whi);
           mma_16816(c[nt][mi], av[mi], wlo);
         }
@@ -459,15 +466,14 @@ struct PagedMmaKernel {
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       if (nt >= ntiles) break;
+      float a_r[2];  // the rescale of rows 8 nt + 2t and + 1 (1 past rows)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) a_r[i] = 8 * nt + 2 * t + i < rows ? sm.alpha[8 * nt + 2 * t + i] : 1.f;
 #pragma unroll
       for (int mi = 0; mi < kMTiles; ++mi) {
         const float down = sm.wdown[16 * (warp * kMTiles + mi) / kGroup];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = 8 * nt + 2 * t + i % 2;
-          const float a_r = r < rows ? sm.alpha[r] : 1.f;
-          acc[mi][nt][i] = acc[mi][nt][i] * a_r + c[nt][mi][i] * down;
-        }
+        for (int i = 0; i < 4; ++i) acc[mi][nt][i] = acc[mi][nt][i] * a_r[i % 2] + c[nt][mi][i] * down;
       }
     }
   }
@@ -532,8 +538,8 @@ struct PagedMmaKernel {
       for (int b = 0; b < kBg; ++b) sm.zacc[r][b] = 0.f;
     }
     // The weights of rows past rows stay 0 (softmax skips those rows).
-    for (int e = int(threadIdx.x); e < int(sizeof(sm.whi) / 4); e += kMmaThreads)
-      (&sm.whi[0][0][0])[e] = 0u, (&sm.wlo[0][0][0])[e] = 0u;
+    for (int e = int(threadIdx.x); e < int(sizeof(sm.w) / sizeof(uint4)); e += kMmaThreads)
+      (&sm.w[0][0][0])[e] = make_uint4(0u, 0u, 0u, 0u);
     NKV_SYNC();
     copy_plan();
     load_and_fold_queries();
