@@ -635,14 +635,15 @@ struct MmaKernel {
         }
       }
       // c[mi][i]: channel 16 (warp kMTiles + mi) + g + 8 (i / 2), row 8 nt + 2t + i % 2.
+      float a_r[2];  // the rescale of rows 8 nt + 2t and + 1 (1 past rows)
 #pragma unroll
-      for (int mi = 0; mi < kMTiles; ++mi)
+      for (int i = 0; i < 2; ++i) a_r[i] = 8 * nt + 2 * t + i < rows ? sm.alpha[8 * nt + 2 * t + i] : 1.f;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = 8 * nt + 2 * t + i % 2;
-          const float a_r = r < rows ? sm.alpha[r] : 1.f;
-          acc[mi][nt][i] = acc[mi][nt][i] * a_r + c[mi][i] * pow2_inverse(up[mi]);
-        }
+      for (int mi = 0; mi < kMTiles; ++mi) {
+        const float down = pow2_inverse(up[mi]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mi][nt][i] = acc[mi][nt][i] * a_r[i % 2] + c[mi][i] * down;
+      }
     }
     // Value outliers: acc saw code * scale + zero; add p * (exact - that).
     const int k = p.v.num_outliers(), G = int(ix.value_group.divisor);
