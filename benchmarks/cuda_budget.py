@@ -78,6 +78,7 @@ from dataclasses import asdict, dataclass, field
 KERNEL = re.compile(r"(?<!paged_)attention_mma_kernel.*?(bf16_t|half_t).*?ELi(\d+)ELi(\d+)EEEv")
 # The paged tensor-core kernel (paged_attention_mma_kernel<X, kBits, kD, kBg>, csrc/cuda/paged_mma.cuh).
 PAGED_KERNEL = re.compile(r"paged_attention_mma_kernelIN\w*?(bf16_t|half_t)ELi(\d+)ELi(\d+)ELi(\d+)EEEv")
+DTYPE = {"bf16_t": "bf16", "half_t": "fp16"}  # the kernels' element type -> the JSON's dtype
 NQ_KERNEL = re.compile(r"(nq_decompress_kernel|nq_pack_kernel)I(\w+?)(?:Li(\d+)E)?EEv")
 DIV64 = "I2F.U64.RP"  # first instruction of the inline 64-bit integer division routine
 INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -453,7 +454,7 @@ def main() -> None:
                     m, kernel = KERNEL.search(fn), "contiguous"
                 if not m:
                     continue
-                dtype, bits, d = {"bf16_t": "bf16", "half_t": "fp16"}[m.group(1)], int(m.group(2)), int(m.group(3))
+                dtype, bits, d = DTYPE[m.group(1)], int(m.group(2)), int(m.group(3))
                 r = res.get((arch, fn), {})
                 v = Variant(
                     arch,

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_budget import KERNEL, PAGED_KERNEL  # noqa: E402  (the same names the static count uses)
+from cuda_budget import DTYPE, KERNEL, PAGED_KERNEL  # noqa: E402  (the same names the static count uses)
 
 Q_HEADS, KV_HEADS, HEAD_DIM, GROUP, BLOCK = 32, 8, 128, 64, 16
 WARPS = 4
@@ -90,14 +90,15 @@ KERNEL_DEMANGLED = re.compile(r"(?<!paged_)attention_mma_kernel<.*?(bf16_t|half_
 
 def variant(name: str):
     """(kernel, dtype, bits, head_dim, groups) of a tensor-core kernel's name, mangled (the
-    regexes cuda_budget.py reads the SASS with) or demangled; None for any other kernel."""
+    regexes cuda_budget.py reads the SASS with) or demangled, as cuda_budget.json names them
+    (dtype "bf16" / "fp16"); None for any other kernel."""
     for paged, kernel in ((PAGED_KERNEL, KERNEL), (PAGED_DEMANGLED, KERNEL_DEMANGLED)):
         m = paged.search(name)
         if m:
-            return "paged", m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
+            return "paged", DTYPE[m.group(1)], int(m.group(2)), int(m.group(3)), int(m.group(4))
         m = kernel.search(name)
         if m:
-            return "contiguous", m.group(1), int(m.group(2)), int(m.group(3)), 0
+            return "contiguous", DTYPE[m.group(1)], int(m.group(2)), int(m.group(3)), 0
     return None
 
 
