@@ -76,8 +76,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 KERNEL = re.compile(r"(?<!paged_)attention_mma_kernel.*?(bf16_t|half_t).*?ELi(\d+)ELi(\d+)EEEv")
-# The paged tensor-core kernel (paged_attention_mma_kernel<X, kBits, kD, kBg>, csrc/cuda/paged_mma.cuh).
-PAGED_KERNEL = re.compile(r"paged_attention_mma_kernelIN\w*?(bf16_t|half_t)ELi(\d+)ELi(\d+)ELi(\d+)EEEv")
+# The paged tensor-core kernel (paged_attention_mma_kernel<X, kBits, kD, kBg, kNT>, csrc/cuda/paged_mma.cuh;
+# kNT: 8-row n-tiles of query rows, 1 for decode steps, 2 otherwise).
+PAGED_KERNEL = re.compile(r"paged_attention_mma_kernelIN\w*?(bf16_t|half_t)ELi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)EEEv")
 DTYPE = {"bf16_t": "bf16", "half_t": "fp16"}  # the kernels' element type -> the JSON's dtype
 NQ_KERNEL = re.compile(r"(nq_decompress_kernel|nq_pack_kernel)I(\w+?)(?:Li(\d+)E)?EEv")
 DIV64 = "I2F.U64.RP"  # first instruction of the inline 64-bit integer division routine
@@ -130,6 +131,7 @@ class Variant:
     head_dim: int
     kernel: str = "contiguous"  # or "paged" (vLLM's pages, paged_mma.cuh)
     groups: int = 0  # paged: key / value groups per token (the kernel's kBg)
+    rows: int = 16  # query rows a block holds (paged: 8 in decode steps, 16 otherwise; the kernel's 8 kNT)
     registers: int = 0
     stack: int = 0
     local: int = 0
@@ -462,15 +464,14 @@ def main() -> None:
                     bits,
                     d,
                     kernel,
-                    0,
-                    r.get("REG", 0),
-                    r.get("STACK", 0),
-                    r.get("LOCAL", 0),
-                    r.get("SHARED", 0),
+                    registers=r.get("REG", 0),
+                    stack=r.get("STACK", 0),
+                    local=r.get("LOCAL", 0),
+                    shared=r.get("SHARED", 0),
                 )
                 v.blocks_per_sm = 65536 // (max(v.registers, 1) * 32 * WARPS) if v.registers else 0
                 if kernel == "paged":
-                    v.groups = int(m.group(4))
+                    v.groups, v.rows = int(m.group(4)), 8 * int(m.group(5))
                     v.tile_bytes = paged_tile_bytes(bits, d, d // v.groups)
                 else:
                     v.tile_bytes = tile_bytes(bits, d)
@@ -480,7 +481,7 @@ def main() -> None:
                 except ValueError as e:
                     sys.exit(f"cuda_budget: {os.path.basename(obj)} {arch} {dtype} {bits}-bit D{d}: {e}")
                 variants.append(v)
-    variants.sort(key=lambda v: (v.kernel, v.arch, v.dtype, v.bits, v.head_dim, v.groups))
+    variants.sort(key=lambda v: (v.kernel, v.arch, v.dtype, v.bits, v.head_dim, v.groups, v.rows))
     print(
         f"budget: tile bytes / ({args.fraction} * {args.hbm_tbps} TB/s / {args.sms} SMs) * {args.clock_ghz} GHz "
         f"= bytes / {per_sm_bytes_per_cycle:.2f} B per SM-cycle; instructions per warp per 64-key tile"
@@ -511,7 +512,7 @@ def main() -> None:
         c = v.loop_counts
         print(
             fmt.format(
-                v.kernel + (f"/{v.groups}g" if v.groups else ""),
+                v.kernel + (f"/{v.groups}g/{v.rows}r" if v.groups else ""),
                 v.arch,
                 v.dtype,
                 v.bits,
@@ -540,8 +541,10 @@ def main() -> None:
     # The prediction the GPU run will confirm or refute: llama-like decode (32 q / 8 kv heads, D 128).
     predictions = []
     for v in variants:
-        # the contiguous cache, and vLLM's pages in groups of 64 (two per head)
-        if v.arch == "sm_90" and v.dtype == "bf16" and v.head_dim == 128 and v.groups in (0, 2):
+        # the contiguous cache, and vLLM's pages in groups of 64 (two per head) in the decode
+        # steps' row tiles of 8 (core::paged_tile_rows: one token a request, GQA 4)
+        decode = v.kernel == "contiguous" or v.rows == 8
+        if v.arch == "sm_90" and v.dtype == "bf16" and v.head_dim == 128 and v.groups in (0, 2) and decode:
             for batch in (1, 64):
                 for ctx in (4096, 32768):
                     predictions.append(predict(v, batch, 32, 8, ctx, args))

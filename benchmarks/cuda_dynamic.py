@@ -2,7 +2,7 @@
 the static count of `cuda_budget.py` (what issue 20's budget is checked with).
 
 `cuda_budget.py` counts the instructions of the tile loop's SASS once each: dead branches
-(the soft-cap's tanhf without a soft-cap, the second n-tile at decode) count, and the loop's
+(the soft-cap's tanhf without a soft-cap) count, and the loop's
 inner loops (the softmax rows) count one trip. Nsight Compute counts what ran. This script
 runs one decode step of each kernel (llama-like: 32 q / 8 kv heads, head_dim 128, bf16,
 groups of 64, one query per sequence; contiguous cache: keys per channel, values per token;
@@ -84,21 +84,22 @@ def run(batch: int, context: int, bits_list: list[int], device: str = "cuda") ->
 
 
 # The same variants demangled (ncu's default kernel names): c++filt's spelling.
-PAGED_DEMANGLED = re.compile(r"paged_attention_mma_kernel<[\w:]*?(bf16_t|half_t), (\d+), (\d+), (\d+)>")
+PAGED_DEMANGLED = re.compile(r"paged_attention_mma_kernel<[\w:]*?(bf16_t|half_t), (\d+), (\d+), (\d+), (\d+)>")
 KERNEL_DEMANGLED = re.compile(r"(?<!paged_)attention_mma_kernel<.*?(bf16_t|half_t).*?>\s*, (\d+), (\d+)>")
 
 
 def variant(name: str):
-    """(kernel, dtype, bits, head_dim, groups) of a tensor-core kernel's name, mangled (the
+    """(kernel, dtype, bits, head_dim, groups, rows) of a tensor-core kernel's name, mangled (the
     regexes cuda_budget.py reads the SASS with) or demangled, as cuda_budget.json names them
-    (dtype "bf16" / "fp16"); None for any other kernel."""
+    (dtype "bf16" / "fp16"; rows: the query rows a block holds, 8 kNT for the paged kernel, 16
+    for the contiguous one); None for any other kernel."""
     for paged, kernel in ((PAGED_KERNEL, KERNEL), (PAGED_DEMANGLED, KERNEL_DEMANGLED)):
         m = paged.search(name)
         if m:
-            return "paged", DTYPE[m.group(1)], int(m.group(2)), int(m.group(3)), int(m.group(4))
+            return "paged", DTYPE[m.group(1)], int(m.group(2)), int(m.group(3)), int(m.group(4)), 8 * int(m.group(5))
         m = kernel.search(name)
         if m:
-            return "contiguous", DTYPE[m.group(1)], int(m.group(2)), int(m.group(3)), 0
+            return "contiguous", DTYPE[m.group(1)], int(m.group(2)), int(m.group(3)), 0, 16
     return None
 
 
@@ -161,6 +162,7 @@ def parse(text: str, static: dict, batch: int, context: int) -> list[dict]:
                 bits=var[2],
                 head_dim=var[3],
                 groups=var[4],
+                rows=var[5],
                 warp_instructions=inst,
                 per_warp_per_tile=per_tile,
                 static_loop=st,
@@ -173,11 +175,11 @@ def parse(text: str, static: dict, batch: int, context: int) -> list[dict]:
 
 
 def static_counts(budget_json: str, arch: str = "sm_90") -> dict:
-    """{(kernel, dtype, bits, head_dim, groups): the tile loop's static count} of cuda_budget.json."""
+    """{(kernel, dtype, bits, head_dim, groups, rows): the tile loop's static count} of cuda_budget.json."""
     if not budget_json or not Path(budget_json).exists():
         return {}
     return {
-        (r["kernel"], r["dtype"], r["bits"], r["head_dim"], r["groups"]): r["loop_instructions"]
+        (r["kernel"], r["dtype"], r["bits"], r["head_dim"], r["groups"], r.get("rows", 16)): r["loop_instructions"]
         for r in json.load(open(budget_json))["variants"]
         if r["arch"] == arch
     }
@@ -207,12 +209,12 @@ def main(argv=None) -> int:
     if args.parse:
         rows = parse(Path(args.parse).read_text(errors="replace"), static_counts(args.budget), args.batch, args.context)
         print(
-            f"{'kernel':>10} {'bits':>4} {'D':>4} {'groups':>6} {'instr/warp/tile':>15} {'static':>7} "
+            f"{'kernel':>10} {'bits':>4} {'D':>4} {'groups':>6} {'rows':>4} {'instr/warp/tile':>15} {'static':>7} "
             f"{'dyn/static':>10} {'us':>9} {'DRAM GB/s':>9}"
         )
         for r in rows:
             print(
-                f"{r['kernel']:>10} {r['bits']:>4} {r['head_dim']:>4} {r['groups']:>6} "
+                f"{r['kernel']:>10} {r['bits']:>4} {r['head_dim']:>4} {r['groups']:>6} {r['rows']:>4} "
                 f"{r['per_warp_per_tile']:>15.0f} {r['static_loop'] or 0:>7} "
                 f"{(r['dynamic_over_static'] or float('nan')):>10.2f} {r['us']:>9.1f} "
                 f"{(r['dram_gbps'] or float('nan')):>9.0f}"

@@ -237,13 +237,34 @@ NKV_DEVICE float fold_row_fragments(const float (&x)[4 * kKSteps / 8][4], float 
   return up;
 }
 
+// A logit soft-cap, x -> cap x tanh(x / cap) (cap 0: none), with 1 / cap
+// taken once per block.
+struct SoftCap {
+  float cap = 0.f, inv = 0.f;
+  NKV_DEVICE explicit SoftCap(float c) : cap(c > 0.f ? c : 0.f), inv(c > 0.f ? 1.f / c : 0.f) {}
+  // tanh(y) = 1 - 2 / (e^(2|y|) + 1) with the sign restored, from one exp2 and
+  // one fast reciprocal.  The exp2's error (~2^-22 relative) stays absolute in
+  // the tanh (~2^-22 where the subtraction cancels near 0): below 1e-5 of a
+  // score for caps up to 50, far under a bf16 score's rounding; tanhf's exact
+  // routine took ~70 instructions of the tile loop.  +-inf -> +-cap (e^(2|y|) =
+  // inf: 2 / inf = 0), NaN stays NaN.
+  NKV_DEVICE float operator()(float x) const {
+    const float e = exp2f(2.8853900817779268f * fabsf(x * inv));  // 2 log2(e) |y|
+    return copysignf(cap * (1.f - __fdividef(2.f, e + 1.f)), x);
+  }
+};
+
 // One query row's step of the online softmax over a tile of kMmaTile keys, by
 // one warp (lane: keys lane and lane + 32): sc the row's scores, vis the keys
-// the row sees, softcap (0: none).  m is the row's running max (read by every
+// the row sees, softcap its soft-cap (0: none).  m is the row's running max (read by every
 // lane, then updated by lane 0), lpart this lane's part of the row's
 // denominator (rescaled; NaN once a visible score is not finite).  Returns the
-// rescale exp(m_old - m_new); w the weights (0 where not visible).
-NKV_DEVICE float softmax_row(const float* sc, const bool (&vis)[2], float softcap, float& m, float& lpart,
+// rescale exp(m_old - m_new); w the weights (0 where not visible).  The
+// exponentials are __expf (ex2.approx of x log2(e): 2 + 1.17 |x| ulp, ~1e-5
+// relative at x = -80, results below 2^-126 flushed to 0; exactly 1 at 0, so
+// an unchanged max rescales by 1), as FlashAttention's; expf's exact routine
+// cost ~10 instructions each.
+NKV_DEVICE float softmax_row(const float* sc, const bool (&vis)[2], const SoftCap& softcap, float& m, float& lpart,
                              float (&w)[2]) {
   const float kNegInf = bits_float(0xff800000u), kNaN = bits_float(0x7fc00000u);
   const int lane = int(threadIdx.x) % kWarp;
@@ -252,7 +273,7 @@ NKV_DEVICE float softmax_row(const float* sc, const bool (&vis)[2], float softca
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     x[h] = vis[h] ? sc[lane + kWarp * h] : kNegInf;
-    if (vis[h] && softcap > 0.f) x[h] = softcap * tanhf(x[h] / softcap);
+    if (vis[h] && softcap.cap > 0.f) x[h] = softcap(x[h]);
     if (vis[h]) {
       tile_max = x[h] > tile_max ? x[h] : tile_max;
       bad = bad || non_finite(x[h]);
@@ -261,9 +282,9 @@ NKV_DEVICE float softmax_row(const float* sc, const bool (&vis)[2], float softca
   for (int o = 16; o > 0; o /= 2) tile_max = fmaxf(tile_max, shfl_xor(tile_max, o));
   const float m_old = m;
   const float m_new = m_old > tile_max ? m_old : tile_max;
-  const float alpha = m_new == kNegInf ? 1.f : expf(m_old - m_new);
+  const float alpha = m_new == kNegInf ? 1.f : __expf(m_old - m_new);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) w[h] = vis[h] ? expf(x[h] - m_new) : 0.f;
+  for (int h = 0; h < 2; ++h) w[h] = vis[h] ? __expf(x[h] - m_new) : 0.f;
   lpart = bad ? kNaN : lpart * alpha + (w[0] + w[1]);
   __syncwarp();  // every lane has read m
   if (lane == 0) m = m_new;
@@ -310,12 +331,14 @@ struct MmaKernel {
   const BlockSetup& s;
   const int warp, lane, g, t;
   const int ntiles;  // n-tiles (8 query rows) with real rows: 1 or 2
-  const int bh;      // kv row b * Hkv + h
-  const int rows;    // the block's query rows (s.rows)
+  const SoftCap softcap;
+  const int bh;    // kv row b * Hkv + h
+  const int rows;  // the block's query rows (s.rows)
 
   NKV_DEVICE MmaKernel(const MmaLaunch<Launch>& a, Smem& smem, const BlockSetup& setup)
       : L(a.L), p(a.L.p), ix(a.ix), sm(smem), s(setup), warp(int(threadIdx.x) / kWarp), lane(int(threadIdx.x) % kWarp),
-        g(lane / 4), t(lane % 4), ntiles(setup.rows > 8 ? 2 : 1), bh(int(setup.bh)), rows(int(setup.rows)) {}
+        g(lane / 4), t(lane % 4), ntiles(setup.rows > 8 ? 2 : 1), softcap(a.L.p.softcap), bh(int(setup.bh)),
+        rows(int(setup.rows)) {}
 
   // Row bh's part of the cache, from 32-bit positions (one wide multiply each).
   NKV_DEVICE const uint8_t* key_codes(int tk) const { return p.k.codes + (int64_t(bh) * ix.key_tokens + tk) * kRB; }
@@ -550,7 +573,7 @@ struct MmaKernel {
       bool vis[2];
       for (int h = 0; h < 2; ++h) vis[h] = lane + kWarp * h < n && p.visible(qp, pos0 + lane + kWarp * h);
       float w[2];
-      const float alpha = softmax_row(sm.sc[r], vis, p.softcap, sm.m[r], sm.lpart[r][lane], w);
+      const float alpha = softmax_row(sm.sc[r], vis, softcap, sm.m[r], sm.lpart[r][lane], w);
       for (int h = 0; h < 2; ++h) sm.sc[r][lane + kWarp * h] = w[h];
       if (lane == 0) sm.alpha[r] = alpha;
 #pragma unroll 1

@@ -148,8 +148,8 @@ at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& pages, co
     const at::Tensor scratch = at::empty({std::max<int64_t>(plan.scratch_bytes, 1)}, pages.options());
     const int err =
         cuda::launch_paged_attention<X>(p, plan, scratch.data_ptr<uint8_t>(), status.ptr(), cuda::current_stream());
-    TORCH_CHECK(err == 0, op, ": could not reserve the kernel's shared memory (head_dim ", s.pool.layout.head_dim,
-                "): ", cudaGetErrorString(cudaError_t(err)));
+    TORCH_CHECK(err == 0, op, ": could not launch the kernel (its shared memory or its plan; head_dim ",
+                s.pool.layout.head_dim, "): ", cudaGetErrorString(cudaError_t(err)));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   const uint32_t bad = status.read();

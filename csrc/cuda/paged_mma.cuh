@@ -9,6 +9,10 @@
 // tile's copies in flight during this tile's math.  One tile serves every
 // query row of the block: up to 16 rows = (tokens of one request) x (q heads
 // of the GQA group), so a decode step reads each page once per kv head.
+// Decode steps whose GQA group fits 8 rows take row tiles of 8
+// (core::paged_tile_rows): a variant (kNT = 1) that holds one n-tile of
+// accumulators and fragments, ~35 fewer registers (5 blocks per SM instead of
+// 3 at D128 in two groups).
 //
 // Keys are quantized per token here (unlike the contiguous cache's per-channel
 // keys), so the keys' scales lie on the M side of S^T = K . Q^T: the B
@@ -18,7 +22,8 @@
 // key's group scale on the accumulator, plus zero x (sum of q over the group).
 // P . V is attention_mma.cuh's: codes of two token rows per register, the
 // weights p x value scale (normalized per tile and channel group) in fp16 hi +
-// lo, the values' zeros summed per row and group by the softmax pass.
+// lo, the values' zeros summed per row and group by the softmax pass (in
+// parts per lane pair, added up once after the last tile).
 //
 // Work split: a pre-pass (one block) checks query_start_loc and numbers each
 // request's row tiles (tile_start); block (tile, kv head x head chunk, split)
@@ -44,7 +49,8 @@
 
 namespace nexuskv::cuda {
 
-static_assert(core::kPagedTileRows == kAttnRows && core::kPagedKeyTile == kMmaTile, "paged_split.h's sizes");
+static_assert(core::kPagedTileRows == kAttnRows && core::kPagedDecodeTileRows == 8 && core::kPagedKeyTile == kMmaTile,
+              "paged_split.h's sizes");
 
 // Sizes the kernels index with, computed by the host (32-bit, no division by a
 // run-time size in the tile loop: benchmarks/cuda_budget.py counts it).
@@ -132,9 +138,11 @@ NKV_KERNEL void paged_mma_tiles_kernel(const NKV_GRID_CONSTANT PagedMmaArgs<X> a
 
 // ---- the split kernel ---------------------------------------------------------------------------
 
-template <int kD, int kRB, typename X, int kBg>
+// kNT: the block's 8-row n-tiles of query rows (1: decode steps, core::paged_tile_rows).
+template <int kD, int kRB, typename X, int kBg, int kNT>
 struct alignas(16) PagedMmaSmem {
   static constexpr int kRS = code_row_stride<kRB>();
+  static constexpr int kRows = 8 * kNT;
   struct alignas(16) Stage {         // 16-byte aligned: the cp.async targets
     uint8_t k_codes[kMmaTile][kRS];  // packed K rows of the tile
     uint8_t v_codes[kMmaTile][kRS];  // packed V rows
@@ -142,27 +150,28 @@ struct alignas(16) PagedMmaSmem {
   };
   union {
     Stage stage[2];
-    float q[kAttnRows][kD];  // the block's queries, before they are folded (set-up only)
+    float q[kRows][kD];  // the block's queries, before they are folded (set-up only)
   } buf;
-  uint4 qfrag[2][kD / 16][kWarp];  // normalized queries {hi, hi, lo, lo} per n-tile, k-step, lane
-  float qsum[kAttnRows][kBg];      // normalized sum of the row's q over each key group
-  float qdown[kAttnRows];          // 1 / the row's normalizer
-  float sc[kAttnRows][kMmaTile];   // scores, then softmax weights
-  float zacc[kAttnRows][kBg];      // sum of p * value zero per value group
+  uint4 qfrag[kNT][kD / 16][kWarp];    // normalized queries {hi, hi, lo, lo} per n-tile, k-step, lane
+  float qsum[kRows][kBg];              // normalized sum of the row's q over each key group
+  float qdown[kRows];                  // 1 / the row's normalizer
+  float sc[kRows][kMmaTile];           // scores, then softmax weights
+  float zpart[kRows][kBg][kWarp / 2];  // lane pairs' parts of sum p * value zero per value group
+  float zacc[kRows][kBg];              // ... summed over the lanes (after the tile loop)
   // P . V weights {p x value scale x 2^k} as fp16 pairs hi + lo per value group and row, in
   // the B fragments' order: entry 4 kk + t holds {hi(q), hi(q + 4), lo(q), lo(q + 4)} of key
   // pairs q = 8 kk + t and q + 4, one 128-bit load a fragment (20 entries a row: the two rows a
   // quarter-warp reads lie on distinct banks).
   static constexpr int kWStride = kMmaTile / 16 * 4 + 4;
-  uint4 w[kBg][kAttnRows][kWStride];
-  float wdown[kBg];  // 1 / the weights' power of two per value group
-  float m[kAttnRows], alpha[kAttnRows];
-  float lpart[kAttnRows][kWarp];               // each lane's part of the row's softmax denominator (NaN: a bad score)
-  int32_t qpos[kAttnRows], kfirst[kAttnRows];  // the row's position and first visible key
+  uint4 w[kBg][kRows][kWStride];
+  float vup[kBg], wdown[kBg];  // the weights' power of two per value group, and 1 / it
+  float m[kRows], alpha[kRows];
+  float lpart[kRows][kWarp];           // each lane's part of the row's softmax denominator (NaN: a bad score)
+  int32_t qpos[kRows], kfirst[kRows];  // the row's position and first visible key
   uint32_t flag;
 };
 
-template <typename X, int kBits, int kD, int kBg>
+template <typename X, int kBits, int kD, int kBg, int kNT>
 struct PagedMmaKernel {
   static constexpr int kRB = int(core::row_bytes(kBits, kD));
   static_assert(kRB % 16 == 0 && (kRB & (kRB - 1)) == 0, "code rows: whole 16-byte copies, a power of two");
@@ -173,30 +182,35 @@ struct PagedMmaKernel {
   static constexpr int kGroup = kD / kBg;          // channels per key / value group (G, or D when G >= D)
   static constexpr int kGroupSteps = kGroup / 16;  // k-steps per key group
   static_assert(kGroup % 16 == 0 && kBg * kGroup == kD, "whole groups of 16-channel k-steps");
-  using Smem = PagedMmaSmem<kD, kRB, X, kBg>;
+  static_assert(kBg <= kMmaThreads / kWarp, "tile_scores: a warp per value group finds its normalizer");
+  using Smem = PagedMmaSmem<kD, kRB, X, kBg, kNT>;
+  static constexpr int kRows = Smem::kRows;  // query rows a block holds at most
   using Stage = typename Smem::Stage;
-  // Blocks per SM the registers must allow: one group fits 5 at D64 (<= 102
-  // registers) and 4 at D128 (<= 128), the others 3 (<= 168).
-  static constexpr int kMinBlocks = kBg == 1 ? (kD == 64 ? 5 : 4) : kMmaMinBlocks;
+  // Blocks per SM the registers must allow: with one n-tile (decode) 5 (<= 102
+  // registers) up to 2 groups and 4 (<= 128) at 4; with two, one group fits 5
+  // at D64 and 4 at D128, the others 3 (<= 168).
+  static constexpr int kMinBlocks = kNT == 1 ? (kBg <= 2 ? 5 : 4) : (kBg == 1 ? (kD == 64 ? 5 : 4) : kMmaMinBlocks);
 
   const PagedMmaArgs<X>& a;
   const core::PagedAttention<X>& p;
   const PagedMmaIndex& ix;
   Smem& sm;
   const int warp, lane, g, t;
+  const SoftCap softcap;
   // The block's work, the same on every thread.
   int h = 0, hq0 = 0, heads = 0;  // kv head, first q head, q heads of the row tile
   int64_t req = 0, token0 = 0;    // request, first token of the tile (a row of q)
-  int rows = 0, ntiles = 1;       // query rows (token-major: row = token * heads per tile + head)
+  int rows = 0, ntiles_ = 1;      // query rows (token-major: row = token * heads per tile + head), n-tiles
   int32_t lo = 0, hi = 0;         // key positions of this split
   int32_t first = 0;              // the earliest visible key of the block's rows
   const int32_t* table = nullptr;
 
   NKV_DEVICE PagedMmaKernel(const PagedMmaArgs<X>& args, Smem& smem)
       : a(args), p(args.p), ix(args.ix), sm(smem), warp(int(threadIdx.x) / kWarp), lane(int(threadIdx.x) % kWarp),
-        g(lane / 4), t(lane % 4) {}
+        g(lane / 4), t(lane % 4), softcap(args.p.softcap) {}
 
-  NKV_DEVICE int hpt() const { return int(ix.heads.divisor); }  // q heads per row tile
+  NKV_DEVICE int hpt() const { return int(ix.heads.divisor); }      // q heads per row tile
+  NKV_DEVICE int ntiles() const { return kNT == 1 ? 1 : ntiles_; }  // the n-tiles holding rows
   // Row r's partial (null for a row with no q head).
   NKV_DEVICE float* partial_of(int r) const {
     uint32_t tok, hd;
@@ -291,7 +305,7 @@ struct PagedMmaKernel {
     if (signs)
       for (int d = int(threadIdx.x); d < kD; d += kMmaThreads)
         if (signs[d] != 1.f && signs[d] != -1.f) atomic_or(&sm.flag, kBadSigns);
-    for (int e = int(threadIdx.x); e < kAttnRows * kD; e += kMmaThreads) {
+    for (int e = int(threadIdx.x); e < kRows * kD; e += kMmaThreads) {
       const int r = e / kD, d = e % kD;
       uint32_t tok, hd;
       ix.heads.divmod(uint32_t(r), tok, hd);
@@ -304,15 +318,15 @@ struct PagedMmaKernel {
     }
     NKV_SYNC();
     if (signs) {
-      fwht_rows(&sm.buf.q[0][0], kAttnRows, kD, [](int64_t) { return false; });
+      fwht_rows(&sm.buf.q[0][0], kRows, kD, [](int64_t) { return false; });
       const float norm = 1.f / sqrtf(float(kD));
-      for (int e = int(threadIdx.x); e < kAttnRows * kD; e += kMmaThreads) (&sm.buf.q[0][0])[e] *= norm;
+      for (int e = int(threadIdx.x); e < kRows * kD; e += kMmaThreads) (&sm.buf.q[0][0])[e] *= norm;
       NKV_SYNC();
     }
     // Thread (row r, part) folds 4 kKSteps / 8 fragment entries of row r, as fold_queries does.
     constexpr int kParts = 8, kItems = 4 * kKSteps / kParts;
     const int tid = int(threadIdx.x), r = tid / kParts, part = tid % kParts;
-    if (r < 8 * ntiles) {
+    if (r < 8 * ntiles()) {
       float x[kItems][4], mx = 0.f;
 #pragma unroll
       for (int k = 0; k < kItems; ++k) {
@@ -328,11 +342,11 @@ struct PagedMmaKernel {
     }
     NKV_SYNC();
     // qsum[r][b] = normalizer x sum of q over key group b (a power of two: exact).
-    for (int e = tid; e < kAttnRows * kBg; e += kMmaThreads) {
+    for (int e = tid; e < kRows * kBg; e += kMmaThreads) {
       const int rr = e / kBg, b = e % kBg;
       float s = 0.f;
       for (int c = b * kGroup; c < (b + 1) * kGroup; ++c) s += sm.buf.q[rr][c];
-      sm.qsum[rr][b] = rr < 8 * ntiles ? s * pow2_inverse(sm.qdown[rr]) : 0.f;
+      sm.qsum[rr][b] = rr < 8 * ntiles() ? s * pow2_inverse(sm.qdown[rr]) : 0.f;
     }
     NKV_SYNC();  // buf.q is the stages' memory from here
   }
@@ -345,20 +359,34 @@ struct PagedMmaKernel {
 
   // Scores of the tile's keys (n of them) into sm.sc: per key group, the
   // group's k-steps on tensor cores, then x the key's group scale + its zero x
-  // the group's sum of q; x 1 / the row's normalizer.
-  NKV_DEVICE void tile_scores(const Stage& S, int n) {
+  // the group's sum of q; x 1 / the row's normalizer.  Warp w also finds
+  // value group w % kBg's power of two for the P . V weights (softmax): 2^14 <=
+  // the tile's largest |value scale| x it < 2^15 (keys before the block's
+  // first visible one may be pages never written: not counted); warps below
+  // kBg store it.  (Every warp runs the same code: shuffles under a branch on
+  // the warp would be compiled as divergent, with a WARPSYNC each.)
+  NKV_DEVICE void tile_scores(const Stage& S, int32_t t0, int n) {
+    {
+      const int b = warp % kBg, j0 = first - t0 > 0 ? first - t0 : 0;
+      float mx = 0.f;
+      if (lane < n && lane >= j0) mx = fabsf(meta_at(S, 2, lane, b));
+      if (lane + kWarp < n && lane + kWarp >= j0) mx = fmaxf(mx, fabsf(meta_at(S, 2, lane + kWarp, b)));
+      for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, shfl_xor(mx, o));
+      const float up = pow2_normalizer(mx);
+      if (warp < kBg && lane == 0) sm.vup[b] = up, sm.wdown[b] = pow2_inverse(up);
+    }
     const int key_a = 16 * warp + g, key_b = key_a + 8;
-    float sacc[2][4] = {};
+    float sacc[kNT][4] = {};
 #pragma unroll
     for (int b = 0; b < kBg; ++b) {
-      float c[2][4] = {};
+      float c[kNT][4] = {};
 #pragma unroll
       for (int ks = b * kGroupSteps; ks < (b + 1) * kGroupSteps; ++ks) {
         uint32_t af[4];
         key_codes_fragment<kBits>(S.k_codes, warp, g, t, ks, af);
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          if (nt >= ntiles) break;
+        for (int nt = 0; nt < kNT; ++nt) {
+          if (nt >= ntiles()) break;
           const uint4 f = sm.qfrag[nt][ks][lane];
           const uint32_t fh[2] = {f.x, f.y}, fl[2] = {f.z, f.w};
           mma_16816(c[nt], af, fh);
@@ -366,8 +394,8 @@ struct PagedMmaKernel {
         }
       }
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        if (nt >= ntiles) break;
+      for (int nt = 0; nt < kNT; ++nt) {
+        if (nt >= ntiles()) break;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int key = i < 2 ? key_a : key_b, r = 8 * nt + 2 * t + i % 2;
@@ -376,8 +404,8 @@ struct PagedMmaKernel {
       }
     }
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      if (nt >= ntiles) break;
+    for (int nt = 0; nt < kNT; ++nt) {
+      if (nt >= ntiles()) break;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int key = i < 2 ? key_a : key_b, r = 8 * nt + 2 * t + i % 2;
@@ -387,27 +415,17 @@ struct PagedMmaKernel {
   }
 
   // Soft-cap, mask and online softmax of sm.sc [rows, n] at positions t0..;
-  // the rescale into sm.alpha, the denominators in parts per lane, sum p x
-  // value zero per row and group added to zacc; and the P . V weights of every
-  // row, once for all warps: p x value scale x a power of two per value group
-  // (2^14 <= the tile's largest |scale| x it < 2^15, 1 / it in wdown), fp16
-  // hi + lo in the B fragments' pairs of keys (w; 0 where masked, past
-  // n, or for rows past rows: never written).  Warp w: rows w, w + 4, ... below
+  // the rescale into sm.alpha, the denominators and the sums p x value zero
+  // per row and group in parts per lane (lpart, zpart: summed once, after the
+  // tile loop); and the P . V weights of every row, once for all warps: p x
+  // value scale x the group's power of two (sm.vup, tile_scores), fp16 hi +
+  // lo in the B fragments' pairs of keys (w; 0 where masked, past n, or for
+  // rows past rows: never written).  Warp w: rows w, w + 4, ... below
   // rows (at decode with 4 q heads a kv head, one row a warp, not four).
   NKV_DEVICE void softmax(const Stage& S, int32_t t0, int n) {
-    // Each warp finds the value groups' normalizers itself (keys before the block's first
-    // visible one may be pages never written: not counted).
     float vup[kBg];
-    const int j0 = first - t0 > 0 ? first - t0 : 0;
 #pragma unroll
-    for (int b = 0; b < kBg; ++b) {
-      float mx = 0.f;
-      if (lane < n && lane >= j0) mx = fabsf(meta_at(S, 2, lane, b));
-      if (lane + kWarp < n && lane + kWarp >= j0) mx = fmaxf(mx, fabsf(meta_at(S, 2, lane + kWarp, b)));
-      for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, shfl_xor(mx, o));
-      vup[b] = pow2_normalizer(mx);
-      if (warp == 0 && lane == 0) sm.wdown[b] = pow2_inverse(vup[b]);
-    }
+    for (int b = 0; b < kBg; ++b) vup[b] = sm.vup[b];
 #pragma unroll 1
     for (int r = warp; r < rows; r += 4) {  // (the same on the warp; the weights of rows past rows stay 0)
       const int32_t qp = sm.qpos[r], kf = sm.kfirst[r];
@@ -418,15 +436,15 @@ struct PagedMmaKernel {
         vis[hh] = j < n && t0 + j <= qp && t0 + j >= kf;
       }
       float w[2];
-      const float alpha = softmax_row(sm.sc[r], vis, p.softcap, sm.m[r], sm.lpart[r][lane], w);
+      const float alpha = softmax_row(sm.sc[r], vis, softcap, sm.m[r], sm.lpart[r][lane], w);
       if (lane == 0) sm.alpha[r] = alpha;
 #pragma unroll
       for (int b = 0; b < kBg; ++b) {
         // (a weight of 0 skips its key: meta past the tile's keys is whatever the stage held)
         float z = (w[0] != 0.f ? w[0] * meta_at(S, 3, lane, b) : 0.f) +
                   (w[1] != 0.f ? w[1] * meta_at(S, 3, lane + kWarp, b) : 0.f);
-        for (int o = 16; o > 0; o /= 2) z += shfl_xor(z, o);
-        if (lane == 0) sm.zacc[r][b] = sm.zacc[r][b] * alpha + z;
+        z += shfl_xor(z, kWarp / 2);  // (one step: half the parts, half the shared memory)
+        if (lane < kWarp / 2) sm.zpart[r][b][lane] = sm.zpart[r][b][lane] * alpha + z;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int j = lane + kWarp * hh;
@@ -444,8 +462,8 @@ struct PagedMmaKernel {
 
   // acc = acc x alpha + W' . V for the tile: the value codes of each m-tile
   // extracted once and multiplied with every n-tile's weights (softmax).
-  NKV_DEVICE void tile_values(const Stage& S, float (&acc)[kMTiles][2][4]) {
-    float c[2][kMTiles][4] = {};
+  NKV_DEVICE void tile_values(const Stage& S, float (&acc)[kMTiles][kNT][4]) {
+    float c[kNT][kMTiles][4] = {};
 #pragma unroll
     for (int kk = 0; kk < kMmaTile / 16; ++kk) {
       uint32_t av[kMTiles][4];
@@ -454,8 +472,8 @@ struct PagedMmaKernel {
       for (int mi = 0; mi < kMTiles; ++mi) {
         const int b = 16 * (warp * kMTiles + mi) / kGroup;  // the m-tile's value group
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          if (nt >= ntiles) break;
+        for (int nt = 0; nt < kNT; ++nt) {
+          if (nt >= ntiles()) break;
           const uint4 f = sm.w[b][8 * nt + g][4 * kk + t];  // B fragment: key pairs 8 kk + t and + 4
           const uint32_t whi[2] = {f.x, f.y}, wlo[2] = {f.z, f.w};
           mma_16816(c[nt][mi], av[mi], whi);
@@ -464,8 +482,8 @@ struct PagedMmaKernel {
       }
     }
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      if (nt >= ntiles) break;
+    for (int nt = 0; nt < kNT; ++nt) {
+      if (nt >= ntiles()) break;
       float a_r[2];  // the rescale of rows 8 nt + 2t and + 1 (1 past rows)
 #pragma unroll
       for (int i = 0; i < 2; ++i) a_r[i] = 8 * nt + 2 * t + i < rows ? sm.alpha[8 * nt + 2 * t + i] : 1.f;
@@ -500,7 +518,7 @@ struct PagedMmaKernel {
     hq0 = h * gq + head0;
     token0 = qb + i0;
     rows = (int(ntok) - 1) * hpt() + heads;  // (heads < hpt only in a GQA group's last chunk: one token a tile)
-    ntiles = rows > 8 ? 2 : 1;
+    ntiles_ = rows > 8 ? 2 : 1;              // (kNT 1: the plan's row tiles hold at most 8)
     const int64_t len = p.seq_lens[req];
     bad_len = !(len >= qlen && len <= p.max_blocks * p.pool.layout.block_size);
     if (bad_len) return true;
@@ -528,14 +546,15 @@ struct PagedMmaKernel {
       return;
     }
     if (threadIdx.x == 0) sm.flag = 0;
-    for (int r = int(threadIdx.x); r < kAttnRows; r += kMmaThreads) {
+    for (int r = int(threadIdx.x); r < kRows; r += kMmaThreads) {
       const int32_t qp = int32_t(p.seq_lens[req] - (p.query_start_loc[req + 1] - p.query_start_loc[req])) +
                          int32_t(token0 - p.query_start_loc[req]) + int32_t(ix.heads.div(uint32_t(r)));
       sm.qpos[r] = qp;
       sm.kfirst[r] = p.window > 0 ? qp - int32_t(p.window) + 1 : 0;
       sm.m[r] = kNegInf, sm.alpha[r] = 1.f;
       for (int i = 0; i < kWarp; ++i) sm.lpart[r][i] = 0.f;
-      for (int b = 0; b < kBg; ++b) sm.zacc[r][b] = 0.f;
+      for (int b = 0; b < kBg; ++b)
+        for (int i = 0; i < kWarp / 2; ++i) sm.zpart[r][b][i] = 0.f;
     }
     // The weights of rows past rows stay 0 (softmax skips those rows).
     for (int e = int(threadIdx.x); e < int(sizeof(sm.w) / sizeof(uint4)); e += kMmaThreads)
@@ -543,7 +562,7 @@ struct PagedMmaKernel {
     NKV_SYNC();
     copy_plan();
     load_and_fold_queries();
-    float acc[kMTiles][2][4] = {};
+    float acc[kMTiles][kNT][4] = {};
 
     if (lo < hi) prefetch(lo, 0);
     int st = 0;
@@ -556,7 +575,7 @@ struct PagedMmaKernel {
       cp_async_wait<1>();
       NKV_SYNC();
       const Stage& S = sm.buf.stage[st];
-      tile_scores(S, n);
+      tile_scores(S, t0, n);
       NKV_SYNC();
       softmax(S, t0, n);
       NKV_SYNC();
@@ -566,17 +585,23 @@ struct PagedMmaKernel {
     cp_async_wait<0>();
     // The partials: acc + value zeros per group; max and the lanes' summed denominators.
     const bool poisoned = sm.flag != 0;
-    for (int rr = 0; rr < kAttnRows / 4; ++rr) {
-      const int r = 4 * warp + rr;
+    for (int rr = 0; rr < kRows / 4; ++rr) {
+      const int r = kRows / 4 * warp + rr;
       float l = sm.lpart[r][lane];
       for (int o = 16; o > 0; o /= 2) l += shfl_xor(l, o);
       if (lane == 0)
         if (float* pr = partial_of(r)) pr[D] = sm.m[r], pr[D + 1] = poisoned ? kNaN : l;
+      for (int b = 0; b < kBg; ++b) {
+        float z = lane < kWarp / 2 ? sm.zpart[r][b][lane] : 0.f;
+        for (int o = kWarp / 4; o > 0; o /= 2) z += shfl_xor(z, o);
+        if (lane == 0) sm.zacc[r][b] = z;
+      }
     }
+    NKV_SYNC();  // zacc of every row
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int r = 8 * nt + 2 * t + i % 2, ch = 16 * (warp * kMTiles + mi) + g + 8 * (i / 2);
@@ -586,10 +611,10 @@ struct PagedMmaKernel {
   }
 };
 
-template <typename X, int kBits, int kD, int kBg>
-NKV_KERNEL void __launch_bounds__(kMmaThreads, (PagedMmaKernel<X, kBits, kD, kBg>::kMinBlocks))
+template <typename X, int kBits, int kD, int kBg, int kNT>
+NKV_KERNEL void __launch_bounds__(kMmaThreads, (PagedMmaKernel<X, kBits, kD, kBg, kNT>::kMinBlocks))
     paged_attention_mma_kernel(const NKV_GRID_CONSTANT PagedMmaArgs<X> a) {
-  using K = PagedMmaKernel<X, kBits, kD, kBg>;
+  using K = PagedMmaKernel<X, kBits, kD, kBg, kNT>;
   NKV_DYNAMIC_SMEM(smem);
   K(a, *reinterpret_cast<typename K::Smem*>(smem)).run();
 }
@@ -657,9 +682,10 @@ bool paged_mma_takes(const core::PagedAttention<X>& p) {
          p.max_blocks * l.block_size + kMmaTile < core::kFastDivmodLimit;
 }
 
-// The kernel of p's variant (p must be taken) and its shared memory.
+// The kernel of p's variant (p must be taken) for row tiles of tile_rows (8
+// or 16: core::paged_tile_rows) and its shared memory.
 template <typename X>
-void (*paged_mma_kernel_of(const core::PagedAttention<X>& p, size_t& smem))(PagedMmaArgs<X>) {
+void (*paged_mma_kernel_of(const core::PagedAttention<X>& p, int tile_rows, size_t& smem))(PagedMmaArgs<X>) {
   void (*kernel)(PagedMmaArgs<X>) = nullptr;
   if constexpr (std::is_same_v<X, core::bf16_t> || std::is_same_v<X, core::half_t>) {
     const core::PagedLayout& l = p.pool.layout;
@@ -667,8 +693,14 @@ void (*paged_mma_kernel_of(const core::PagedAttention<X>& p, size_t& smem))(Page
       if constexpr (kBits != 3) {
         auto pick = [&]<int kD>() {
           auto groups = [&]<int kBg>() {
-            smem = sizeof(typename PagedMmaKernel<X, kBits, kD, kBg>::Smem);
-            kernel = paged_attention_mma_kernel<X, kBits, kD, kBg>;
+            auto tiles = [&]<int kNT>() {
+              smem = sizeof(typename PagedMmaKernel<X, kBits, kD, kBg, kNT>::Smem);
+              kernel = paged_attention_mma_kernel<X, kBits, kD, kBg, kNT>;
+            };
+            if (tile_rows <= 8)
+              tiles.template operator()<1>();
+            else
+              tiles.template operator()<2>();
           };
           const int bg = paged_mma_groups(l);
           if (bg == 1)
@@ -693,16 +725,18 @@ PagedAttentionPlan paged_mma_plan(const core::PagedAttention<X>& problem, int mu
   const core::PagedAttention<X> p = paged_mma_problem(problem);
   PagedAttentionPlan plan;
   if (!paged_mma_takes(p)) return plan;
+  const core::PagedLayout& l = p.pool.layout;
+  const int tile_rows = core::paged_tile_rows(p.num_tokens, p.num_reqs, p.gqa_group());
   size_t smem = 0;
-  auto kernel = paged_mma_kernel_of(p, smem);
+  auto kernel = paged_mma_kernel_of(p, tile_rows, smem);
   if (kernel == nullptr) return plan;
   if (smem > kDefaultSmem && allow_smem(kernel, smem) != 0) {
     (void)cudaGetLastError();  // this GPU has less shared memory: the SIMT kernel runs
     return plan;
   }
-  const core::PagedLayout& l = p.pool.layout;
-  const core::PagedRowTiles rt = core::paged_row_tiles(p.gqa_group());
+  const core::PagedRowTiles rt = core::paged_row_tiles(p.gqa_group(), tile_rows);
   plan.mma = true;
+  plan.tile_rows = tile_rows;
   plan.heads_per_tile = rt.heads;
   plan.tokens_per_tile = rt.tokens;
   plan.head_chunks = rt.head_chunks;
@@ -726,8 +760,12 @@ template <typename X>
 int launch_paged_attention_mma(const core::PagedAttention<X>& p, const PagedAttentionPlan& plan, uint8_t* scratch,
                                uint32_t* status, Stream stream) {
   size_t smem = 0;
-  auto kernel = paged_mma_kernel_of(p, smem);
+  auto kernel = paged_mma_kernel_of(p, plan.tile_rows, smem);
   if (kernel == nullptr) return int(cudaErrorInvalidDeviceFunction);
+  // The kernel's shared rows hold plan.tile_rows query rows: a plan made for another problem
+  // (or by hand) must not put more in a tile.
+  if (plan.heads_per_tile * plan.tokens_per_tile > plan.tile_rows || plan.tile_rows > kAttnRows)
+    return int(cudaErrorInvalidConfiguration);
   const core::PagedLayout& l = p.pool.layout;
   const PagedMmaScratch s = paged_mma_scratch(p.num_reqs, p.num_tokens, p.q_heads, int(plan.splits), l.head_dim);
   PagedMmaArgs<X> a;

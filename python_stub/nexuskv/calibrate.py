@@ -90,7 +90,8 @@ def add_arguments(p) -> None:
         "--sensitivity-windows",
         type=positive("--sensitivity-windows"),
         default=1,
-        help="windows (of the --windows) the sensitivity is measured on",
+        help="windows (of the --windows) the sensitivity and the whole maps (the candidates, the values' fit) "
+        "are measured on",
     )
 
 
@@ -203,6 +204,9 @@ def add_bit_map(recipe, model, windows, choices, args) -> None:
     if args.sensitivity_from:
         scores, measured_on = reuse_sensitivity(args.sensitivity_from, model, allocated_for)
         print(f"sensitivity: from {args.sensitivity_from}")
+    elif len(choices) == 1:  # every tensor gets the one width: no score can change the map
+        scores, measured_on = torch.zeros(text_config(model).num_hidden_layers, 2, 1), 0
+        print(f"sensitivity: not measured (one choice, {choices[0]} bits: the map is uniform)")
     else:
         print(
             f"sensitivity: KL (nats/token) from all-8-bit with one tensor at {choices} bits, "

@@ -14,18 +14,31 @@
 
 using namespace nexuskv::core;
 
-TEST_CASE("paged split: row tiles hold the GQA group's heads and as many tokens as fit in 16 rows") {
-  for (int gq = 1; gq <= 64; ++gq) {
-    const PagedRowTiles t = paged_row_tiles(gq);
-    CHECK(t.heads * t.tokens <= kPagedTileRows);
-    CHECK(t.tokens >= 1);
-    CHECK(t.heads * t.head_chunks >= gq);
-    CHECK((t.head_chunks - 1) * t.heads < gq);
-    if (gq <= kPagedTileRows) CHECK((t.head_chunks == 1 && t.heads == gq && t.tokens == kPagedTileRows / gq));
+TEST_CASE("paged split: row tiles hold the GQA group's heads and as many tokens as fit in 8 or 16 rows") {
+  for (const int rows : {kPagedDecodeTileRows, kPagedTileRows}) {
+    for (int gq = 1; gq <= 64; ++gq) {
+      const PagedRowTiles t = paged_row_tiles(gq, rows);
+      CHECK(t.heads * t.tokens <= rows);
+      CHECK(t.tokens >= 1);
+      CHECK(t.heads * t.head_chunks >= gq);
+      CHECK((t.head_chunks - 1) * t.heads < gq);
+      if (gq <= rows) CHECK((t.head_chunks == 1 && t.heads == gq && t.tokens == rows / gq));
+      // the kernel of 16-row tiles is picked by the rows a tile holds: more than 8 there
+      if (rows == kPagedTileRows) CHECK(t.heads * t.tokens > kPagedDecodeTileRows);
+    }
   }
+  CHECK(paged_row_tiles(4).tokens == 4);  // 16 rows unless asked
   CHECK(paged_request_tiles(0, 4) == 0);
   CHECK(paged_request_tiles(1, 4) == 1);
   CHECK(paged_request_tiles(9, 4) == 3);
+}
+
+TEST_CASE("paged split: decode steps with GQA groups of at most 8 take 8-row tiles, every other step 16") {
+  CHECK(paged_tile_rows(64, 64, 4) == kPagedDecodeTileRows);
+  CHECK(paged_tile_rows(1, 1, 8) == kPagedDecodeTileRows);
+  CHECK(paged_tile_rows(64, 64, 9) == kPagedTileRows);  // a group of 9 would need two chunks of pages
+  CHECK(paged_tile_rows(65, 64, 4) == kPagedTileRows);  // a request with several tokens
+  CHECK(paged_tile_rows(512, 1, 1) == kPagedTileRows);  // a prefill
 }
 
 TEST_CASE("paged split: every query token of a ragged batch is in exactly one row tile") {

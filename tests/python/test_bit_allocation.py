@@ -469,6 +469,16 @@ def test_calibrate_cli_allocates_a_bit_map_and_reuses_its_sensitivity(tmp_path, 
         assert value_fit(cache_for(model, recipe=f)) == asks
         assert not value_fit(cache_for(model, recipe=f, value_fit_range=False))
         assert cache_for(model, recipe=f, static=True, max_cache_len=64) is not None  # no fit there: min/max
+    # one width offered: the map is uniform, no sensitivity measured (it could not change the map),
+    # the value fit still decided on the windows' whole KL
+    capsys.readouterr()
+    uniform = str(tmp_path / "u.safetensors")
+    assert main(args + settings + ["--bits-choices", "4", "--bits-budget", "6.0", "--fit-range", "--out", uniform]) == 0
+    out = capsys.readouterr().out
+    assert "sensitivity: not measured (one choice, 4 bits" in out and "layer 0 K" not in out
+    u = Recipe.load(uniform)
+    assert (u.bit_map == 4).all() and u.bits["sensitivity_windows"] == 0 and not u.sensitivity.any()
+    assert [c["bit_map"] for c in u.bits["candidates"]] == [[[4, 4], [4, 4]]] and "value_fit_kl" in u.bits
 
 
 @requires_model[0]

@@ -196,7 +196,7 @@ def test_the_kernel_name_pattern_reads_bits_and_head_dim():
 
 
 def test_the_paged_kernel_pattern_reads_bits_head_dim_and_groups():
-    name = "_ZN7nexuskv4cuda26paged_attention_mma_kernelINS_4core6bf16_tELi4ELi128ELi2EEEvNS0_12PagedMmaArgsIT_EE"
-    assert cb.PAGED_KERNEL.search(name).groups() == ("bf16_t", "4", "128", "2")
+    name = "_ZN7nexuskv4cuda26paged_attention_mma_kernelINS_4core6bf16_tELi4ELi128ELi2ELi1EEEvNS0_12PagedMmaArgsIT_EE"
+    assert cb.PAGED_KERNEL.search(name).groups() == ("bf16_t", "4", "128", "2", "1")
     assert cb.KERNEL.search(name) is None  # not counted twice, as a contiguous variant
     assert cb.paged_tile_bytes(4, 128, 64) == 2 * 64 * 64 + 64 * 2 * 4 * 2  # codes + 4 meta per token and group

@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import cuda_dynamic as cd  # noqa: E402
 
-PAGED = "_ZN7nexuskv4cuda26paged_attention_mma_kernelINS_4core6bf16_tELi4ELi128ELi2EEEvNS0_12PagedMmaArgsIT_EE"
+PAGED = "_ZN7nexuskv4cuda26paged_attention_mma_kernelINS_4core6bf16_tELi4ELi128ELi2ELi1EEEvNS0_12PagedMmaArgsIT_EE"
 CONTIG = (
     "_ZN7nexuskv4cuda20attention_mma_kernelINS0_15AttentionLaunchINS_4core15AttentionParamsINS3_6bf16_tES5_S5_"
     "EEEELi2ELi128EEEvNS0_9MmaLaunchIT_EE"
@@ -27,15 +27,15 @@ def details(launch, name, metric, unit, value):
 
 
 def test_variants_from_mangled_names():
-    assert cd.variant(PAGED) == ("paged", "bf16", 4, 128, 2)
-    assert cd.variant(CONTIG) == ("contiguous", "bf16", 2, 128, 0)
+    assert cd.variant(PAGED) == ("paged", "bf16", 4, 128, 2, 8)
+    assert cd.variant(CONTIG) == ("contiguous", "bf16", 2, 128, 0, 16)
     assert cd.variant(MERGE) is None  # the merge and the pre-pass are not the tile loop
     # ncu's default names are demangled (c++filt's spelling of the two above)
-    paged = "void nexuskv::cuda::paged_attention_mma_kernel<nexuskv::core::bf16_t, 4, 128, 2>(PagedMmaArgs<T1>)"
+    paged = "void nexuskv::cuda::paged_attention_mma_kernel<nexuskv::core::bf16_t, 4, 128, 2, 1>(PagedMmaArgs<T1>)"
     params = "nexuskv::core::AttentionParams<nexuskv::core::half_t, nexuskv::core::half_t, nexuskv::core::half_t>"
     contig = f"void nexuskv::cuda::attention_mma_kernel<nexuskv::cuda::AttentionLaunch<{params} >, 8, 64>(...)"
-    assert cd.variant(paged) == ("paged", "bf16", 4, 128, 2)
-    assert cd.variant(contig) == ("contiguous", "fp16", 8, 64, 0)
+    assert cd.variant(paged) == ("paged", "bf16", 4, 128, 2, 8)
+    assert cd.variant(contig) == ("contiguous", "fp16", 8, 64, 0, 16)
     assert cd.variant("void nexuskv::cuda::paged_mma_merge_kernel<nexuskv::core::bf16_t>(...)") is None
 
 
@@ -53,7 +53,7 @@ def test_details_layout_per_tile_and_ratio():
             details(2, CONTIG, "gpu__time_duration.sum", "nsecond", "4,000"),
         ]
     )
-    static = {("paged", "bf16", 4, 128, 2): 500, ("contiguous", "bf16", 2, 128, 0): 4000}
+    static = {("paged", "bf16", 4, 128, 2, 8): 500, ("contiguous", "bf16", 2, 128, 0, 16): 4000}
     rows = cd.parse(text, static, batch=2, context=128)
     assert [r["kernel"] for r in rows] == ["paged", "contiguous"]
     assert rows[0]["per_warp_per_tile"] == pytest.approx(1000.0)
@@ -80,11 +80,11 @@ def test_raw_layout():
 
 def test_the_static_counts_are_the_budget_json():
     counts = cd.static_counts(str(Path(cd.__file__).with_name("cuda_budget.json")))
-    assert counts[("paged", "bf16", 4, 128, 2)] > 0 and counts[("contiguous", "bf16", 4, 128, 0)] > 0
+    assert counts[("paged", "bf16", 4, 128, 2, 8)] > 0 and counts[("contiguous", "bf16", 4, 128, 0, 16)] > 0
     # a launch's row finds its variant's static count there (the names from both sides agree)
     text = "\n".join([HEAD, details(0, PAGED, "smsp__inst_executed.sum", "inst", "128,000")])
     (row,) = cd.parse(text, counts, batch=2, context=128)
-    assert row["static_loop"] == counts[("paged", "bf16", 4, 128, 2)]
+    assert row["static_loop"] == counts[("paged", "bf16", 4, 128, 2, 8)]
     assert row["dynamic_over_static"] == pytest.approx(1000.0 / row["static_loop"])
 
 

@@ -9,6 +9,8 @@ the problem, so every comparison below knows which kernel ran.  Skipped without 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from devices import requires_cuda
@@ -31,19 +33,26 @@ def run(pool, reqs, table, lens, qsl, q, kernel, monkeypatch, **kw):
     return out.cpu()
 
 
-def serve(pool, steps, q_heads, monkeypatch, seed=0, **kw):
+def serve(pool, steps, q_heads, monkeypatch, seed=0, pads=None, **kw):
     """The steps ({request: new tokens}) through the tensor-core kernel, each step's output against
-    float64 and against the SIMT kernel; returns the largest errors seen."""
+    float64 and against the SIMT kernel.  pads: padding query rows after each step's tokens
+    (default 2 each).  Returns the tensor-core kernels' launch names per step when the profiler
+    sees CUDA kernels (else None)."""
     g = torch.Generator().manual_seed(seed)
     ids = {}  # the steps' request names -> the pool's requests
-    for named in steps:
+    launched = []
+    for i, named in enumerate(steps):
         for r in named:
             if r not in ids:
                 ids[r] = pool.add_request()
         reqs, table, lens, qsl = pool.step({ids[r]: n for r, n in named.items()})
         n = int(qsl[-1])
-        q = torch.randn(n + 2, q_heads, pool.D, generator=g).to(pool.dtype)  # 2 padding rows
-        got = run(pool, reqs, table, lens, qsl, q, "mma", monkeypatch, **kw)
+        pad = 2 if pads is None else pads[i]
+        q = torch.randn(n + pad, q_heads, pool.D, generator=g).to(pool.dtype)  # padding rows
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            got = run(pool, reqs, table, lens, qsl, q, "mma", monkeypatch, **kw)
+        names = [e.key for e in prof.key_averages()]
+        launched.append([k for k in names if "paged_attention_mma_kernel" in k] if names else None)
         simt = run(pool, reqs, table, lens, qsl, q, "simple", monkeypatch, **kw)
         assert torch.equal(got[n:], torch.zeros_like(got[n:]))
         want = reference(
@@ -52,6 +61,14 @@ def serve(pool, steps, q_heads, monkeypatch, seed=0, **kw):
         vmax = max(float(pool.v[r].abs().max()) for r in reqs) * 1.5
         check_close(got[:n], want, pool.dtype, vmax)
         check_close(simt[:n], want, pool.dtype, vmax)
+    return launched
+
+
+def row_tiles(names):
+    """The query rows per block (8 kNT) of the paged tensor-core kernels launched, from the
+    profiler's names (paged_attention_mma_kernel<X, bits, D, groups, kNT>, demangled or not)."""
+    pattern = re.compile(r"paged_attention_mma_kernel(?:<.*, (\d+)>|I\w*ELi(\d+)EEEv)")
+    return {8 * int(m.group(1) or m.group(2)) for k in names for m in [pattern.search(k)] if m}
 
 
 @pytest.mark.parametrize("dtype", HALVES)
@@ -64,6 +81,24 @@ def test_formats_against_float64(dtype, bits, D, G, monkeypatch):
     serve(
         pool, [{0: 70, 1: 9}, {0: 1, 1: 40, 2: 23}, {0: 1, 1: 1, 2: 1}], q_heads=8, monkeypatch=monkeypatch, scale=0.125
     )
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("bits,D,G", [(2, 128, 64), (4, 64, 64), (4, 128, 32), (8, 128, 128)])
+@pytest.mark.parametrize("q_heads", [2, 8, 16, 18])  # GQA 1, 4, 8: decode steps in 8-row tiles; 9: 16 rows
+def test_decode_steps_take_8_row_tiles(dtype, bits, D, G, q_heads, monkeypatch):
+    """A step of one token a request and no padding (num_tokens == num_reqs, core::paged_tile_rows)
+    with a GQA group of at most 8 runs the kernel of one 8-row n-tile; so does a step of as many
+    tokens as requests where one request has 2 tokens and one none (its tokens take two row
+    tiles).  A prefill, or padding rows, take 16-row tiles.  Every step against float64 and SIMT."""
+    fmt = paged.PagedFormat(bits, bits, G, 0, rotate=True, seed=bits)
+    pool = Pool(fmt, kv_heads=2, D=D, P=16, num_blocks=64, dtype=dtype, device="cuda", seed=q_heads)
+    steps = [{0: 90, 1: 33, 2: 5}, {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1}, {0: 2, 1: 0, 2: 1}, {0: 1, 1: 1, 2: 1}]
+    launched = serve(pool, steps, q_heads, monkeypatch, pads=[0, 0, 0, 0, 2], scale=0.125)
+    if launched[0] is None:
+        pytest.skip("the profiler saw no CUDA kernel: which row tiles ran is unknown (the outputs were checked)")
+    decode = 8 if q_heads // 2 <= 8 else 16
+    assert [row_tiles(names) for names in launched] == [{16}, {decode}, {decode}, {decode}, {16}]
 
 
 @pytest.mark.parametrize("q_heads", [2, 4, 8, 24, 48, 64])  # GQA 1, 2, 4, 12, 24 (chunks of 16 + 8), 32

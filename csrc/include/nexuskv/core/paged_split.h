@@ -24,8 +24,9 @@
 
 namespace nexuskv::core {
 
-constexpr int kPagedTileRows = 16;  // query rows per block (the kernel's two 8-wide n-tiles)
-constexpr int kPagedKeyTile = 64;   // keys per tile (4 warps x 16)
+constexpr int kPagedTileRows = 16;       // query rows per block at most (the kernel's two 8-wide n-tiles)
+constexpr int kPagedDecodeTileRows = 8;  // ... in a decode step (one n-tile: half the accumulators)
+constexpr int kPagedKeyTile = 64;        // keys per tile (4 warps x 16)
 
 struct PagedRowTiles {
   int heads = 1;        // q heads per row tile
@@ -33,10 +34,21 @@ struct PagedRowTiles {
   int head_chunks = 1;  // row tiles side by side per token range (GQA groups wider than the tile)
 };
 
-NEXUSKV_HD_INLINE PagedRowTiles paged_row_tiles(int gqa_group) {
+// Rows per tile for a step of num_tokens query tokens over num_reqs requests:
+// a decode step (one token a request, as the host sees it) whose GQA group
+// fits 8 rows takes tiles of 8, whose kernel holds one n-tile of accumulators
+// (fewer registers, more blocks per SM); every other step 16, which read each
+// page once for up to 16 rows.  Any input is right with either: a request's
+// tokens go in as many tiles as they need.
+NEXUSKV_HD_INLINE int paged_tile_rows(int64_t num_tokens, int64_t num_reqs, int gqa_group) {
+  return num_tokens == num_reqs && gqa_group <= kPagedDecodeTileRows ? kPagedDecodeTileRows : kPagedTileRows;
+}
+
+// The row tiles of tile_rows (8 or 16) rows for a GQA group.
+NEXUSKV_HD_INLINE PagedRowTiles paged_row_tiles(int gqa_group, int tile_rows = kPagedTileRows) {
   PagedRowTiles t;
-  t.heads = gqa_group < kPagedTileRows ? gqa_group : kPagedTileRows;
-  t.tokens = kPagedTileRows / t.heads;
+  t.heads = gqa_group < tile_rows ? gqa_group : tile_rows;
+  t.tokens = tile_rows / t.heads;
   t.head_chunks = (gqa_group + t.heads - 1) / t.heads;
   return t;
 }
