@@ -33,11 +33,11 @@ def run(pool, reqs, table, lens, qsl, q, kernel, monkeypatch, **kw):
     return out.cpu()
 
 
-def serve(pool, steps, q_heads, monkeypatch, seed=0, pads=None, **kw):
+def serve(pool, steps, q_heads, monkeypatch, seed=0, pads=None, profile=False, **kw):
     """The steps ({request: new tokens}) through the tensor-core kernel, each step's output against
     float64 and against the SIMT kernel.  pads: padding query rows after each step's tokens
-    (default 2 each).  Returns the tensor-core kernels' launch names per step when the profiler
-    sees CUDA kernels (else None)."""
+    (default 2 each).  With profile, returns the tensor-core kernels' launch names per step (None
+    for a step where the profiler saw no CUDA kernel at all)."""
     g = torch.Generator().manual_seed(seed)
     ids = {}  # the steps' request names -> the pool's requests
     launched = []
@@ -49,10 +49,13 @@ def serve(pool, steps, q_heads, monkeypatch, seed=0, pads=None, **kw):
         n = int(qsl[-1])
         pad = 2 if pads is None else pads[i]
         q = torch.randn(n + pad, q_heads, pool.D, generator=g).to(pool.dtype)  # padding rows
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        if profile:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                got = run(pool, reqs, table, lens, qsl, q, "mma", monkeypatch, **kw)
+            names = [e.key for e in prof.key_averages()]
+            launched.append([k for k in names if "paged_attention_mma_kernel" in k] if names else None)
+        else:
             got = run(pool, reqs, table, lens, qsl, q, "mma", monkeypatch, **kw)
-        names = [e.key for e in prof.key_averages()]
-        launched.append([k for k in names if "paged_attention_mma_kernel" in k] if names else None)
         simt = run(pool, reqs, table, lens, qsl, q, "simple", monkeypatch, **kw)
         assert torch.equal(got[n:], torch.zeros_like(got[n:]))
         want = reference(
@@ -94,7 +97,7 @@ def test_decode_steps_take_8_row_tiles(dtype, bits, D, G, q_heads, monkeypatch):
     fmt = paged.PagedFormat(bits, bits, G, 0, rotate=True, seed=bits)
     pool = Pool(fmt, kv_heads=2, D=D, P=16, num_blocks=64, dtype=dtype, device="cuda", seed=q_heads)
     steps = [{0: 90, 1: 33, 2: 5}, {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1}, {0: 2, 1: 0, 2: 1}, {0: 1, 1: 1, 2: 1}]
-    launched = serve(pool, steps, q_heads, monkeypatch, pads=[0, 0, 0, 0, 2], scale=0.125)
+    launched = serve(pool, steps, q_heads, monkeypatch, pads=[0, 0, 0, 0, 2], profile=True, scale=0.125)
     if launched[0] is None:
         pytest.skip("the profiler saw no CUDA kernel: which row tiles ran is unknown (the outputs were checked)")
     decode = 8 if q_heads // 2 <= 8 else 16
