@@ -200,7 +200,7 @@ struct PagedMmaKernel {
   // The block's work, the same on every thread.
   int h = 0, hq0 = 0, heads = 0;  // kv head, first q head, q heads of the row tile
   int64_t req = 0, token0 = 0;    // request, first token of the tile (a row of q)
-  int rows = 0, ntiles_ = 1;      // query rows (token-major: row = token * heads per tile + head), n-tiles
+  int rows = 0;                   // query rows (token-major: row = token * heads per tile + head)
   int32_t lo = 0, hi = 0;         // key positions of this split
   int32_t first = 0;              // the earliest visible key of the block's rows
   const int32_t* table = nullptr;
@@ -209,8 +209,9 @@ struct PagedMmaKernel {
       : a(args), p(args.p), ix(args.ix), sm(smem), warp(int(threadIdx.x) / kWarp), lane(int(threadIdx.x) % kWarp),
         g(lane / 4), t(lane % 4), softcap(args.p.softcap) {}
 
-  NKV_DEVICE int hpt() const { return int(ix.heads.divisor); }      // q heads per row tile
-  NKV_DEVICE int ntiles() const { return kNT == 1 ? 1 : ntiles_; }  // the n-tiles holding rows
+  NKV_DEVICE int hpt() const { return int(ix.heads.divisor); }  // q heads per row tile
+  // The n-tiles holding rows (kNT 1: the plan's row tiles hold at most 8).
+  NKV_DEVICE int ntiles() const { return kNT == 1 || rows <= 8 ? 1 : 2; }
   // Row r's partial (null for a row with no q head).
   NKV_DEVICE float* partial_of(int r) const {
     uint32_t tok, hd;
@@ -518,7 +519,6 @@ struct PagedMmaKernel {
     hq0 = h * gq + head0;
     token0 = qb + i0;
     rows = (int(ntok) - 1) * hpt() + heads;  // (heads < hpt only in a GQA group's last chunk: one token a tile)
-    ntiles_ = rows > 8 ? 2 : 1;              // (kNT 1: the plan's row tiles hold at most 8)
     const int64_t len = p.seq_lens[req];
     bad_len = !(len >= qlen && len <= p.max_blocks * p.pool.layout.block_size);
     if (bad_len) return true;
@@ -697,7 +697,7 @@ void (*paged_mma_kernel_of(const core::PagedAttention<X>& p, int tile_rows, size
               smem = sizeof(typename PagedMmaKernel<X, kBits, kD, kBg, kNT>::Smem);
               kernel = paged_attention_mma_kernel<X, kBits, kD, kBg, kNT>;
             };
-            if (tile_rows <= 8)
+            if (tile_rows <= core::kPagedDecodeTileRows)
               tiles.template operator()<1>();
             else
               tiles.template operator()<2>();

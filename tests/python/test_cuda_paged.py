@@ -9,6 +9,7 @@ the problem, so every comparison below knows which kernel ran.  Skipped without 
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -49,13 +50,12 @@ def serve(pool, steps, q_heads, monkeypatch, seed=0, pads=None, profile=False, *
         n = int(qsl[-1])
         pad = 2 if pads is None else pads[i]
         q = torch.randn(n + pad, q_heads, pool.D, generator=g).to(pool.dtype)  # padding rows
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if profile else None
+        with prof if profile else contextlib.nullcontext():
+            got = run(pool, reqs, table, lens, qsl, q, "mma", monkeypatch, **kw)
         if profile:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                got = run(pool, reqs, table, lens, qsl, q, "mma", monkeypatch, **kw)
             names = [e.key for e in prof.key_averages()]
             launched.append([k for k in names if "paged_attention_mma_kernel" in k] if names else None)
-        else:
-            got = run(pool, reqs, table, lens, qsl, q, "mma", monkeypatch, **kw)
         simt = run(pool, reqs, table, lens, qsl, q, "simple", monkeypatch, **kw)
         assert torch.equal(got[n:], torch.zeros_like(got[n:]))
         want = reference(
