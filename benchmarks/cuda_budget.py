@@ -34,10 +34,14 @@ into basic blocks; every backward edge u -> h closes a natural loop (the blocks 
 without passing h; the compiler places blocks out of order, so a loop is a set of blocks, not an
 address range); the tile loop is the smallest loop that contains every HMMA (tensor-core MMA)
 instruction of the kernel, since q . K and P . V both run once per tile.  The script checks
-that this loop also holds a barrier (BAR.SYNC) and an asynchronous copy (LDGSTS, the next
-tile's prefetch) and fails otherwise.  The count is static: every instruction of the loop's
-blocks once, so inner loops the compiler did not unroll count once (the table lists how many)
-and rarely taken paths count fully; it is an estimate of the per-tile work, not a trace.
+that this loop also holds a barrier (BAR.SYNC; WARPSYNC in the paged decode kernel, whose warps
+each take their own 16-key chunks) and an asynchronous copy (LDGSTS, the next tile's prefetch)
+and fails otherwise.  In that decode kernel (paged_decode.cuh, the "8r" rows) a warp's
+iteration takes 16 keys and the block's 4 warps 64 together, so its loop count per warp is the
+same unit as the others': instructions per warp per 64-key tile of the block.  The count is
+static: every instruction of the loop's blocks once, so inner loops the compiler did not unroll
+count once (the table lists how many) and rarely taken paths count fully; it is an estimate of
+the per-tile work, not a trace.
 
 From the counts it predicts one decode step of today's kernel on an H200 (32 q / 8 kv heads,
 D 128, batch 1 and 64, 4K and 32K; predict()): the larger of an issue bound (4 warp-instructions
@@ -76,8 +80,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 KERNEL = re.compile(r"(?<!paged_)attention_mma_kernel.*?(bf16_t|half_t).*?ELi(\d+)ELi(\d+)EEEv")
-# The paged tensor-core kernel (paged_attention_mma_kernel<X, kBits, kD, kBg, kNT>, csrc/cuda/paged_mma.cuh;
-# kNT: 8-row n-tiles of query rows, 1 for decode steps, 2 otherwise).
+# The paged tensor-core kernel (paged_attention_mma_kernel<X, kBits, kD, kBg, kNT>, csrc/cuda/paged_mma_launch.cuh;
+# kNT: 8-row n-tiles of query rows, 1 for decode steps (paged_decode.cuh), 2 otherwise (paged_mma.cuh)).
 PAGED_KERNEL = re.compile(r"paged_attention_mma_kernelIN\w*?(bf16_t|half_t)ELi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)EEEv")
 DTYPE = {"bf16_t": "bf16", "half_t": "fp16"}  # the kernels' element type -> the JSON's dtype
 NQ_KERNEL = re.compile(r"(nq_decompress_kernel|nq_pack_kernel)I(\w+?)(?:Li(\d+)E)?EEv")
@@ -324,7 +328,8 @@ def analyse(variant: Variant, code) -> None:
         "DIV64": division_calls(code, body, blocks),  # ... or the 64-bit integer division (must be 0)
         "IMAD": sum(op.startswith("IMAD") for op in ops),
     }
-    if counts["BAR"] == 0 or counts["LDGSTS"] == 0:
+    barriers = counts["BAR"] + sum(op.startswith("WARPSYNC") for op in ops)
+    if barriers == 0 or counts["LDGSTS"] == 0:
         raise ValueError(f"the loop found ({len(ops)} instructions) has no barrier or no cp.async: not the tile loop")
     variant.sass_instructions = len(code)
     variant.loop_instructions = len(ops)

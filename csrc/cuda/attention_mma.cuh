@@ -237,20 +237,21 @@ NKV_DEVICE float fold_row_fragments(const float (&x)[4 * kKSteps / 8][4], float 
   return up;
 }
 
-// A logit soft-cap, x -> cap x tanh(x / cap) (cap 0: none), with 1 / cap
-// taken once per block.
+// A logit soft-cap, x -> cap x tanh(x / cap) (cap 0: none), with its
+// constants taken once per block.
 struct SoftCap {
-  float cap = 0.f, inv = 0.f;
-  NKV_DEVICE explicit SoftCap(float c) : cap(c > 0.f ? c : 0.f), inv(c > 0.f ? 1.f / c : 0.f) {}
-  // tanh(y) = 1 - 2 / (e^(2|y|) + 1) with the sign restored, from one exp2 and
-  // one fast reciprocal.  The exp2's error (~2^-22 relative) stays absolute in
-  // the tanh (~2^-22 where the subtraction cancels near 0): below 1e-5 of a
-  // score for caps up to 50, far under a bf16 score's rounding; tanhf's exact
-  // routine took ~70 instructions of the tile loop.  +-inf -> +-cap (e^(2|y|) =
-  // inf: 2 / inf = 0), NaN stays NaN.
+  float cap = 0.f, cap2 = 0.f, k = 0.f;  // cap, 2 cap, 2 log2(e) / cap
+  NKV_DEVICE explicit SoftCap(float c)
+      : cap(c > 0.f ? c : 0.f), cap2(c > 0.f ? 2.f * c : 0.f), k(c > 0.f ? 2.8853900817779268f / c : 0.f) {}
+  // cap tanh(|y|) = cap - 2 cap / (e^(2|y|) + 1) with the sign restored: one
+  // exp2 (ex2.approx), one reciprocal (rcp.approx), one fma.  Their errors
+  // (~2^-22 relative) stay absolute in the tanh (~2^-22 where the subtraction
+  // cancels near 0): below 1e-5 of a score for caps up to 50, far under a bf16
+  // score's rounding; tanhf's exact routine took ~70 instructions of the tile
+  // loop.  +-inf -> +-cap (e^(2|y|) = inf: 1 / inf = 0), NaN stays NaN.
   NKV_DEVICE float operator()(float x) const {
-    const float e = exp2f(2.8853900817779268f * fabsf(x * inv));  // 2 log2(e) |y|
-    return copysignf(cap * (1.f - __fdividef(2.f, e + 1.f)), x);
+    const float e = fast_exp2(k * fabsf(x));
+    return copysignf(fmaf(-cap2, fast_rcp(e + 1.f), cap), x);
   }
 };
 

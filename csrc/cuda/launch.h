@@ -158,11 +158,12 @@ void launch_paged_write(const core::PagedWrite<X>& w, uint8_t* scratch, uint32_t
 template <typename X>
 void launch_paged_exact_write(const core::PagedWrite<X>& w, uint32_t* status, Stream stream);
 
-// The paged attention.  Two kernels: the tensor-core one (paged_mma.cuh) for
-// the common formats, the SIMT reference (paged_kernels.cuh: one block per
-// token, kv head and up to kPagedHeadsPerBlock q heads) for the rest; the plan
-// says which runs and what scratch it needs.  p.out is written in full
-// (padding rows zero).  Device-side checks (rows NaN, status bits):
+// The paged attention.  Two kernels: the tensor-core one
+// (paged_mma_launch.cuh: paged_decode.cuh for decode steps, paged_mma.cuh
+// otherwise) for the common formats, the SIMT reference (paged_kernels.cuh:
+// one block per token, kv head and up to kPagedHeadsPerBlock q heads) for the
+// rest; the plan says which runs and what scratch it needs.  p.out is written
+// in full (padding rows zero).  Device-side checks (rows NaN, status bits):
 // query_start_loc / seq_lens inconsistent (kBadLengths), a block id outside
 // the pool (kBadBlock), signs not +-1 (kBadSigns), an outlier position outside
 // its group (kBadOutlierIndex).  Needs p.num_tokens < 2^31 and kv_heads x

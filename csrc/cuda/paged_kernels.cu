@@ -1,8 +1,8 @@
-// The paged kernels (paged_kernels.cuh, paged_mma.cuh) for every stored dtype,
+// The paged kernels (paged_kernels.cuh, paged_mma_launch.cuh) for every stored dtype,
 // and the choice between the two attention kernels.  Torch-free; the operators
 // are registered by paged_cuda.cpp.
 #include "paged_kernels.cuh"
-#include "paged_mma.cuh"
+#include "paged_mma_launch.cuh"
 
 namespace nexuskv::cuda {
 

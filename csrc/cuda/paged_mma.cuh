@@ -10,9 +10,9 @@
 // query row of the block: up to 16 rows = (tokens of one request) x (q heads
 // of the GQA group), so a decode step reads each page once per kv head.
 // Decode steps whose GQA group fits 8 rows take row tiles of 8
-// (core::paged_tile_rows): a variant (kNT = 1) that holds one n-tile of
-// accumulators and fragments, ~35 fewer registers (5 blocks per SM instead of
-// 3 at D128 in two groups).
+// (core::paged_tile_rows) and run paged_decode.cuh's kernel instead, designed
+// for them (each warp its own keys, the softmax in registers); this one holds
+// 16 rows (kNT = 2 n-tiles of 8).
 //
 // Keys are quantized per token here (unlike the contiguous cache's per-channel
 // keys), so the keys' scales lie on the M side of S^T = K . Q^T: the B
@@ -136,9 +136,154 @@ NKV_KERNEL void paged_mma_tiles_kernel(const NKV_GRID_CONSTANT PagedMmaArgs<X> a
   }
 }
 
+// ---- the block's work (both split kernels) -----------------------------------------------------
+
+// What a block of the split kernels works on, the same on every thread: its
+// request, query rows and key range (setup), where its rows' partials go, and
+// its queries folded once (fold_queries).
+template <typename X>
+struct PagedBlockWork {
+  const PagedMmaArgs<X>& a;
+  const core::PagedAttention<X>& p;
+  const PagedMmaIndex& ix;
+  int h = 0, hq0 = 0, heads = 0;  // kv head, first q head, q heads of the row tile
+  int64_t req = 0, token0 = 0;    // request, first token of the tile (a row of q)
+  int rows = 0;                   // query rows (token-major: row = token * heads per tile + head)
+  int32_t lo = 0, hi = 0;         // key positions of this split
+  int32_t first = 0;              // the earliest visible key of the block's rows
+  const int32_t* table = nullptr;
+
+  NKV_DEVICE explicit PagedBlockWork(const PagedMmaArgs<X>& args) : a(args), p(args.p), ix(args.ix) {}
+
+  NKV_DEVICE int hpt() const { return int(ix.heads.divisor); }  // q heads per row tile
+  // Row r's partial (null for a row with no q head).
+  NKV_DEVICE float* partial_of(int r) const {
+    uint32_t tok, hd;
+    ix.heads.divmod(uint32_t(r), tok, hd);
+    if (r >= rows || int(hd) >= heads) return nullptr;
+    return a.partial(token0 + tok, hq0 + int(hd), int(blockIdx.z));
+  }
+  // Row r's query position (r may be past rows: then a position the rows never read).
+  NKV_DEVICE int32_t row_position(int r) const {
+    const int32_t* qsl = p.query_start_loc;
+    return int32_t(p.seq_lens[req] - (qsl[req + 1] - qsl[req])) + int32_t(token0 - qsl[req]) +
+           int32_t(ix.heads.div(uint32_t(r)));
+  }
+  // The first key row r sees (its position - window + 1; 0 without a window).
+  NKV_DEVICE int32_t row_first_key(int32_t qp) const { return p.window > 0 ? qp - int32_t(p.window) + 1 : 0; }
+
+  // Finds the block's request, rows and key range; false when the block has
+  // nothing to do (beyond the last tile, or query_start_loc invalid: the merge
+  // makes every row NaN).  Sets `bad_len` when the request's lengths are invalid.
+  NKV_DEVICE bool setup(bool& bad_len) {
+    bad_len = false;
+    if (*a.bad) return false;
+    const int64_t R = p.num_reqs, x = blockIdx.x;
+    if (x >= a.tile_start[R]) return false;
+    req = core::find_segment(a.tile_start, R, x);  // the last request whose tiles start at or before x
+    const int32_t* qsl = p.query_start_loc;
+    const int64_t qb = qsl[req], qlen = int64_t(qsl[req + 1]) - qb;
+    const int64_t i0 = (x - a.tile_start[req]) * ix.tokens_per_tile;
+    const int64_t ntok = qlen - i0 < ix.tokens_per_tile ? qlen - i0 : ix.tokens_per_tile;
+    const int gq = p.gqa_group(), chunk = int(blockIdx.y) % ix.head_chunks;
+    h = int(blockIdx.y) / ix.head_chunks;
+    const int head0 = chunk * hpt();
+    heads = gq - head0 < hpt() ? gq - head0 : hpt();
+    hq0 = h * gq + head0;
+    token0 = qb + i0;
+    rows = (int(ntok) - 1) * hpt() + heads;  // (heads < hpt only in a GQA group's last chunk: one token a tile)
+    const int64_t len = p.seq_lens[req];
+    bad_len = !(len >= qlen && len <= p.max_blocks * p.pool.layout.block_size);
+    if (bad_len) return true;
+    const int32_t qlo = int32_t(len - qlen + i0), qhi = qlo + int32_t(ntok) - 1;
+    const core::PagedSplitRange range = core::paged_split_range(qlo, qhi, p.window, ix.splits, int(blockIdx.z));
+    first = range.first, lo = range.lo, hi = range.hi;
+    table = p.block_table + req * p.max_blocks;
+    return true;
+  }
+
+  // The partials of a block that reads no key: NaN rows when the lengths are
+  // invalid (the merge propagates it), empty ones (max -inf, sum 0) for a split
+  // past the rows' keys (a context shorter than splits x 64).  True when so.
+  NKV_DEVICE bool no_keys(bool bad_len, int D) {
+    const float kNegInf = bits_float(0xff800000u), kNaN = bits_float(0x7fc00000u);
+    if (bad_len) {
+      for (int e = int(threadIdx.x); e < rows * (D + 2); e += kMmaThreads)
+        if (float* pr = partial_of(e / (D + 2))) pr[e % (D + 2)] = kNaN;
+      if (threadIdx.x == 0) report(a.status, kBadLengths);
+      return true;
+    }
+    if (lo >= hi) {
+      for (int e = int(threadIdx.x); e < rows * (D + 2); e += kMmaThreads)
+        if (float* pr = partial_of(e / (D + 2))) pr[e % (D + 2)] = e % (D + 2) == D ? kNegInf : 0.f;
+      return true;
+    }
+    return false;
+  }
+
+  // The queries of the block's rows times the scale, rotated when the pages
+  // are, into sm.buf.q; rows without a q head are 0.  Then folded once: each of
+  // the first fold_rows rows normalized by a power of two (2^14 <= max |q| <
+  // 2^15) and split into fp16 hi + lo in the B fragments' order (sm.qfrag),
+  // 1 / normalizer into sm.qdown, the normalized sum of q over each of the kBg
+  // key groups into sm.qsum (0 past fold_rows).  Ends with a barrier.
+  template <int kD, int kBg, int kRows, typename Smem>
+  NKV_DEVICE void fold_queries(Smem& sm, int fold_rows) {
+    constexpr int kKSteps = kD / 16, kGroup = kD / kBg;
+    const float* signs = p.rotation_signs;
+    if (signs)
+      for (int d = int(threadIdx.x); d < kD; d += kMmaThreads)
+        if (signs[d] != 1.f && signs[d] != -1.f) atomic_or(&sm.flag, kBadSigns);
+    for (int e = int(threadIdx.x); e < kRows * kD; e += kMmaThreads) {
+      const int r = e / kD, d = e % kD;
+      uint32_t tok, hd;
+      ix.heads.divmod(uint32_t(r), tok, hd);
+      float v = 0.f;
+      if (r < rows && int(hd) < heads) {
+        v = fast_float(p.q[(token0 + tok) * p.q_stride_t + int64_t(hq0 + int(hd)) * p.q_stride_h + d]) * p.scale;
+        if (signs) v *= signs[d];
+      }
+      sm.buf.q[r][d] = v;
+    }
+    NKV_SYNC();
+    if (signs) {
+      fwht_rows(&sm.buf.q[0][0], kRows, kD, [](int64_t) { return false; });
+      const float norm = 1.f / sqrtf(float(kD));
+      for (int e = int(threadIdx.x); e < kRows * kD; e += kMmaThreads) (&sm.buf.q[0][0])[e] *= norm;
+      NKV_SYNC();
+    }
+    // Thread (row r, part) folds 4 kKSteps / 8 fragment entries of row r, as fold_queries does.
+    constexpr int kParts = 8, kItems = 4 * kKSteps / kParts;
+    const int tid = int(threadIdx.x), r = tid / kParts, part = tid % kParts;
+    if (r < fold_rows) {
+      float x[kItems][4], mx = 0.f;
+#pragma unroll
+      for (int k = 0; k < kItems; ++k) {
+        const int item = part + kParts * k, ks = item / 4, lt = item % 4;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          x[k][e] = sm.buf.q[r][b_channel(ks, lt, e)];
+          mx = fmaxf(mx, fabsf(x[k][e]));
+        }
+      }
+      const float up = fold_row_fragments<kKSteps>(x, mx, r, part, sm.qfrag);
+      if (part == 0) sm.qdown[r] = pow2_inverse(up);
+    }
+    NKV_SYNC();
+    // qsum[r][b] = normalizer x sum of q over key group b (a power of two: exact).
+    for (int e = tid; e < kRows * kBg; e += kMmaThreads) {
+      const int rr = e / kBg, b = e % kBg;
+      float s = 0.f;
+      for (int c = b * kGroup; c < (b + 1) * kGroup; ++c) s += sm.buf.q[rr][c];
+      sm.qsum[rr][b] = rr < fold_rows ? s * pow2_inverse(sm.qdown[rr]) : 0.f;
+    }
+    NKV_SYNC();  // buf.q is the stages' memory from here
+  }
+};
+
 // ---- the split kernel ---------------------------------------------------------------------------
 
-// kNT: the block's 8-row n-tiles of query rows (1: decode steps, core::paged_tile_rows).
+// kNT: the block's 8-row n-tiles of query rows (2; decode steps: paged_decode.cuh).
 template <int kD, int kRB, typename X, int kBg, int kNT>
 struct alignas(16) PagedMmaSmem {
   static constexpr int kRS = code_row_stride<kRB>();
@@ -172,7 +317,7 @@ struct alignas(16) PagedMmaSmem {
 };
 
 template <typename X, int kBits, int kD, int kBg, int kNT>
-struct PagedMmaKernel {
+struct PagedMmaKernel : PagedBlockWork<X> {
   static constexpr int kRB = int(core::row_bytes(kBits, kD));
   static_assert(kRB % 16 == 0 && (kRB & (kRB - 1)) == 0, "code rows: whole 16-byte copies, a power of two");
   static constexpr int kKSteps = kD / 16;      // k-steps of q . K
@@ -186,39 +331,24 @@ struct PagedMmaKernel {
   using Smem = PagedMmaSmem<kD, kRB, X, kBg, kNT>;
   static constexpr int kRows = Smem::kRows;  // query rows a block holds at most
   using Stage = typename Smem::Stage;
-  // Blocks per SM the registers must allow: with one n-tile (decode) 5 (<= 102
-  // registers) up to 2 groups and 4 (<= 128) at 4; with two, one group fits 5
-  // at D64 and 4 at D128, the others 3 (<= 168).
-  static constexpr int kMinBlocks = kNT == 1 ? (kBg <= 2 ? 5 : 4) : (kBg == 1 ? (kD == 64 ? 5 : 4) : kMmaMinBlocks);
+  static_assert(kNT == 2, "decode steps' 8-row tiles run PagedDecodeKernel (paged_decode.cuh)");
+  // Blocks per SM the registers must allow: one group fits 5 at D64 and 4 at
+  // D128, the others 3 (<= 168 registers).
+  static constexpr int kMinBlocks = kBg == 1 ? (kD == 64 ? 5 : 4) : kMmaMinBlocks;
 
-  const PagedMmaArgs<X>& a;
-  const core::PagedAttention<X>& p;
-  const PagedMmaIndex& ix;
+  using Work = PagedBlockWork<X>;
+  using Work::a, Work::p, Work::ix, Work::h, Work::heads, Work::rows, Work::lo, Work::hi, Work::first, Work::table;
+  using Work::partial_of;
   Smem& sm;
   const int warp, lane, g, t;
   const SoftCap softcap;
-  // The block's work, the same on every thread.
-  int h = 0, hq0 = 0, heads = 0;  // kv head, first q head, q heads of the row tile
-  int64_t req = 0, token0 = 0;    // request, first token of the tile (a row of q)
-  int rows = 0;                   // query rows (token-major: row = token * heads per tile + head)
-  int32_t lo = 0, hi = 0;         // key positions of this split
-  int32_t first = 0;              // the earliest visible key of the block's rows
-  const int32_t* table = nullptr;
 
   NKV_DEVICE PagedMmaKernel(const PagedMmaArgs<X>& args, Smem& smem)
-      : a(args), p(args.p), ix(args.ix), sm(smem), warp(int(threadIdx.x) / kWarp), lane(int(threadIdx.x) % kWarp),
-        g(lane / 4), t(lane % 4), softcap(args.p.softcap) {}
+      : Work(args), sm(smem), warp(int(threadIdx.x) / kWarp), lane(int(threadIdx.x) % kWarp), g(lane / 4), t(lane % 4),
+        softcap(args.p.softcap) {}
 
-  NKV_DEVICE int hpt() const { return int(ix.heads.divisor); }  // q heads per row tile
-  // The n-tiles holding rows (kNT 1: the plan's row tiles hold at most 8).
-  NKV_DEVICE int ntiles() const { return kNT == 1 || rows <= 8 ? 1 : 2; }
-  // Row r's partial (null for a row with no q head).
-  NKV_DEVICE float* partial_of(int r) const {
-    uint32_t tok, hd;
-    ix.heads.divmod(uint32_t(r), tok, hd);
-    if (r >= rows || int(hd) >= heads) return nullptr;
-    return a.partial(token0 + tok, hq0 + int(hd), int(blockIdx.z));
-  }
+  // The n-tiles holding rows.
+  NKV_DEVICE int ntiles() const { return rows <= 8 ? 1 : 2; }
 
   // ---- loads ---------------------------------------------------------------------------------
 
@@ -294,62 +424,6 @@ struct PagedMmaKernel {
         if (meta_src[i] >= 0) cp_async16(stage + meta_dst[i] + c * (32 * kBg), meta + meta_src[i]);
     }
     cp_async_commit();
-  }
-
-  // The queries of the block's rows times the scale, rotated when the pages
-  // are, into buf.q; rows without a q head are 0.  Then folded once: each
-  // row normalized by a power of two (2^14 <= max |q| < 2^15) and split into
-  // fp16 hi + lo in the B fragments' order (qfrag), 1 / normalizer into qdown,
-  // the normalized sum of q over each key group into qsum.  Ends with a barrier.
-  NKV_DEVICE void load_and_fold_queries() {
-    const float* signs = p.rotation_signs;
-    if (signs)
-      for (int d = int(threadIdx.x); d < kD; d += kMmaThreads)
-        if (signs[d] != 1.f && signs[d] != -1.f) atomic_or(&sm.flag, kBadSigns);
-    for (int e = int(threadIdx.x); e < kRows * kD; e += kMmaThreads) {
-      const int r = e / kD, d = e % kD;
-      uint32_t tok, hd;
-      ix.heads.divmod(uint32_t(r), tok, hd);
-      float v = 0.f;
-      if (r < rows && int(hd) < heads) {
-        v = fast_float(p.q[(token0 + tok) * p.q_stride_t + int64_t(hq0 + int(hd)) * p.q_stride_h + d]) * p.scale;
-        if (signs) v *= signs[d];
-      }
-      sm.buf.q[r][d] = v;
-    }
-    NKV_SYNC();
-    if (signs) {
-      fwht_rows(&sm.buf.q[0][0], kRows, kD, [](int64_t) { return false; });
-      const float norm = 1.f / sqrtf(float(kD));
-      for (int e = int(threadIdx.x); e < kRows * kD; e += kMmaThreads) (&sm.buf.q[0][0])[e] *= norm;
-      NKV_SYNC();
-    }
-    // Thread (row r, part) folds 4 kKSteps / 8 fragment entries of row r, as fold_queries does.
-    constexpr int kParts = 8, kItems = 4 * kKSteps / kParts;
-    const int tid = int(threadIdx.x), r = tid / kParts, part = tid % kParts;
-    if (r < 8 * ntiles()) {
-      float x[kItems][4], mx = 0.f;
-#pragma unroll
-      for (int k = 0; k < kItems; ++k) {
-        const int item = part + kParts * k, ks = item / 4, lt = item % 4;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          x[k][e] = sm.buf.q[r][b_channel(ks, lt, e)];
-          mx = fmaxf(mx, fabsf(x[k][e]));
-        }
-      }
-      const float up = fold_row_fragments<kKSteps>(x, mx, r, part, sm.qfrag);
-      if (part == 0) sm.qdown[r] = pow2_inverse(up);
-    }
-    NKV_SYNC();
-    // qsum[r][b] = normalizer x sum of q over key group b (a power of two: exact).
-    for (int e = tid; e < kRows * kBg; e += kMmaThreads) {
-      const int rr = e / kBg, b = e % kBg;
-      float s = 0.f;
-      for (int c = b * kGroup; c < (b + 1) * kGroup; ++c) s += sm.buf.q[rr][c];
-      sm.qsum[rr][b] = rr < 8 * ntiles() ? s * pow2_inverse(sm.qdown[rr]) : 0.f;
-    }
-    NKV_SYNC();  // buf.q is the stages' memory from here
   }
 
   // ---- the tile ------------------------------------------------------------------------------
@@ -499,58 +573,16 @@ struct PagedMmaKernel {
 
   // ---- the block -----------------------------------------------------------------------------
 
-  // Finds the block's request, rows and key range; false when the block has
-  // nothing to do (beyond the last tile, or query_start_loc invalid: the merge
-  // makes every row NaN).  Sets `bad_len` when the request's lengths are invalid.
-  NKV_DEVICE bool setup(bool& bad_len) {
-    bad_len = false;
-    if (*a.bad) return false;
-    const int64_t R = p.num_reqs, x = blockIdx.x;
-    if (x >= a.tile_start[R]) return false;
-    req = core::find_segment(a.tile_start, R, x);  // the last request whose tiles start at or before x
-    const int32_t* qsl = p.query_start_loc;
-    const int64_t qb = qsl[req], qlen = int64_t(qsl[req + 1]) - qb;
-    const int64_t i0 = (x - a.tile_start[req]) * ix.tokens_per_tile;
-    const int64_t ntok = qlen - i0 < ix.tokens_per_tile ? qlen - i0 : ix.tokens_per_tile;
-    const int gq = p.gqa_group(), chunk = int(blockIdx.y) % ix.head_chunks;
-    h = int(blockIdx.y) / ix.head_chunks;
-    const int head0 = chunk * hpt();
-    heads = gq - head0 < hpt() ? gq - head0 : hpt();
-    hq0 = h * gq + head0;
-    token0 = qb + i0;
-    rows = (int(ntok) - 1) * hpt() + heads;  // (heads < hpt only in a GQA group's last chunk: one token a tile)
-    const int64_t len = p.seq_lens[req];
-    bad_len = !(len >= qlen && len <= p.max_blocks * p.pool.layout.block_size);
-    if (bad_len) return true;
-    const int32_t qlo = int32_t(len - qlen + i0), qhi = qlo + int32_t(ntok) - 1;
-    const core::PagedSplitRange range = core::paged_split_range(qlo, qhi, p.window, ix.splits, int(blockIdx.z));
-    first = range.first, lo = range.lo, hi = range.hi;
-    table = p.block_table + req * p.max_blocks;
-    return true;
-  }
-
   NKV_DEVICE void run() {
     const float kNegInf = bits_float(0xff800000u), kNaN = bits_float(0x7fc00000u);
     bool bad_len;
-    if (!setup(bad_len)) return;
+    if (!this->setup(bad_len) || this->no_keys(bad_len, kD)) return;
     const int D = kD;
-    if (bad_len) {  // rows NaN (the merge propagates it)
-      for (int e = int(threadIdx.x); e < rows * (D + 2); e += kMmaThreads)
-        if (float* pr = partial_of(e / (D + 2))) pr[e % (D + 2)] = kNaN;
-      if (threadIdx.x == 0) report(a.status, kBadLengths);
-      return;
-    }
-    if (lo >= hi) {  // a split past the rows' keys (a context shorter than splits x 64): an empty partial
-      for (int e = int(threadIdx.x); e < rows * (D + 2); e += kMmaThreads)
-        if (float* pr = partial_of(e / (D + 2))) pr[e % (D + 2)] = e % (D + 2) == D ? kNegInf : 0.f;
-      return;
-    }
     if (threadIdx.x == 0) sm.flag = 0;
     for (int r = int(threadIdx.x); r < kRows; r += kMmaThreads) {
-      const int32_t qp = int32_t(p.seq_lens[req] - (p.query_start_loc[req + 1] - p.query_start_loc[req])) +
-                         int32_t(token0 - p.query_start_loc[req]) + int32_t(ix.heads.div(uint32_t(r)));
+      const int32_t qp = this->row_position(r);
       sm.qpos[r] = qp;
-      sm.kfirst[r] = p.window > 0 ? qp - int32_t(p.window) + 1 : 0;
+      sm.kfirst[r] = this->row_first_key(qp);
       sm.m[r] = kNegInf, sm.alpha[r] = 1.f;
       for (int i = 0; i < kWarp; ++i) sm.lpart[r][i] = 0.f;
       for (int b = 0; b < kBg; ++b)
@@ -561,7 +593,7 @@ struct PagedMmaKernel {
       (&sm.w[0][0][0])[e] = make_uint4(0u, 0u, 0u, 0u);
     NKV_SYNC();
     copy_plan();
-    load_and_fold_queries();
+    this->template fold_queries<kD, kBg, kRows>(sm, 8 * ntiles());
     float acc[kMTiles][kNT][4] = {};
 
     if (lo < hi) prefetch(lo, 0);
@@ -610,189 +642,5 @@ struct PagedMmaKernel {
     if (threadIdx.x == 0 && poisoned) report(a.status, sm.flag);
   }
 };
-
-template <typename X, int kBits, int kD, int kBg, int kNT>
-NKV_KERNEL void __launch_bounds__(kMmaThreads, (PagedMmaKernel<X, kBits, kD, kBg, kNT>::kMinBlocks))
-    paged_attention_mma_kernel(const NKV_GRID_CONSTANT PagedMmaArgs<X> a) {
-  using K = PagedMmaKernel<X, kBits, kD, kBg, kNT>;
-  NKV_DYNAMIC_SMEM(smem);
-  K(a, *reinterpret_cast<typename K::Smem*>(smem)).run();
-}
-
-// ---- merge --------------------------------------------------------------------------------------
-
-// Block (token, kv head x head chunk): the merge of its rows' splits, the
-// inverse rotation, out.  Padding tokens (past query_start_loc[num_reqs]) are
-// zero; every row is NaN when query_start_loc was invalid.
-template <typename X>
-NKV_KERNEL void paged_mma_merge_kernel(const NKV_GRID_CONSTANT PagedMmaArgs<X> a) {
-  NKV_DYNAMIC_SMEM(smem);
-  const core::PagedAttention<X>& p = a.p;
-  const int64_t token = blockIdx.x, D = p.pool.layout.head_dim, splits = a.ix.splits;
-  const int gq = p.gqa_group(), hpt = int(a.ix.heads.divisor);
-  const int h = int(blockIdx.y) / a.ix.head_chunks, head0 = (int(blockIdx.y) % a.ix.head_chunks) * hpt;
-  const int rows = gq - head0 < hpt ? gq - head0 : hpt, hq0 = h * gq + head0;
-  X* const out = p.out + (token * p.q_heads + hq0) * D;  // rows x D, contiguous
-  const bool bad = *a.bad != 0;
-  if (bad || token >= p.query_start_loc[p.num_reqs]) {
-    const float v = bad ? bits_float(0x7fc00000u) : 0.f;
-    for (int64_t e = threadIdx.x; e < rows * D; e += blockDim.x) out[e] = core::from_float<X>(v);
-    if (bad && threadIdx.x == 0) report(a.status, kBadLengths);
-    return;
-  }
-  float* row_s = reinterpret_cast<float*>(smem);  // [kAttnRows, D]
-  float* weight_s = row_s + kAttnRows * D;        // [kAttnRows, splits]
-  merge_splits(
-      rows, D, splits, [&](int64_t r, int64_t sp) { return a.partial(token, hq0 + int(r), int(sp)); }, row_s, weight_s);
-  const float* signs = p.rotation_signs;
-  if (signs) fwht_rows(row_s, rows, D, [](int64_t) { return false; });
-  const float norm = 1.f / sqrtf(float(D));
-  for (int64_t e = threadIdx.x; e < rows * D; e += blockDim.x)
-    out[e] = core::from_float<X>(signs ? row_s[e] * (norm * signs[e % D]) : row_s[e]);
-}
-
-// ---- host -------------------------------------------------------------------------------------
-
-// Key / value groups per token of the kernel's variants (1, 2 or 4 whole groups
-// of a multiple of 16 channels; a group_size >= head_dim is one group), 0 if none.
-inline int paged_mma_groups(const core::PagedLayout& l) {
-  const int bg = l.group_size >= l.head_dim ? 1 : l.head_dim / l.group_size;
-  const bool whole = l.group_size >= l.head_dim || l.head_dim % l.group_size == 0;
-  return whole && (bg == 1 || bg == 2 || bg == 4) && (l.head_dim / bg) % 16 == 0 ? bg : 0;
-}
-
-// p with a window no shorter than the block table's width dropped: it hides no
-// key (every position is below the width), and the kernel's 32-bit positions
-// could not hold it.
-template <typename X>
-core::PagedAttention<X> paged_mma_problem(core::PagedAttention<X> p) {
-  if (p.window >= p.max_blocks * p.pool.layout.block_size) p.window = 0;
-  return p;
-}
-
-// Whether the tensor-core kernel takes p (see the top of this file).
-template <typename X>
-bool paged_mma_takes(const core::PagedAttention<X>& p) {
-  const core::PagedLayout& l = p.pool.layout;
-  constexpr bool kTypes = std::is_same_v<X, core::bf16_t> || std::is_same_v<X, core::half_t>;
-  return kTypes && l.x_bytes == int(sizeof(X)) && l.exact_window == 0 && l.num_outliers == 0 &&
-         l.key_bits == l.value_bits && (l.key_bits == 2 || l.key_bits == 4 || l.key_bits == 8) &&
-         (l.head_dim == 64 || l.head_dim == 128) && paged_mma_groups(l) > 0 &&
-         (reinterpret_cast<uintptr_t>(p.pages) & 15u) == 0 &&
-         p.max_blocks * l.block_size + kMmaTile < core::kFastDivmodLimit;
-}
-
-// The kernel of p's variant (p must be taken) for row tiles of tile_rows (8
-// or 16: core::paged_tile_rows) and its shared memory.
-template <typename X>
-void (*paged_mma_kernel_of(const core::PagedAttention<X>& p, int tile_rows, size_t& smem))(PagedMmaArgs<X>) {
-  void (*kernel)(PagedMmaArgs<X>) = nullptr;
-  if constexpr (std::is_same_v<X, core::bf16_t> || std::is_same_v<X, core::half_t>) {
-    const core::PagedLayout& l = p.pool.layout;
-    core::layout::with_bits(l.key_bits, [&]<int kBits>() {
-      if constexpr (kBits != 3) {
-        auto pick = [&]<int kD>() {
-          auto groups = [&]<int kBg>() {
-            auto tiles = [&]<int kNT>() {
-              smem = sizeof(typename PagedMmaKernel<X, kBits, kD, kBg, kNT>::Smem);
-              kernel = paged_attention_mma_kernel<X, kBits, kD, kBg, kNT>;
-            };
-            if (tile_rows <= core::kPagedDecodeTileRows)
-              tiles.template operator()<1>();
-            else
-              tiles.template operator()<2>();
-          };
-          const int bg = paged_mma_groups(l);
-          if (bg == 1)
-            groups.template operator()<1>();
-          else if (bg == 2)
-            groups.template operator()<2>();
-          else
-            groups.template operator()<4>();
-        };
-        if (l.head_dim == 64)
-          pick.template operator()<64>();
-        else
-          pick.template operator()<128>();
-      }
-    });
-  }
-  return kernel;
-}
-
-template <typename X>
-PagedAttentionPlan paged_mma_plan(const core::PagedAttention<X>& problem, int multiprocessors) {
-  const core::PagedAttention<X> p = paged_mma_problem(problem);
-  PagedAttentionPlan plan;
-  if (!paged_mma_takes(p)) return plan;
-  const core::PagedLayout& l = p.pool.layout;
-  const int tile_rows = core::paged_tile_rows(p.num_tokens, p.num_reqs, p.gqa_group());
-  size_t smem = 0;
-  auto kernel = paged_mma_kernel_of(p, tile_rows, smem);
-  if (kernel == nullptr) return plan;
-  if (smem > kDefaultSmem && allow_smem(kernel, smem) != 0) {
-    (void)cudaGetLastError();  // this GPU has less shared memory: the SIMT kernel runs
-    return plan;
-  }
-  const core::PagedRowTiles rt = core::paged_row_tiles(p.gqa_group(), tile_rows);
-  plan.mma = true;
-  plan.tile_rows = tile_rows;
-  plan.heads_per_tile = rt.heads;
-  plan.tokens_per_tile = rt.tokens;
-  plan.head_chunks = rt.head_chunks;
-  plan.tiles = (p.num_tokens + plan.tokens_per_tile - 1) / plan.tokens_per_tile + p.num_reqs;
-  // The most keys one tile's rows see: the block table's width (or the window
-  // and the tile's tokens), and 15 before the first for the 16-key alignment.
-  const int64_t width = p.max_blocks * l.block_size;
-  const int64_t keys =
-      (p.window > 0 && p.window + plan.tokens_per_tile - 1 < width ? p.window + plan.tokens_per_tile - 1 : width) + 15;
-  // Decode (one token per request) has one tile per request.
-  const int64_t tiles = p.num_tokens == p.num_reqs ? p.num_reqs : plan.tiles;
-  const int64_t units = tiles * p.pool.kv_heads * plan.head_chunks;
-  const int per_sm = blocks_per_sm(kernel, kMmaThreads, smem);
-  const int64_t slots = int64_t(per_sm > 0 ? per_sm : 1) * (multiprocessors > 0 ? multiprocessors : 1);
-  plan.splits = core::plan_splits(units, slots, keys, kMmaTile).splits;
-  plan.scratch_bytes = paged_mma_scratch(p.num_reqs, p.num_tokens, p.q_heads, int(plan.splits), l.head_dim).bytes;
-  return plan;
-}
-
-template <typename X>
-int launch_paged_attention_mma(const core::PagedAttention<X>& p, const PagedAttentionPlan& plan, uint8_t* scratch,
-                               uint32_t* status, Stream stream) {
-  size_t smem = 0;
-  auto kernel = paged_mma_kernel_of(p, plan.tile_rows, smem);
-  if (kernel == nullptr) return int(cudaErrorInvalidDeviceFunction);
-  // The kernel's shared rows hold plan.tile_rows query rows: a plan made for another problem
-  // (or by hand) must not put more in a tile.
-  if (plan.heads_per_tile * plan.tokens_per_tile > plan.tile_rows || plan.tile_rows > kAttnRows)
-    return int(cudaErrorInvalidConfiguration);
-  const core::PagedLayout& l = p.pool.layout;
-  const PagedMmaScratch s = paged_mma_scratch(p.num_reqs, p.num_tokens, p.q_heads, int(plan.splits), l.head_dim);
-  PagedMmaArgs<X> a;
-  a.p = paged_mma_problem(p);
-  a.ix.block = core::FastDivmod(l.block_size);
-  a.ix.heads = core::FastDivmod(plan.heads_per_tile);
-  a.ix.off = core::PagedOffsets(l);
-  a.ix.head_page_bytes = l.head_page_bytes();
-  a.ix.meta_array_bytes = l.meta_bytes();
-  a.ix.tokens_per_tile = plan.tokens_per_tile;
-  a.ix.head_chunks = plan.head_chunks;
-  a.ix.splits = int(plan.splits);
-  a.tile_start = reinterpret_cast<int32_t*>(scratch + s.tile_start);
-  a.bad = reinterpret_cast<uint32_t*>(scratch + s.bad);
-  a.partials = reinterpret_cast<float*>(scratch + s.partials);
-  a.status = status;
-  launch(paged_mma_tiles_kernel<X>, Dim3(1), Dim3(kPagedTilesThreads), 0, stream, a);
-  launch(kernel, Dim3(unsigned(plan.tiles), unsigned(p.pool.kv_heads * plan.head_chunks), unsigned(plan.splits)),
-         Dim3(kMmaThreads), smem, stream, a);
-  const size_t merge_smem = size_t(kAttnRows * l.head_dim + kAttnRows * plan.splits) * sizeof(float);
-  if (merge_smem > kDefaultSmem) {
-    const int err = int(allow_smem(paged_mma_merge_kernel<X>, merge_smem));
-    if (err != 0) return err;
-  }
-  launch(paged_mma_merge_kernel<X>, Dim3(unsigned(p.num_tokens), unsigned(p.pool.kv_heads * plan.head_chunks)),
-         Dim3(kMmaThreads), merge_smem, stream, a);
-  return 0;
-}
 
 }  // namespace nexuskv::cuda

@@ -138,6 +138,30 @@ NKV_DEVICE void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// The transpose of an 8x8 matrix of 16-bit values held by the warp in the
+// fragment layout (lane 4 r + c holds row r, columns 2c and 2c + 1, the lower
+// column in bits 0..15): lane 4 r + c gets rows 2c and 2c + 1 of column r
+// (movmatrix, sm_75 and later).  All 32 lanes call it together.
+NKV_DEVICE uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+}
+// 2^x in one MUFU.EX2 (ex2.approx.ftz: 2 ulp; a result below 2^-126 is 0;
+// exactly 1 at 0, 0 at -inf, NaN for NaN), as FlashAttention's softmax.
+NKV_DEVICE float fast_exp2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+  return r;
+}
+
+// 1 / x in one MUFU.RCP (rcp.approx.ftz: 1 ulp; 1 / inf = 0).
+NKV_DEVICE float fast_rcp(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+  return r;
+}
+
 // The shared-window address of a pointer into shared memory (cp.async's
 // operand).  The conversion costs ~5 instructions (S2R, LEA, ...) that the
 // compiler does not hoist out of a tile's copies: loops take it once.

@@ -87,6 +87,13 @@ def test_a_predicated_call_is_a_branch_and_a_self_loop_is_not_the_whole_kernel()
     assert v.loop_instructions == 7 and v.loop_inner_loops == 1
 
 
+def test_a_warp_barrier_marks_the_decode_kernels_loop():
+    # paged_decode.cuh: each warp its own chunks, __syncwarp (WARPSYNC) instead of a block barrier
+    lines = [ln.replace("BAR.SYNC.DEFER_BLOCKING 0x0", "WARPSYNC.ALL") for ln in fix_targets(tile())]
+    v = analyse(lines)
+    assert v.loop_instructions == 9 and v.loop_counts["BAR"] == 0
+
+
 def test_refuses_a_loop_without_barrier_or_copy():
     lines = ["S2R R0, SR_TID.X", "HMMA.16816.F32.BF16 R8, R12, R16, R8", "@P0 BRA 0x010", "EXIT"]
     with pytest.raises(ValueError, match="not the tile loop"):

@@ -1,8 +1,9 @@
-"""paged_attention's tensor-core kernel (csrc/cuda/paged_mma.cuh) on a GPU: against the float64
-reference of test_paged.py over the formats it takes (2/4/8 bits, head_dim 64 / 128, groups of
-16 to 128, GQA 1 to 32, blocks of 16 to 128 tokens, rotation, sliding windows, soft-cap), for
-decode, ragged chunked prefill and contexts long enough to split the key range; against the
-SIMT kernel (NEXUSKV_CUDA_ATTENTION=simple) on the same pages; and its refusals and bad input.
+"""paged_attention's tensor-core kernels (csrc/cuda/paged_mma.cuh; paged_decode.cuh for decode
+steps) on a GPU: against the float64 reference of test_paged.py over the formats they take
+(2/4/8 bits, head_dim 64 / 128, groups of 16 to 128, GQA 1 to 32, blocks of 16 to 128 tokens,
+rotation, sliding windows, soft-cap), for decode, ragged chunked prefill and contexts long enough
+to split the key range; against the SIMT kernel (NEXUSKV_CUDA_ATTENTION=simple) on the same pages;
+and their refusals and bad input.
 
 NEXUSKV_CUDA_ATTENTION=mma makes the operator raise when the tensor-core kernel does not take
 the problem, so every comparison below knows which kernel ran.  Skipped without a GPU."""
@@ -102,6 +103,30 @@ def test_decode_steps_take_8_row_tiles(dtype, bits, D, G, q_heads, monkeypatch):
         pytest.skip("the profiler saw no CUDA kernel: which row tiles ran is unknown (the outputs were checked)")
     decode = 8 if q_heads // 2 <= 8 else 16
     assert [row_tiles(names) for names in launched] == [{16}, {decode}, {decode}, {decode}, {16}]
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("window,softcap", [(None, None), (100, None), (None, 30.0)])
+def test_decode_kernel_over_long_contexts(bits, window, softcap, monkeypatch):
+    """Decode steps without padding (paged_decode.cuh: each warp its own 16-key chunks) over
+    contexts of ~1.2K and ~0.7K tokens whose values grow 1000-fold along the context, so that the
+    value normalizer moves and the warps' accumulators are rescaled by it; with a sliding window
+    or a soft-cap; against float64 and SIMT."""
+    fmt = paged.PagedFormat(bits, bits, 64, 0, rotate=True)
+    pool = Pool(fmt, kv_heads=2, D=128, P=32, num_blocks=80, dtype=torch.float16, device="cuda", seed=bits)
+    new_kv = pool.new_kv
+
+    def growing(n, outlier_channel=None):
+        k, v = new_kv(n, outlier_channel)
+        return k, (v.float() * torch.logspace(-1.5, 1.5, n)[:, None, None]).to(pool.dtype)
+
+    pool.new_kv = growing
+    steps = [{0: 1200, 1: 700}, {0: 1, 1: 1}, {0: 1, 1: 1}]
+    launched = serve(
+        pool, steps, 8, monkeypatch, pads=[0, 0, 0], profile=True, scale=0.1, window=window, softcap=softcap
+    )
+    if launched[0] is not None:
+        assert [row_tiles(names) for names in launched] == [{16}, {8}, {8}]
 
 
 @pytest.mark.parametrize("q_heads", [2, 4, 8, 24, 48, 64])  # GQA 1, 2, 4, 12, 24 (chunks of 16 + 8), 32

@@ -1,0 +1,457 @@
+// The paged attention of decode steps on tensor cores: one row tile of up to 8
+// query rows (a request's GQA group, core::paged_tile_rows) per block, each of
+// the block's 4 warps an attention of its own over every fourth 16-key chunk
+// of the split's keys, merged once at the end.  Designed from the byte budget
+// of benchmarks/cuda_budget.py: at decode the 8 rows make an MMA's n side, so
+// the per-tile work that does not scale with the bytes (block barriers, the
+// scores' round trip through shared memory, a softmax row per warp, the page
+// lookups of every chunk by every warp) was most of paged_mma.cuh's tile loop.
+//
+// A warp's chunk, all in registers but the copies:
+//  - its pages: the warp looks up its own chunk's head page (no shuffles, no
+//    block barrier) and copies the chunk's K, V codes and four [16, Bg] meta
+//    rows by cp.async into its own two stages; the next chunk's copies are in
+//    flight during this one's math;
+//  - S^T = K . Q^T per key group (m16n8k16: 16 keys x 8 rows), the queries
+//    fp16 (the B fragments held in registers for the whole block), then x the
+//    key's group scale + its zero x the row's sum of q over the group;
+//  - the online softmax on the accumulator fragments: lane (g, t) holds keys
+//    g, g + 8 of rows 2t, 2t + 1, so a row's max is 3 shuffles over g; base-2
+//    exponentials (log2 e folded into the queries' normalizer and the cap);
+//  - P . V as O^T = V^T . W^T (m16n8k16: 16 channels x 8 rows, k = the 16
+//    keys): the weights p x value scale x a power of two per value group, in
+//    fp16 hi + lo, go from the score fragments (keys x rows) to the B
+//    fragments (rows x keys) by movmatrix; the A fragments are value codes of
+//    two keys per register from 16-bit loads, the channels of an m-tile in
+//    the order the loads give them (row g <-> byte 2g, row g + 8 <-> byte
+//    2g + 1 of the chunk's plane), un-permuted when the partial is written;
+//  - the value zeros summed as p x zero per lane, the accumulators rescaled
+//    by the max's change and the value normalizer's (both powers of two or
+//    exponentials, the same for every channel of a row and group).
+// The end: each warp sums its lanes' denominators and zeros, the 4 warps'
+// (max, sum, accumulators) merge through shared memory into the split's
+// partial, in paged_mma.cuh's format (paged_mma_merge_kernel runs after).
+//
+// Precision: keys and values exact as codes; queries fp16 (at most 2^-11
+// relative, round to nearest: the size of an fp16 query's own rounding, an
+// eighth of a bf16 one's; the 16-row kernel splits them in hi + lo); weights
+// hi + lo (~22 bits); fp32 accumulation.  Compiles; untested on a GPU until a lent one runs
+// benchmarks/gpu_check.sh (tests/python/test_cuda_paged.py compares it with
+// float64 and with the SIMT kernel).
+#pragma once
+
+#include <cstddef>
+
+#include "paged_mma.cuh"
+
+namespace nexuskv::cuda {
+
+constexpr int kDecodeChunk = 16;                   // keys a warp takes at a time
+constexpr int kDecodeWarps = kMmaThreads / kWarp;  // 4: a block takes 64 keys at a time
+static_assert(kDecodeChunk * kDecodeWarps == kMmaTile, "the block's keys per round: one 64-key tile");
+
+// Bytes between two code rows of a chunk in shared memory: 16 more than the
+// row for rows of 32 bytes or more, so that the 8 rows a key fragment reads
+// (lanes g) and the 4 row pairs a value fragment reads (lanes t) lie on
+// distinct banks; rows of 16 bytes are conflict-free as they are.
+template <int kRB>
+constexpr int decode_row_stride() {
+  return kRB >= 32 ? kRB + 16 : kRB;
+}
+
+template <int kD, int kRB, typename X, int kBg>
+struct alignas(16) PagedDecodeSmem {
+  static constexpr int kRS = decode_row_stride<kRB>();
+  static constexpr int kRows = core::kPagedDecodeTileRows;  // 8
+  struct alignas(16) Stage {                                // one warp's chunk; 16-byte aligned: the cp.async targets
+    uint8_t k_codes[kDecodeChunk][kRS];                     // packed K rows
+    uint8_t v_codes[kDecodeChunk][kRS];                     // packed V rows
+    X meta[4][kDecodeChunk * kBg];  // key scale, key zero, value scale, value zero: [16, Bg] each
+  };
+  struct Merge {                         // each warp's attention, after the last chunk
+    float acc[kDecodeWarps][kRows][kD];  // sum of p x value scale x code (channels in order), / the normalizer
+    float m[kDecodeWarps][kRows];        // max (base 2)
+    float l[kDecodeWarps][kRows];        // sum of p (NaN: a bad score)
+    float z[kDecodeWarps][kRows][kBg];   // sum of p x value zero per group
+  };
+  union {
+    Stage stage[kDecodeWarps][2];
+    float q[kRows][kD];  // the block's queries, before they are folded (set-up only)
+    Merge merge;
+  } buf;
+  uint4 qfrag[1][kD / 16][kWarp];  // normalized queries {hi, hi, lo, lo} per k-step and lane (hi used)
+  float qsum[kRows][kBg];          // normalized sum of the row's q over each key group
+  float qdown[kRows];              // 1 / the row's normalizer
+  uint32_t flag;
+};
+
+template <typename X, int kBits, int kD, int kBg>
+struct PagedDecodeKernel : PagedBlockWork<X> {
+  static constexpr int kRB = int(core::row_bytes(kBits, kD));
+  static_assert(kRB % 16 == 0, "code rows: whole 16-byte copies");
+  static_assert(sizeof(X) == 2, "2-byte meta: the copy plan and meta_of (paged_mma_takes checks x_bytes)");
+  static constexpr int kKSteps = kD / 16;  // k-steps of q . K
+  static constexpr int kMTiles = kD / 16;  // P . V m-tiles (16 channels): every one in each warp
+  static constexpr int kPlanes = core::layout::kPlanes<kBits>;
+  static constexpr int kCodeChunks = kRB / 16;  // 16-byte chunks of a code row (kPlanes m-tiles each)
+  static constexpr int kGroup = kD / kBg;       // channels per key / value group
+  static constexpr int kGroupSteps = kGroup / 16;
+  static_assert(kGroup % 16 == 0 && kBg * kGroup == kD, "whole groups of 16-channel k-steps");
+  static_assert(kCodeChunks * kPlanes == kMTiles, "a chunk's planes are its m-tiles");
+  using Smem = PagedDecodeSmem<kD, kRB, X, kBg>;
+  using Stage = typename Smem::Stage;
+  static constexpr int kRows = Smem::kRows;
+  // Blocks per SM the registers must allow: 4 (<= 128 registers); 3 at four
+  // groups and with rows of 128 bytes (8-bit D128), which spilled 8-16 bytes
+  // at 128 (8-bit is bound by its bytes: 3 blocks keep ~110 KB in flight).
+  static constexpr int kMinBlocks = kBg == 4 || kRB > 64 ? 3 : 4;
+
+  using Work = PagedBlockWork<X>;
+  using Work::a, Work::p, Work::ix, Work::h, Work::rows, Work::lo, Work::hi, Work::first, Work::table;
+  using Work::partial_of;
+  Smem& sm;
+  const int warp, lane, g, t;
+
+  NKV_DEVICE PagedDecodeKernel(const PagedMmaArgs<X>& args, Smem& smem)
+      : Work(args), sm(smem), warp(int(threadIdx.x) / kWarp), lane(int(threadIdx.x) % kWarp), g(lane / 4), t(lane % 4) {
+  }
+
+  // ---- copies --------------------------------------------------------------------------------
+
+  // The copies of one chunk: its K and V code rows (kRB 16-byte pieces each,
+  // contiguous in the head page from the chunk's first slot) and its four
+  // [16, Bg] meta rows (2 Bg pieces each).  Lane l owns code pieces l, l + 32,
+  // ... and meta piece l.  Where piece l comes from (bytes from the chunk's
+  // first code row / meta entry) and goes to (bytes in the stage) is worked out
+  // once per block; with rows of 32 bytes or more (a whole number of rows per
+  // round of the warp) piece l + 32 i lies a fixed distance further on both
+  // sides, so that 2 registers hold the plan of every round.
+  static constexpr int kCodePieces = 2 * kRB, kMetaPieces = 4 * 2 * kBg;
+  static constexpr int kCodeCopies = kCodePieces / kWarp, kRowPieces = kRB / 16;
+  static_assert(kCodePieces % kWarp == 0 && kMetaPieces <= kWarp, "a chunk's copies: whole rounds of the warp");
+  static_assert(kRB == 16 || kRB % kWarp == 0, "rows of 16 bytes, or a round of the warp in whole rows");
+  int32_t code_src = 0, code_dst = 0;    // piece `lane`'s
+  int32_t v_src = 0;                     // V codes' offset - K codes' in the head page
+  int32_t meta_src = -1, meta_dst = -1;  // -1: no piece (lanes past the meta pieces)
+  const uint8_t* head_pages = nullptr;   // kv head h's page of block 0
+  int64_t block_bytes = 0;               // bytes between a head's pages of two blocks
+
+  NKV_DEVICE void copy_plan() {
+    const int half = lane / kRB, piece = lane % kRB;      // (half 1 only with rows of 16 bytes)
+    code_src = int32_t(ix.off.codes[half]) + 16 * piece;  // (a head page is < 2^31 bytes)
+    code_dst = int32_t((half ? offsetof(Stage, v_codes) : offsetof(Stage, k_codes)) + piece / kRowPieces * Smem::kRS +
+                       16 * (piece % kRowPieces));
+    v_src = int32_t(ix.off.codes[1] - ix.off.codes[0]);
+    head_pages = p.pages + int64_t(h) * ix.head_page_bytes;
+    block_bytes = int64_t(p.pool.kv_heads) * ix.head_page_bytes;
+    if (lane < kMetaPieces) {
+      const int arr = lane / (2 * kBg), mp = lane % (2 * kBg);
+      meta_src = int32_t(ix.off.scale[0] + arr * ix.meta_array_bytes) + 16 * mp;
+      meta_dst = int32_t(offsetof(Stage, meta) + arr * sizeof(Stage::meta[0])) + 16 * mp;
+    }
+  }
+  // Round i's offsets from piece `lane`'s (rows of 32 bytes or more): K or V, and the rows further on.
+  static constexpr int round_half(int i) { return kWarp * i / (kRB > 16 ? kRB : kCodePieces); }
+  static constexpr int32_t round_dst(int i) {
+    return int32_t((round_half(i) ? offsetof(Stage, v_codes) - offsetof(Stage, k_codes) : 0) +
+                   (kWarp * i % kRB) / kRowPieces * Smem::kRS);
+  }
+
+  // Issues the copies of the chunk at key c0 into `stage` (one commit group).
+  // A block id outside the pool copies nothing and poisons the block (every
+  // chunk from the aligned first key on holds a visible key).
+  NKV_DEVICE void prefetch(int32_t c0, uint32_t stage) {
+    uint32_t col, slot;
+    ix.block.divmod(uint32_t(c0), col, slot);
+    const int32_t id = table[col];
+    if (id >= 0 && id < p.pool.num_blocks) {
+      const uint8_t* page = head_pages + int64_t(id) * block_bytes;  // the head's page of block id
+      // The lane's first piece (the chunk's first code row + code_src: < 2^31 bytes into the page);
+      // the other rounds' lie a compile-time distance on (V rounds: v_src more).
+      const uint8_t* k = page + (int32_t(slot) * kRB + code_src);
+      const uint8_t* v = k + v_src;
+      const uint32_t dst = stage + uint32_t(code_dst);
+#pragma unroll
+      for (int i = 0; i < kCodeCopies; ++i)
+        cp_async16(dst + uint32_t(round_dst(i)), (round_half(i) ? v : k) + 16 * (kWarp * i % kRB));
+      if (meta_src >= 0) cp_async16(stage + uint32_t(meta_dst), page + (int32_t(slot) * (2 * kBg) + meta_src));
+    } else if (lane == 0) {
+      atomic_or(&sm.flag, kBadBlock);
+    }
+    cp_async_commit();
+  }
+
+  // ---- the chunk -----------------------------------------------------------------------------
+
+  // kBg meta values of key `key` of array arr, as floats: one 2-, 4- or 8-byte load.
+  NKV_DEVICE void meta_of(const Stage& S, int arr, int key, float (&out)[kBg]) const {
+    const X* e = &S.meta[arr][key * kBg];
+    if constexpr (kBg == 1) {
+      out[0] = fast_float(e[0]);
+    } else if constexpr (kBg == 2) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(e);
+      out[0] = meta_bits_float(w & 0xffffu), out[1] = meta_bits_float(w >> 16);
+    } else {
+      const uint2 w = *reinterpret_cast<const uint2*>(e);
+      out[0] = meta_bits_float(w.x & 0xffffu), out[1] = meta_bits_float(w.x >> 16);
+      out[2] = meta_bits_float(w.y & 0xffffu), out[3] = meta_bits_float(w.y >> 16);
+    }
+  }
+  NKV_DEVICE static float meta_bits_float(uint32_t bits) {
+    if constexpr (std::is_same_v<X, core::bf16_t>)
+      return bits_float(bits << 16);
+    else
+      return half_bits_to_float(uint16_t(bits));
+  }
+
+  // The state of the lane's two rows (2t + r, r = 0, 1) and of its m-tiles.
+  struct Rows {
+    float m[2], l[2];  // running max (base 2), this lane's part of the denominator
+    float z[2][kBg];   // this lane's part of sum p x value zero per group
+    float vup[kBg];    // the value weights' power of two per group (the accumulators' unit)
+    float acc[kMTiles][4];
+  };
+
+  // One chunk of 16 keys at c0 from stage S into the lane's state.
+  NKV_DEVICE void chunk(const Stage& S, int32_t c0, const uint32_t (&qf)[kKSteps][2], const float (&qs)[2][kBg],
+                        const float (&qdl)[2], const int32_t (&lim)[2], const int32_t (&kf)[2], const SoftCap& cap,
+                        Rows& st) const {
+    const float kNegInf = bits_float(0xff800000u), kNaN = bits_float(0x7fc00000u);
+    // S^T = K . Q^T per key group: c[b][i] holds key g + 8 (i / 2), row 2t + i % 2.
+    float c[kBg][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      uint32_t af[4];
+      key_codes_fragment<kBits>(S.k_codes, 0, g, t, ks, af);
+      mma_16816(c[ks / kGroupSteps], af, qf[ks]);
+    }
+    float kscale[2][kBg], kzero[2][kBg];
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      meta_of(S, 0, g + 8 * kk, kscale[kk]);
+      meta_of(S, 1, g + 8 * kk, kzero[kk]);
+    }
+    // Scores (base 2), soft-cap, mask; a visible score that is not finite makes its row NaN.
+    float s[4];
+    bool bad[2] = {false, false};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int kk = i / 2, r = i % 2;
+      float x = 0.f;
+#pragma unroll
+      for (int b = 0; b < kBg; ++b) x += c[b][i] * kscale[kk][b] + kzero[kk][b] * qs[r][b];
+      x *= qdl[r];
+      if (cap.cap > 0.f) x = cap(x);
+      const int32_t kp = c0 + g + 8 * kk;
+      const bool vis = kp < lim[r] && kp >= kf[r];
+      bad[r] = bad[r] || (vis && non_finite(x));
+      s[i] = vis ? x : kNegInf;
+    }
+    // The online softmax of the lane's two rows: the max over the 16 keys (lanes g).
+    float alpha[2], pr[4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = fmaxf(s[r], s[r + 2]);
+      for (int o = 4; o < kWarp; o *= 2) mx = fmaxf(mx, shfl_xor(mx, o));
+      const float m_new = fmaxf(st.m[r], mx);
+      const float mu = m_new == kNegInf ? 0.f : m_new;  // (no visible key yet: every weight 0)
+      alpha[r] = fast_exp2(st.m[r] - mu);
+      pr[r] = fast_exp2(s[r] - mu);
+      pr[r + 2] = fast_exp2(s[r + 2] - mu);
+      st.l[r] = bad[r] ? kNaN : st.l[r] * alpha[r] + (pr[r] + pr[r + 2]);
+      st.m[r] = m_new;
+    }
+    // The value weights' power of two per group over the chunk's visible keys
+    // (keys before the block's first visible one may be pages never written):
+    // 2^14 <= max |value scale| x it < 2^15, kept at the smallest so far (the
+    // accumulators are rescaled when it moves; a power of two: exact).
+    float ratio[kBg];
+    {
+      float mx = 0.f;
+#pragma unroll
+      for (int e0 = 0; e0 < kDecodeChunk * kBg; e0 += kWarp) {
+        const int e = e0 + lane, kp = c0 + e / kBg;
+        if (e < kDecodeChunk * kBg && kp >= first && kp < hi) mx = fmaxf(mx, fabsf(fast_float(S.meta[2][e])));
+      }
+      for (int o = kWarp / 2; o >= kBg; o /= 2) mx = fmaxf(mx, shfl_xor(mx, o));
+      const float up = mx > 0.f ? pow2_normalizer(mx) : kNoNormalizer;  // lane b: group b % kBg's
+#pragma unroll
+      for (int b = 0; b < kBg; ++b) {
+        const float vup = fminf(st.vup[b], shfl(up, b));
+        ratio[b] = vup * pow2_inverse(st.vup[b]);
+        st.vup[b] = vup;
+      }
+    }
+    float vscale[2][kBg], vzero[2][kBg];  // (loaded here: fewer registers live across the scores)
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      meta_of(S, 2, g + 8 * kk, vscale[kk]);
+      meta_of(S, 3, g + 8 * kk, vzero[kk]);
+    }
+    // Zeros: sum p x value zero per row and group (a weight of 0 skips its key:
+    // the meta of masked keys is whatever the stage held).
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int b = 0; b < kBg; ++b)
+        st.z[r][b] = st.z[r][b] * alpha[r] + (pr[r] != 0.f ? pr[r] * vzero[0][b] : 0.f) +
+                     (pr[r + 2] != 0.f ? pr[r + 2] * vzero[1][b] : 0.f);
+    // The B fragments of P . V per group: w = p x value scale x vup as fp16 hi
+    // + lo in the score layout (key g + 8 kk, rows 2t, 2t + 1: one 8x8 matrix
+    // per kk), transposed to rows x keys (keys 2t, 2t + 1 of row g) by movmatrix.
+    uint32_t bh[kBg][2], bl[kBg][2];
+#pragma unroll
+    for (int b = 0; b < kBg; ++b)
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        const float sv = vscale[kk][b] * st.vup[b];
+        const float w0 = pr[2 * kk] != 0.f ? pr[2 * kk] * sv : 0.f;
+        const float w1 = pr[2 * kk + 1] != 0.f ? pr[2 * kk + 1] * sv : 0.f;
+        uint32_t hi2, lo2;
+        split_half2(w0, w1, hi2, lo2);
+        bh[b][kk] = movmatrix_trans(hi2);
+        bl[b][kk] = movmatrix_trans(lo2);
+      }
+    // Rescale, then acc += V^T W^T per m-tile.
+    float ar[kBg][2];
+#pragma unroll
+    for (int b = 0; b < kBg; ++b) ar[b][0] = alpha[0] * ratio[b], ar[b][1] = alpha[1] * ratio[b];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) st.acc[mt][i] *= ar[16 * mt / kGroup][i % 2];
+#pragma unroll
+    for (int cc = 0; cc < kCodeChunks; ++cc) {
+      // Bytes 2g, 2g + 1 of the chunk's code rows 2t, 2t + 1 (pair 0) and 2t + 8, 2t + 9 (pair 1):
+      // a register holds byte 2g (+ 1 after >> 8) of both keys of a pair in its bytes 0 and 2.
+      const uint8_t* base = &S.v_codes[0][16 * cc + 2 * g];
+      uint32_t pw[4];
+#pragma unroll
+      for (int pair = 0; pair < 2; ++pair) {
+        const int j = 2 * t + 8 * pair;
+        const uint32_t x0 = *reinterpret_cast<const uint16_t*>(base + j * Smem::kRS);
+        const uint32_t x1 = *reinterpret_cast<const uint16_t*>(base + (j + 1) * Smem::kRS);
+        pw[2 * pair] = byte_perm(x0, x1, 0x5410u);
+        pw[2 * pair + 1] = pw[2 * pair] >> 8;
+      }
+#pragma unroll
+      for (int pl = 0; pl < kPlanes; ++pl) {
+        const int mt = cc * kPlanes + pl, b = 16 * mt / kGroup;
+        uint32_t av[4];  // rows g (byte 2g), g + 8 (byte 2g + 1); keys 2t.. then 2t + 8..
+#pragma unroll
+        for (int i = 0; i < 4; ++i) av[i] = codes_half2<kBits>(pw[i], pl);
+        mma_16816(st.acc[mt], av, bh[b]);
+        mma_16816(st.acc[mt], av, bl[b]);
+      }
+    }
+  }
+
+  // ---- the block -----------------------------------------------------------------------------
+
+  // A normalizer that constrains nothing (no visible non-zero value scale yet).
+  static constexpr float kNoNormalizer = 1.2676506e30f;  // 2^100, pow2_normalizer's largest
+
+  NKV_DEVICE void run() {
+    const float kNegInf = bits_float(0xff800000u), kNaN = bits_float(0x7fc00000u);
+    constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+    bool bad_len;
+    if (!this->setup(bad_len) || this->no_keys(bad_len, kD)) return;
+    if (threadIdx.x == 0) sm.flag = 0;
+    NKV_SYNC();
+    this->template fold_queries<kD, kBg, kRows>(sm, kRows);
+    copy_plan();
+    // The lane's B fragments of q (hi halves), its rows' group sums, normalizers (x log2 e) and bounds.
+    uint32_t qf[kKSteps][2];
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      const uint4 f = sm.qfrag[0][ks][lane];
+      qf[ks][0] = f.x, qf[ks][1] = f.y;
+    }
+    float qs[2][kBg], qdl[2];
+    int32_t lim[2], kf[2];  // the row's visible keys: [kf, lim)
+    Rows st;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = 2 * t + r;
+#pragma unroll
+      for (int b = 0; b < kBg; ++b) qs[r][b] = sm.qsum[row][b], st.z[r][b] = 0.f;
+      qdl[r] = sm.qdown[row] * kLog2e;
+      const int32_t qp = this->row_position(row);
+      lim[r] = qp + 1 < hi ? qp + 1 : hi;
+      kf[r] = this->row_first_key(qp);
+      st.m[r] = kNegInf, st.l[r] = 0.f;
+    }
+#pragma unroll
+    for (int b = 0; b < kBg; ++b) st.vup[b] = kNoNormalizer;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) st.acc[mt][i] = 0.f;
+    const SoftCap cap(p.softcap * kLog2e);  // cap tanh(x / cap) on base-2 scores: the cap x log2 e
+
+    // The warp's chunks: keys lo + 16 warp + 64 i (lo is a multiple of 16).
+    const uint32_t stages = shared_address(&sm.buf.stage[warp][0]);
+    const int32_t start = lo + kDecodeChunk * warp;
+    if (start < hi) prefetch(start, stages);
+    int sidx = 0;
+    for (int32_t c0 = start; c0 < hi; c0 += kMmaTile, sidx ^= 1) {
+      if (c0 + kMmaTile < hi)
+        prefetch(c0 + kMmaTile, stages + uint32_t(sidx ^ 1) * uint32_t(sizeof(Stage)));
+      else
+        cp_async_commit();  // an empty group keeps wait<1> meaning "this chunk's group is done"
+      cp_async_wait<1>();
+      __syncwarp();  // every lane's copies of the chunk are visible to the warp
+      chunk(sm.buf.stage[warp][sidx], c0, qf, qs, qdl, lim, kf, cap, st);
+      __syncwarp();  // every lane is done with the stage before the next prefetch refills it
+    }
+    cp_async_wait<0>();
+
+    // The warp's rows: the lanes' denominators and zeros summed over g.
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      for (int o = 4; o < kWarp; o *= 2) {
+        st.l[r] += shfl_xor(st.l[r], o);
+#pragma unroll
+        for (int b = 0; b < kBg; ++b) st.z[r][b] += shfl_xor(st.z[r][b], o);
+      }
+    NKV_SYNC();  // every warp is done with its stages: the merge area overlays them
+    auto& M = sm.buf.merge;
+    if (g == 0)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        M.m[warp][2 * t + r] = st.m[r], M.l[warp][2 * t + r] = st.l[r];
+#pragma unroll
+        for (int b = 0; b < kBg; ++b) M.z[warp][2 * t + r][b] = st.z[r][b];
+      }
+      // acc[mt][i]: channel 16 mt + 2g + i / 2 (the loads' order), row 2t + i % 2; / the group's normalizer.
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      const float down = pow2_inverse(st.vup[16 * mt / kGroup]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) M.acc[warp][2 * t + i % 2][16 * mt + 2 * g + i / 2] = st.acc[mt][i] * down;
+    }
+    NKV_SYNC();
+    // The partials: the 4 warps merged per row (max, sum, accumulators + zeros).
+    const bool poisoned = sm.flag != 0;
+    for (int e = int(threadIdx.x); e < kRows * kD; e += kMmaThreads) {
+      const int r = e / kD, ch = e % kD, b = ch / kGroup;
+      float* pr = partial_of(r);
+      if (pr == nullptr) continue;
+      float mx = kNegInf;
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) mx = fmaxf(mx, M.m[w][r]);
+      float o = 0.f, l = 0.f;
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) {
+        const float ew = M.m[w][r] == kNegInf ? 0.f : fast_exp2(M.m[w][r] - mx);
+        o += ew * (M.acc[w][r][ch] + M.z[w][r][b]);
+        l += ew * M.l[w][r];
+      }
+      pr[ch] = o;
+      if (ch == 0) pr[kD] = mx * kLn2, pr[kD + 1] = poisoned ? kNaN : l;
+    }
+    if (threadIdx.x == 0 && poisoned) report(a.status, sm.flag);
+  }
+};
+
+}  // namespace nexuskv::cuda
