@@ -12,11 +12,17 @@
 #include "nexuskv/core/nq_format.h"
 #include "nexuskv/core/paged.h"
 
+#if defined(NKV_CUDA_EMULATION)  // (simt_emulated.h: the kernels on the host, no CUDA runtime)
+namespace nexuskv::cuda {
+using Stream = void*;
+}
+#else
 #include <cuda_runtime_api.h>
 
 namespace nexuskv::cuda {
 using Stream = cudaStream_t;
 }
+#endif
 
 namespace nexuskv::cuda {
 

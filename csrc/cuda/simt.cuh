@@ -11,6 +11,10 @@
 #include "launch.h"
 #include "nexuskv/core/half.h"
 
+#if defined(NKV_CUDA_EMULATION)
+// The same names on the host (tests/cpp/test_cuda_emulated.cpp runs the kernels there).
+#include "simt_emulated.h"
+#else
 #if !defined(__CUDACC__)
 #error "csrc/cuda kernels are compiled by nvcc"
 #endif
@@ -178,6 +182,11 @@ template <int kPending>
 NKV_DEVICE void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
+
+}  // namespace nexuskv::cuda
+#endif  // NKV_CUDA_EMULATION
+
+namespace nexuskv::cuda {
 
 // Bits of a float and back (the kernels' magic-number conversions): half.h's.
 using core::bits_float;

@@ -1,0 +1,239 @@
+// simt.cuh's constructs on the host, so that a C++ compiler runs the kernels
+// of csrc/cuda where no GPU is (NKV_CUDA_EMULATION; tests/cpp/test_cuda_emulated.cpp).
+// A block is blockDim.x std::threads, one per CUDA thread, blocks one after
+// another; every warp collective (shuffle, mma, movmatrix, __syncwarp) and
+// block barrier is a std::barrier of the warp's 32 / the block's threads, and
+// the PTX instructions compute what their documentation says (mma.sync's
+// fragment layouts, movmatrix's transpose, cp.async as a synchronous copy).
+// What it checks: indices, fragment layouts, the arithmetic, the barriers'
+// placement where a missing one changes results (not data races of copies in
+// flight: cp.async completes at once); not speed, and not the hardware's own
+// rounding (sums in float, exp2 / reciprocal exactly).
+#pragma once
+
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "launch.h"
+#include "nexuskv/core/half.h"
+
+// ---- CUDA's names ---------------------------------------------------------------------------
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+using cudaError_t = int;
+constexpr int cudaSuccess = 0, cudaErrorInvalidConfiguration = 9, cudaErrorInvalidDeviceFunction = 98;
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+
+namespace nexuskv::cuda::emu {
+
+struct Index {
+  unsigned x = 0, y = 0, z = 0;
+};
+inline thread_local Index thread_index, block_index;
+inline dim3 block_dim, grid_dim;
+
+// One warp's exchange: each lane's words, and the warp's barrier.
+struct Warp {
+  std::barrier<> bar{32};
+  uint32_t word[32][6] = {};
+};
+struct Block {
+  std::barrier<> bar;
+  std::vector<std::unique_ptr<Warp>> warps;
+  std::vector<uint4> smem;  // dynamic shared memory, 16-byte aligned
+  explicit Block(int threads, size_t bytes) : bar(threads), smem((bytes + 15) / 16 + 1) {
+    for (int w = 0; w < (threads + 31) / 32; ++w) warps.push_back(std::make_unique<Warp>());
+  }
+};
+inline Block* block = nullptr;  // the block running (one at a time)
+
+inline int lane() { return int(thread_index.x) % 32; }
+inline Warp& warp() { return *block->warps[size_t(thread_index.x / 32)]; }
+inline unsigned char* dynamic_smem() { return reinterpret_cast<unsigned char*>(block->smem.data()); }
+
+// Each lane puts n words, the warp meets, f reads any lane's (word[lane][i]), the warp meets again.
+template <typename F>
+inline void exchange(const uint32_t* mine, int n, F&& f) {
+  Warp& w = warp();
+  std::memcpy(w.word[lane()], mine, sizeof(uint32_t) * size_t(n));
+  w.bar.arrive_and_wait();
+  f(w.word);
+  w.bar.arrive_and_wait();
+}
+template <typename T>
+inline T shuffle(T v, int src) {
+  static_assert(sizeof(T) == 4, "32-bit shuffles");
+  uint32_t bits, out;
+  std::memcpy(&bits, &v, 4);
+  exchange(&bits, 1, [&](const uint32_t(*word)[6]) { out = word[src & 31][0]; });
+  T r;
+  std::memcpy(&r, &out, 4);
+  return r;
+}
+// Element j (0 or 1) of a register of two fp16 values, as float.
+inline float half_of(uint32_t r, int j) { return core::half_to_float(uint16_t(j ? r >> 16 : r & 0xffffu)); }
+
+// Runs kernel(args...) over the grid, a block at a time.
+template <typename... Params, typename... Args>
+void run(void (*kernel)(Params...), dim3 grid, dim3 threads, size_t smem, Args... args) {
+  grid_dim = grid, block_dim = threads;
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        Block b(int(threads.x), smem);
+        block = &b;
+        std::vector<std::thread> pool;
+        for (unsigned t = 0; t < threads.x; ++t)
+          pool.emplace_back([&, t] {
+            thread_index = {t, 0, 0};
+            block_index = {x, y, z};
+            kernel(args...);
+          });
+        for (auto& th : pool) th.join();
+        block = nullptr;
+      }
+}
+
+}  // namespace nexuskv::cuda::emu
+
+#define threadIdx (::nexuskv::cuda::emu::thread_index)
+#define blockIdx (::nexuskv::cuda::emu::block_index)
+#define blockDim (::nexuskv::cuda::emu::block_dim)
+#define gridDim (::nexuskv::cuda::emu::grid_dim)
+#define __shared__ static
+#define __restrict__ __restrict
+#define __launch_bounds__(...)
+#define __expf(x) std::exp(x)
+inline void __syncwarp() { ::nexuskv::cuda::emu::warp().bar.arrive_and_wait(); }
+template <typename T>
+inline T __shfl_sync(unsigned, T v, int src) {
+  return ::nexuskv::cuda::emu::shuffle(v, src);
+}
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int mask) {
+  return ::nexuskv::cuda::emu::shuffle(v, ::nexuskv::cuda::emu::lane() ^ mask);
+}
+
+namespace nexuskv::cuda {
+
+constexpr int kWarp = 32;
+constexpr size_t kDefaultSmem = 48 << 10;
+constexpr int64_t kMaxGridY = 65535;
+
+#define NKV_KERNEL
+#define NKV_DEVICE inline
+#define NKV_HOST_DEVICE inline
+#define NKV_SYNC() ::nexuskv::cuda::emu::block->bar.arrive_and_wait()
+#define NKV_GRID_CONSTANT
+#define NKV_DYNAMIC_SMEM(name) unsigned char* const name = ::nexuskv::cuda::emu::dynamic_smem()
+using Dim3 = dim3;
+
+// (the host compiler is asked for no contraction: -ffp-contract=off)
+inline float mul_rn(float a, float b) { return a * b; }
+inline float add_rn(float a, float b) { return a + b; }
+inline float sub_rn(float a, float b) { return a - b; }
+inline float div_rn(float a, float b) { return a / b; }
+inline double dmul_rn(double a, double b) { return a * b; }
+inline double dadd_rn(double a, double b) { return a + b; }
+inline double dsub_rn(double a, double b) { return a - b; }
+
+inline float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+inline uint32_t shfl_xor(uint32_t v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+inline float shfl(float v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+
+inline uint32_t atomic_or(uint32_t* p, uint32_t v) { return std::atomic_ref<uint32_t>(*p).fetch_or(v); }
+inline float atomic_add(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+inline int32_t atomic_max(int32_t* p, int32_t v) {
+  std::atomic_ref<int32_t> a(*p);
+  int32_t old = a.load();
+  while (old < v && !a.compare_exchange_weak(old, v)) {}
+  return old;
+}
+
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), Dim3 grid, Dim3 block, size_t smem, Stream, Args... args) {
+  emu::run(kernel, grid, block, smem, Params(args)...);
+}
+template <typename... Params>
+cudaError_t allow_smem(void (*)(Params...), size_t) {
+  return cudaSuccess;
+}
+// (an H100's answer for the kernels' usual size; the plan only sizes its splits with it)
+template <typename... Params>
+int blocks_per_sm(void (*)(Params...), int, size_t) {
+  return 4;
+}
+
+inline uint32_t byte_perm(uint32_t lo, uint32_t hi, uint32_t selector) {
+  const uint64_t x = (uint64_t(hi) << 32) | lo;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= uint32_t((x >> (8 * ((selector >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+  return r;
+}
+inline float half_bits_to_float(uint16_t h) { return core::half_to_float(h); }
+inline uint32_t pack_half2(float lo, float hi) {
+  return uint32_t(core::float_to_half(lo)) | (uint32_t(core::float_to_half(hi)) << 16);
+}
+inline uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) { return (a & b) | c; }
+inline uint32_t half2_unbias(uint32_t h, int shift) {
+  const float down = std::ldexp(1.f, -shift), bias = -std::ldexp(1.f, 10 - shift);
+  return pack_half2(std::fma(emu::half_of(h, 0), down, bias), std::fma(emu::half_of(h, 1), down, bias));
+}
+// d[i] += sum_k A[g + 8 (i / 2)][k] B[k][2t + i % 2] (simt.cuh's layout), in float.
+inline void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+  const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+  const int g = emu::lane() / 4, t = emu::lane() % 4;
+  float out[4];
+  emu::exchange(mine, 6, [&](const uint32_t(*word)[6]) {
+    for (int i = 0; i < 4; ++i) {
+      const int r = g + 8 * (i / 2), n = 2 * t + i % 2;
+      float s = d[i];
+      for (int k = 0; k < 16; ++k) {
+        const float av = emu::half_of(word[4 * (r % 8) + (k % 8) / 2][r / 8 + 2 * (k / 8)], k % 2);
+        const float bv = emu::half_of(word[4 * n + (k % 8) / 2][4 + k / 8], k % 2);
+        s += av * bv;
+      }
+      out[i] = s;
+    }
+  });
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+inline uint32_t movmatrix_trans(uint32_t x) {
+  const int g = emu::lane() / 4, t = emu::lane() % 4;
+  uint32_t r = 0;
+  emu::exchange(&x, 1, [&](const uint32_t(*word)[6]) {
+    // M[i][j] is half j % 2 of lane 4 i + j / 2's word; lane (g, t) gets M[2t][g], M[2t + 1][g].
+    const auto m = [&](int i, int j) { return (word[4 * i + j / 2][0] >> (16 * (j % 2))) & 0xffffu; };
+    r = m(2 * t, g) | (m(2 * t + 1, g) << 16);
+  });
+  return r;
+}
+inline float fast_exp2(float x) { return std::exp2(x); }
+inline float fast_rcp(float x) { return 1.f / x; }
+
+inline uint32_t shared_address(const void* smem) {
+  return uint32_t(static_cast<const unsigned char*>(smem) - emu::dynamic_smem());
+}
+inline void cp_async16(uint32_t smem, const void* gmem) { std::memcpy(emu::dynamic_smem() + smem, gmem, 16); }
+inline void cp_async16(void* smem, const void* gmem) { std::memcpy(smem, gmem, 16); }
+inline void cp_async_commit() {}
+template <int kPending>
+inline void cp_async_wait() {}
+
+}  // namespace nexuskv::cuda

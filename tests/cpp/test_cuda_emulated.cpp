@@ -1,0 +1,145 @@
+// The paged attention's tensor-core kernels (csrc/cuda/paged_decode.cuh for
+// decode steps, paged_mma.cuh for the rest, paged_mma_launch.cuh's plan, split
+// and merge) run on the host by simt_emulated.h (one std::thread per CUDA
+// thread, the warp instructions as PTX documents them), against the CPU
+// kernel on the same pages: the kernels' indices, fragment layouts, softmax
+// and merges, checked where no GPU is.  Not their speed, nor the hardware's
+// own rounding (a GPU run does that: tests/python/test_cuda_paged.py).
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "catch_compat.h"
+#include "nexuskv/core/paged.h"
+#include "paged_mma_launch.cuh"
+
+using namespace nexuskv;
+
+namespace {
+
+struct Case {
+  int bits, D, group, P, kv_heads, gqa;
+  std::vector<int> context;  // tokens of each request, its queries included
+  std::vector<int> queries;  // the step's queries of each request (the newest tokens)
+  int64_t window = 0;
+  float softcap = 0.f;
+  bool rotate = true;
+  int tile_rows = 8;  // the row tiles the plan must choose (8: the decode kernel)
+};
+
+template <typename X>
+void run_case(const Case& c) {
+  using core::PagedLayout;
+  PagedLayout l;
+  l.head_dim = c.D, l.block_size = c.P, l.key_bits = c.bits, l.value_bits = c.bits, l.group_size = c.group;
+  l.num_outliers = 0, l.x_bytes = 2, l.exact_window = 0;
+  const int R = int(c.context.size()), H = c.kv_heads, Hq = H * c.gqa, D = c.D;
+  int max_blocks = 0, total_blocks = 0;
+  for (int n : c.context) max_blocks = std::max(max_blocks, (n + c.P - 1) / c.P), total_blocks += (n + c.P - 1) / c.P;
+  const core::PagedPool pool{l, total_blocks + 3, H};
+  std::vector<uint8_t> pages(size_t(pool.num_blocks * H * l.head_page_bytes()));
+  std::mt19937 rng(uint32_t(c.bits * 131 + D + c.group + R));
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> signs(static_cast<size_t>(D));
+  for (auto& s : signs) s = rng() % 2 ? 1.f : -1.f;
+  // Block tables from a shuffled pool of block ids; every token written.
+  std::vector<int32_t> ids(size_t(pool.num_blocks)), table(size_t(R * max_blocks), -1);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  size_t next = 0;
+  float vmax = 0.f;
+  for (int r = 0; r < R; ++r) {
+    const int T = c.context[size_t(r)];
+    for (int b = 0; b < (T + c.P - 1) / c.P; ++b) table[size_t(r * max_blocks + b)] = ids[next++];
+    std::vector<X> k(size_t(T * H * D)), v(k.size());
+    for (size_t i = 0; i < k.size(); ++i) {
+      k[i] = core::from_float<X>(nd(rng));
+      // values growing along the context: the decode kernel's value normalizer moves
+      v[i] = core::from_float<X>(nd(rng) * std::exp2(4.f * float(i / size_t(H * D)) / float(T)));
+      vmax = std::max(vmax, std::fabs(core::to_float(v[i])));
+    }
+    std::vector<int64_t> slots(static_cast<size_t>(T));
+    for (int t = 0; t < T; ++t) slots[size_t(t)] = int64_t(table[size_t(r * max_blocks + t / c.P)]) * c.P + t % c.P;
+    core::PagedWrite<X> w;
+    w.pool = pool, w.pages = pages.data(), w.key = k.data(), w.value = v.data();
+    w.key_stride_t = w.value_stride_t = H * D, w.slot_mapping = slots.data(), w.num_tokens = T;
+    w.rotation_signs = c.rotate ? signs.data() : nullptr;
+    core::CompressStatus st;
+    core::paged_write_tokens(w, 0, T, &st);
+    REQUIRE(!st.non_finite_input);
+  }
+  std::vector<int32_t> seq_lens(c.context.begin(), c.context.end()), qsl(size_t(R + 1), 0);
+  for (int r = 0; r < R; ++r) qsl[size_t(r + 1)] = qsl[size_t(r)] + c.queries[size_t(r)];
+  const int N = qsl[size_t(R)];
+  std::vector<X> q(size_t(N * Hq * D)), want(q.size()), got(q.size());
+  for (auto& x : q) x = core::from_float<X>(nd(rng));
+
+  core::PagedAttention<X> p;
+  p.pool = pool, p.pages = pages.data(), p.q = q.data(), p.q_stride_t = Hq * D, p.q_stride_h = D;
+  p.num_tokens = N, p.q_heads = Hq, p.num_reqs = R, p.max_blocks = max_blocks;
+  p.block_table = table.data(), p.seq_lens = seq_lens.data(), p.query_start_loc = qsl.data();
+  p.rotation_signs = c.rotate ? signs.data() : nullptr;
+  p.scale = 0.125f, p.window = c.window, p.softcap = c.softcap;
+  // The CPU kernel: every request's queries in tasks of up to kPagedQueryBlock.
+  p.out = want.data();
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < c.queries[size_t(r)]; i += core::kPagedQueryBlock)
+      REQUIRE(core::paged_attention_task(
+          p, core::PagedTask{r, i, std::min<int64_t>(core::kPagedQueryBlock, c.queries[size_t(r)] - i)}, 0, H));
+  // The tensor-core kernels, emulated.
+  p.out = got.data();
+  const cuda::PagedAttentionPlan plan = cuda::paged_mma_plan(p, 4);
+  REQUIRE(plan.mma);
+  REQUIRE(plan.tile_rows == c.tile_rows);
+  INFO("splits " << plan.splits);
+  std::vector<uint64_t> scratch(size_t(plan.scratch_bytes / 8 + 32));
+  uint32_t status = 0;
+  REQUIRE(cuda::launch_paged_attention_mma(p, plan, reinterpret_cast<uint8_t*>(scratch.data()), &status, nullptr) == 0);
+  REQUIRE(status == 0);
+  // Both round to X at the end; the kernels' queries are fp16 (2^-11) and their sums in another
+  // order: test_cuda_paged.py's tolerance (1.5 x the largest value x (X's epsilon + 1e-4)).
+  const double tol = 1.5 * vmax * ((std::is_same_v<X, core::bf16_t> ? 0x1p-8 : 0x1p-11) + 1e-4);
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double a = core::to_float(got[i]), b = core::to_float(want[i]);
+    REQUIRE(std::isfinite(a));
+    worst = std::max(worst, std::fabs(a - b));
+  }
+  INFO("worst " << worst << ", tolerance " << tol);
+  CHECK(worst <= tol);
+}
+
+}  // namespace
+
+TEST_CASE("paged decode kernel (emulated) against the CPU kernel", "[cuda_emulated]") {
+  // vLLM's default pages (4 bits, D128, groups of 64), GQA 4, contexts long enough to split
+  run_case<core::bf16_t>({4, 128, 64, 16, 2, 4, {700, 70, 33}, {1, 1, 1}});
+  // 2 bits, D64 in four groups of 16, blocks of 32, GQA 8, a sliding window and a soft-cap
+  run_case<core::half_t>({2, 64, 16, 32, 1, 8, {300, 5}, {1, 1}, 40, 30.f});
+  // 8 bits, D128 in one group, GQA 1, no rotation; a request of 2 tokens beside one of none
+  run_case<core::half_t>({8, 128, 128, 16, 2, 1, {90, 200, 17}, {1, 2, 0}, 0, 0.f, false});
+}
+
+TEST_CASE("paged decode kernel (emulated): every format it takes", "[cuda_emulated]") {
+  // 2/4/8 bits x head_dim 64 / 128 in 1, 2 or 4 groups, GQA 1, 4 and 8 in turn, fp16 and bf16
+  const int formats[][2] = {{64, 64}, {128, 64}, {64, 16}, {128, 32}, {128, 128}};
+  int i = 0;
+  for (int bits : {2, 4, 8})
+    for (auto [D, group] : formats) {
+      const int gqa = i % 3 == 0 ? 1 : (i % 3 == 1 ? 4 : 8);
+      INFO("bits " << bits << ", D " << D << ", group " << group << ", GQA " << gqa);
+      const Case c{bits, D, group, 16, 2, gqa, {77, 140}, {1, 1}, i % 2 ? 50 : 0, i % 4 == 1 ? 20.f : 0.f};
+      if (i++ % 2)
+        run_case<core::half_t>(c);
+      else
+        run_case<core::bf16_t>(c);
+    }
+}
+
+TEST_CASE("paged 16-row kernel (emulated) against the CPU kernel", "[cuda_emulated]") {
+  // a prefill chunk beside a decode step: 16-row tiles (paged_mma.cuh)
+  run_case<core::half_t>({4, 128, 32, 16, 2, 4, {50, 30}, {20, 1}, 0, 0.f, true, 16});
+  run_case<core::bf16_t>({2, 64, 64, 16, 1, 16, {64, 9}, {1, 1}, 24, 0.f, true, 16});  // GQA 16
+}
