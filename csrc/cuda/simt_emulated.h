@@ -89,25 +89,42 @@ inline T shuffle(T v, int src) {
 // Element j (0 or 1) of a register of two fp16 values, as float.
 inline float half_of(uint32_t r, int j) { return core::half_to_float(uint16_t(j ? r >> 16 : r & 0xffffu)); }
 
-// Runs kernel(args...) over the grid, a block at a time.
+// Runs kernel(args...) over the grid, a block at a time, on blockDim.x threads
+// made once per launch (each block: the pool meets at `start`, runs the
+// kernel, meets at `done`).  Shared memory is not cleared between blocks, as
+// on a GPU.
 template <typename... Params, typename... Args>
 void run(void (*kernel)(Params...), dim3 grid, dim3 threads, size_t smem, Args... args) {
   grid_dim = grid, block_dim = threads;
+  const int n = int(threads.x);
+  Block b(n, smem);
+  block = &b;
+  std::barrier<> start(n + 1), done(n + 1);
+  Index current;
+  bool stop = false;
+  std::vector<std::thread> pool;
+  for (int t = 0; t < n; ++t)
+    pool.emplace_back([&, t] {
+      thread_index = {unsigned(t), 0, 0};
+      for (;;) {
+        start.arrive_and_wait();
+        if (stop) return;
+        block_index = current;
+        kernel(args...);
+        done.arrive_and_wait();
+      }
+    });
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x) {
-        Block b(int(threads.x), smem);
-        block = &b;
-        std::vector<std::thread> pool;
-        for (unsigned t = 0; t < threads.x; ++t)
-          pool.emplace_back([&, t] {
-            thread_index = {t, 0, 0};
-            block_index = {x, y, z};
-            kernel(args...);
-          });
-        for (auto& th : pool) th.join();
-        block = nullptr;
+        current = {x, y, z};
+        start.arrive_and_wait();
+        done.arrive_and_wait();
       }
+  stop = true;
+  start.arrive_and_wait();
+  for (auto& th : pool) th.join();
+  block = nullptr;
 }
 
 }  // namespace nexuskv::cuda::emu

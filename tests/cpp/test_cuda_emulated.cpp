@@ -1,10 +1,12 @@
-// The paged attention's tensor-core kernels (csrc/cuda/paged_decode.cuh for
-// decode steps, paged_mma.cuh for the rest, paged_mma_launch.cuh's plan, split
-// and merge) run on the host by simt_emulated.h (one std::thread per CUDA
-// thread, the warp instructions as PTX documents them), against the CPU
-// kernel on the same pages: the kernels' indices, fragment layouts, softmax
-// and merges, checked where no GPU is.  Not their speed, nor the hardware's
-// own rounding (a GPU run does that: tests/python/test_cuda_paged.py).
+// The paged kernels of csrc/cuda run on the host by simt_emulated.h (one
+// std::thread per CUDA thread, the warp instructions as PTX documents them):
+// the write (NQ compression of every (token, head) row, rotation, scatter into
+// the slots) against the CPU's, byte for byte; the attention's tensor-core
+// kernels (paged_decode.cuh for decode steps, paged_mma.cuh for the rest,
+// paged_mma_launch.cuh's plan, split and merge) and its SIMT kernel against
+// the CPU kernel on the same pages.  The kernels' indices, fragment layouts,
+// softmax and merges, checked where no GPU is; not their speed, nor the
+// hardware's own rounding (a GPU run does that: tests/python/test_cuda_paged.py).
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -13,6 +15,8 @@
 
 #include "catch_compat.h"
 #include "nexuskv/core/paged.h"
+#include "nq_compress.cuh"
+#include "paged_kernels.cuh"
 #include "paged_mma_launch.cuh"
 
 using namespace nexuskv;
@@ -39,7 +43,7 @@ void run_case(const Case& c) {
   int max_blocks = 0, total_blocks = 0;
   for (int n : c.context) max_blocks = std::max(max_blocks, (n + c.P - 1) / c.P), total_blocks += (n + c.P - 1) / c.P;
   const core::PagedPool pool{l, total_blocks + 3, H};
-  std::vector<uint8_t> pages(size_t(pool.num_blocks * H * l.head_page_bytes()));
+  std::vector<uint8_t> pages(size_t(pool.num_blocks * H * l.head_page_bytes())), pages_cuda(pages);
   std::mt19937 rng(uint32_t(c.bits * 131 + D + c.group + R));
   std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<float> signs(static_cast<size_t>(D));
@@ -69,6 +73,13 @@ void run_case(const Case& c) {
     core::CompressStatus st;
     core::paged_write_tokens(w, 0, T, &st);
     REQUIRE(!st.non_finite_input);
+    // The CUDA write of the same tokens into a copy of the pages before them: the same bytes.
+    std::vector<uint8_t> scratch(size_t(cuda::paged_write_scratch(l, int64_t(T) * H, c.rotate).bytes) + 256);
+    w.pages = pages_cuda.data();
+    uint32_t status = 0;
+    cuda::launch_paged_write(w, scratch.data(), &status, nullptr);
+    REQUIRE(status == 0);
+    REQUIRE(pages_cuda == pages);
   }
   std::vector<int32_t> seq_lens(c.context.begin(), c.context.end()), qsl(size_t(R + 1), 0);
   for (int r = 0; r < R; ++r) qsl[size_t(r + 1)] = qsl[size_t(r)] + c.queries[size_t(r)];
@@ -101,14 +112,22 @@ void run_case(const Case& c) {
   // Both round to X at the end; the kernels' queries are fp16 (2^-11) and their sums in another
   // order: test_cuda_paged.py's tolerance (1.5 x the largest value x (X's epsilon + 1e-4)).
   const double tol = 1.5 * vmax * ((std::is_same_v<X, core::bf16_t> ? 0x1p-8 : 0x1p-11) + 1e-4);
-  double worst = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double a = core::to_float(got[i]), b = core::to_float(want[i]);
-    REQUIRE(std::isfinite(a));
-    worst = std::max(worst, std::fabs(a - b));
-  }
-  INFO("worst " << worst << ", tolerance " << tol);
-  CHECK(worst <= tol);
+  const auto worst = [&](const std::vector<X>& out) {
+    double w = 0;
+    for (size_t i = 0; i < out.size(); ++i) {
+      const double a = core::to_float(out[i]), b = core::to_float(want[i]);
+      REQUIRE(std::isfinite(a));
+      w = std::max(w, std::fabs(a - b));
+    }
+    return w;
+  };
+  INFO("tolerance " << tol);
+  CHECK(worst(got) <= tol);
+  // The SIMT kernel on the same pages.
+  p.out = got.data();
+  REQUIRE(cuda::launch_paged_attention_simt(p, &status, nullptr) == 0);
+  REQUIRE(status == 0);
+  CHECK(worst(got) <= tol);
 }
 
 }  // namespace
