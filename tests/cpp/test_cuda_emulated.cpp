@@ -4,7 +4,10 @@
 // the slots) against the CPU's, byte for byte; the attention's tensor-core
 // kernels (paged_decode.cuh for decode steps, paged_mma.cuh for the rest,
 // paged_mma_launch.cuh's plan, split and merge) and its SIMT kernel against
-// the CPU kernel on the same pages.  The kernels' indices, fragment layouts,
+// the CPU kernel on the same pages; dgq_fused_attention's kernels (the
+// tensor-core one of attention_mma.cuh and the reference attention_simple.cuh,
+// split and merged) against the CPU kernel on the same compressed cache.
+// The kernels' indices, fragment layouts,
 // softmax and merges, checked where no GPU is; not their speed, nor the
 // hardware's own rounding (a GPU run does that: tests/python/test_cuda_paged.py).
 #include <algorithm>
@@ -13,13 +16,24 @@
 #include <random>
 #include <vector>
 
+#include "attention_kernels.cuh"
 #include "catch_compat.h"
+#include "nexuskv/core/attention.h"
+#include "nexuskv/core/nq_kernels.h"
 #include "nexuskv/core/paged.h"
 #include "nq_compress.cuh"
 #include "paged_kernels.cuh"
 #include "paged_mma_launch.cuh"
 
 using namespace nexuskv;
+
+// The contiguous attention's instantiations (attention_<T>.cu and attention_merge.cu on a GPU build).
+namespace nexuskv::cuda {
+NEXUSKV_ATTENTION_INSTANCES(, core::half_t)
+NEXUSKV_ATTENTION_INSTANCES(, core::bf16_t)
+template int launch_attention_merge<core::half_t>(const MergeArgs&, core::half_t*, Stream);
+template int launch_attention_merge<core::bf16_t>(const MergeArgs&, core::bf16_t*, Stream);
+}  // namespace nexuskv::cuda
 
 namespace {
 
@@ -161,4 +175,113 @@ TEST_CASE("paged 16-row kernel (emulated) against the CPU kernel", "[cuda_emulat
   // a prefill chunk beside a decode step: 16-row tiles (paged_mma.cuh)
   run_case<core::half_t>({4, 128, 32, 16, 2, 4, {50, 30}, {20, 1}, 0, 0.f, true, 16});
   run_case<core::bf16_t>({2, 64, 64, 16, 1, 16, {64, 9}, {1, 1}, 24, 0.f, true, 16});  // GQA 16
+}
+
+namespace {
+
+// One compressed [B, H, T, D] cache in X with X meta (keys per channel over groups of tokens,
+// values per token over groups of channels), as nq_compress writes it.
+template <typename X>
+struct XCache {
+  core::NQDims d;
+  std::vector<uint8_t> codes, idx;
+  std::vector<X> scale, zero, val;
+  // (channel 5 x gain: a channel of larger keys)
+  XCache(int64_t BH, int64_t T, int64_t D, int bits, int G, core::GroupAxis axis, float gain, std::mt19937& rng) {
+    d.rows = BH, d.tokens = T, d.head_dim = D, d.bits = bits, d.group_size = G, d.axis = axis, d.num_outliers = 0;
+    std::normal_distribution<float> nd(0.f, 1.f);
+    std::vector<X> x(size_t(BH * T * D));
+    for (size_t i = 0; i < x.size(); ++i) x[i] = core::from_float<X>(nd(rng) * (i % D == 5 ? gain : 1.f));
+    const int64_t groups = BH * d.groups_per_row();
+    codes.resize(size_t(BH * T * d.packed_row_bytes()));
+    scale.resize(size_t(groups)), zero.resize(size_t(groups));
+    std::vector<int64_t> offsets(static_cast<size_t>(BH));
+    for (int64_t r = 0; r < BH; ++r) offsets[size_t(r)] = r * T * D;
+    core::CompressStatus st;
+    core::nq_compress_tasks<X, X>(d, {x.data(), offsets.data(), D, 1},
+                                  {codes.data(), scale.data(), zero.data(), idx.data(), val.data()}, 0,
+                                  core::nq_num_tasks(d), &st);
+    REQUIRE(!st.non_finite_input);
+  }
+  core::CompressedKV<X, X> view() const {
+    core::CompressedKV<X, X> v;
+    v.codes = codes.data(), v.scale = scale.data(), v.zero = zero.data();
+    v.outlier_idx = idx.data(), v.outlier_val = val.data();
+    v.dims = d;
+    return v;
+  }
+};
+
+struct AttnCase {
+  int bits, D, gqa, q_len;
+  std::vector<int64_t> lens;  // compressed tokens of each sequence (capacity: the largest)
+  int64_t window = 0;
+  float softcap = 0.f;
+  bool rotate = true;
+  int64_t splits = 1;
+};
+
+template <typename X>
+void run_attention_case(const AttnCase& c, cuda::KernelChoice choice) {
+  const int64_t B = int64_t(c.lens.size()), Hkv = 2, Hq = Hkv * c.gqa, Lq = c.q_len, D = c.D;
+  const int64_t T = *std::max_element(c.lens.begin(), c.lens.end());
+  std::mt19937 rng(uint32_t(c.bits * 17 + D + c.gqa + Lq));
+  const XCache<X> k(B * Hkv, T, D, c.bits, 64, core::GroupAxis::kTokens, 9.f, rng);
+  const XCache<X> v(B * Hkv, T, D, c.bits, 64, core::GroupAxis::kChannels, 1.f, rng);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<X> q(size_t(B * Hq * Lq * D));
+  std::vector<float> qf(q.size()), want(q.size()), signs(static_cast<size_t>(D));
+  for (size_t i = 0; i < q.size(); ++i) q[i] = core::from_float<X>(nd(rng)), qf[i] = core::to_float(q[i]);
+  for (auto& s : signs) s = rng() % 2 ? 1.f : -1.f;
+  const float vmax = 5.f;  // (values ~N(0, 1): |v| < 5)
+  // The CPU kernel, float queries.
+  core::CpuAttentionParams<X, X> cp;
+  cp.batch = B, cp.q_heads = Hq, cp.kv_heads = Hkv, cp.q_len = Lq, cp.head_dim = D;
+  cp.q = {qf.data(), Hq * Lq * D, Lq * D, D};
+  cp.k = k.view(), cp.v = v.view(), cp.compressed_lens.i64 = c.lens.data(), cp.scale = 0.125f;
+  cp.window = c.window, cp.softcap = c.softcap, cp.rotation_signs = c.rotate ? signs.data() : nullptr;
+  std::vector<float> cpu_partials(size_t(B * Hkv * core::partial_floats(cp)));
+  core::attention_tasks(cp, 1, cpu_partials.data(), 0, B * Hkv);
+  core::attention_merge(cp, 1, cpu_partials.data(), want.data(), 0, B * Hkv);
+  // The CUDA kernels.
+  using Params = core::AttentionParams<X, X, X>;
+  cuda::AttentionLaunch<Params> L;
+  L.p.batch = B, L.p.q_heads = Hq, L.p.kv_heads = Hkv, L.p.q_len = Lq, L.p.head_dim = D;
+  L.p.q = {q.data(), Hq * Lq * D, Lq * D, D};
+  L.p.k = k.view(), L.p.v = v.view(), L.p.compressed_lens.i64 = c.lens.data(), L.p.scale = 0.125f;
+  L.p.window = c.window, L.p.softcap = c.softcap, L.p.rotation_signs = cp.rotation_signs;
+  L.row_tiles = (c.gqa * Lq + cuda::kAttnRows - 1) / cuda::kAttnRows;
+  L.splits = c.splits;
+  uint32_t status = 0;
+  L.status = &status;
+  const cuda::AttentionKernelInfo kernel = cuda::attention_kernel_info(L, choice);
+  REQUIRE(kernel.error == 0);
+  REQUIRE(kernel.mma == (choice == cuda::KernelChoice::kMma));
+  std::vector<float> partials(size_t(B * Hkv * L.row_tiles * L.splits * cuda::kAttnRows * (D + 2)));
+  L.partials = partials.data();
+  REQUIRE(cuda::launch_attention(L, kernel, nullptr) == 0);
+  std::vector<X> got(q.size());
+  const cuda::MergeArgs m{B, Hq, Hkv, Lq, D, L.splits, L.row_tiles, partials.data(), L.p.rotation_signs};
+  REQUIRE(cuda::launch_attention_merge<X>(m, got.data(), nullptr) == 0);
+  REQUIRE(status == 0);
+  const double tol = 1.5 * vmax * ((std::is_same_v<X, core::bf16_t> ? 0x1p-8 : 0x1p-11) + 1e-4);
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double a = core::to_float(got[i]);
+    REQUIRE(std::isfinite(a));
+    worst = std::max(worst, std::fabs(a - double(want[i])));
+  }
+  INFO("worst " << worst << ", tolerance " << tol);
+  CHECK(worst <= tol);
+}
+
+}  // namespace
+
+TEST_CASE("dgq_fused_attention's kernels (emulated) against the CPU kernel", "[cuda_emulated]") {
+  for (auto choice : {cuda::KernelChoice::kMma, cuda::KernelChoice::kSimple}) {
+    INFO("tensor cores " << (choice == cuda::KernelChoice::kMma));
+    run_attention_case<core::bf16_t>({4, 128, 4, 1, {200, 77}}, choice);                   // decode, GQA 4
+    run_attention_case<core::half_t>({2, 64, 2, 3, {130, 64}, 40, 0.f, true, 3}, choice);  // 3 queries, window, splits
+    run_attention_case<core::half_t>({8, 128, 1, 5, {96, 70}, 0, 25.f, false}, choice);    // soft-cap, no rotation
+  }
 }
