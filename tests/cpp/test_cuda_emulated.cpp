@@ -1,9 +1,8 @@
-// The paged kernels of csrc/cuda run on the host by simt_emulated.h (one
-// std::thread per CUDA thread, the warp instructions as PTX documents them):
-// the write (NQ compression of every (token, head) row, rotation, scatter into
-// the slots) against the CPU's, byte for byte; the attention's tensor-core
-// kernels (paged_decode.cuh for decode steps, paged_mma.cuh for the rest,
-// paged_mma_launch.cuh's plan, split and merge) and its SIMT kernel against
+// The kernels of csrc/cuda run on the host by simt_emulated.h (one std::thread
+// per CUDA thread, the warp instructions as PTX documents them): NQ compress
+// and decompress against the CPU's, bit for bit; the paged write (NQ compression of every (token, head) row, rotation,
+// scatter into the slots) against the CPU's, byte for byte; the attention's tensor-core kernels (paged_decode.cuh for
+// decode steps, paged_mma.cuh for the rest, paged_mma_launch.cuh's plan, split and merge) and its SIMT kernel against
 // the CPU kernel on the same pages; dgq_fused_attention's kernels (the
 // tensor-core one of attention_mma.cuh and the reference attention_simple.cuh,
 // split and merged) against the CPU kernel on the same compressed cache.
@@ -22,6 +21,7 @@
 #include "nexuskv/core/nq_kernels.h"
 #include "nexuskv/core/paged.h"
 #include "nq_compress.cuh"
+#include "nq_decompress.cuh"
 #include "paged_kernels.cuh"
 #include "paged_mma_launch.cuh"
 
@@ -284,4 +284,78 @@ TEST_CASE("dgq_fused_attention's kernels (emulated) against the CPU kernel", "[c
     run_attention_case<core::half_t>({2, 64, 2, 3, {130, 64}, 40, 0.f, true, 3}, choice);  // 3 queries, window, splits
     run_attention_case<core::half_t>({8, 128, 1, 5, {96, 70}, 0, 25.f, false}, choice);    // soft-cap, no rotation
   }
+}
+
+TEST_CASE("nq_compress / nq_decompress kernels (emulated) against the CPU's, bit for bit", "[cuda_emulated]") {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int64_t N = 3, T = 150, D = 64;
+  std::vector<core::half_t> x(size_t(N * T * D));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = core::from_float<core::half_t>(nd(rng) * (i % 7 == 3 ? 6.f : 1.f));
+  std::vector<int64_t> offsets(static_cast<size_t>(N));
+  for (int64_t r = 0; r < N; ++r) offsets[size_t(r)] = r * T * D;
+  for (int bits : {2, 3, 4, 8})
+    for (auto axis : {core::GroupAxis::kTokens, core::GroupAxis::kChannels})
+      for (int k : {0, 2})
+        for (bool fit : {false, true}) {
+          INFO("bits " << bits << ", per channel " << (axis == core::GroupAxis::kTokens) << ", outliers " << k
+                       << ", fitted " << fit);
+          core::NQDims d;
+          d.rows = N, d.tokens = T, d.head_dim = D, d.bits = bits, d.group_size = 32, d.axis = axis;
+          d.num_outliers = k, d.fit_range = fit;
+          const int64_t groups = N * d.groups_per_row();
+          struct Out {
+            std::vector<uint8_t> codes, idx;
+            std::vector<core::half_t> scale, zero, val, dense;
+          } cpu, gpu;
+          for (Out* o : {&cpu, &gpu}) {
+            o->codes.assign(size_t(N * T * d.packed_row_bytes()), 0);
+            o->idx.assign(size_t(groups * k), 0);
+            o->scale.resize(size_t(groups)), o->zero.resize(size_t(groups)), o->val.resize(size_t(groups * k));
+            o->dense.resize(x.size());
+          }
+          core::CompressStatus st;
+          core::nq_compress_tasks<core::half_t, core::half_t>(
+              d, {x.data(), offsets.data(), D, 1},
+              {cpu.codes.data(), cpu.scale.data(), cpu.zero.data(), cpu.idx.data(), cpu.val.data()}, 0,
+              core::nq_num_tasks(d), &st);
+          core::nq_decompress_tasks<core::half_t, core::half_t>(d, cpu.codes.data(), cpu.scale.data(), cpu.zero.data(),
+                                                                cpu.dense.data(), 0, core::nq_num_tasks(d));
+          REQUIRE(core::nq_scatter_outliers<core::half_t, core::half_t>(d, cpu.idx.data(), cpu.val.data(),
+                                                                        cpu.dense.data(), 0, groups));
+          uint32_t status = 0;
+          cuda::NQCompressArgs<core::half_t, core::half_t> a{d,
+                                                             {x.data(), T * D, D, 1},
+                                                             gpu.codes.data(),
+                                                             gpu.scale.data(),
+                                                             gpu.zero.data(),
+                                                             gpu.idx.data(),
+                                                             gpu.val.data(),
+                                                             &status};
+          cuda::launch_nq_compress(a, nullptr);
+          REQUIRE(status == 0);
+          CHECK(gpu.codes == cpu.codes);
+          CHECK(gpu.idx == cpu.idx);
+          const auto bits_of = [](const std::vector<core::half_t>& v) {
+            std::vector<uint16_t> b(v.size());
+            for (size_t i = 0; i < v.size(); ++i) b[i] = v[i].bits;
+            return b;
+          };
+          CHECK(bits_of(gpu.scale) == bits_of(cpu.scale));
+          CHECK(bits_of(gpu.zero) == bits_of(cpu.zero));
+          CHECK(bits_of(gpu.val) == bits_of(cpu.val));
+          const cuda::NQDecompressArgs da{d,
+                                          gpu.codes.data(),
+                                          gpu.scale.data(),
+                                          gpu.zero.data(),
+                                          gpu.idx.data(),
+                                          gpu.val.data(),
+                                          core::DType::kFloat16,
+                                          core::DType::kFloat16,
+                                          nullptr,
+                                          &status};
+          cuda::launch_nq_decompress(da, gpu.dense.data(), nullptr);
+          REQUIRE(status == 0);
+          CHECK(bits_of(gpu.dense) == bits_of(cpu.dense));
+        }
 }
