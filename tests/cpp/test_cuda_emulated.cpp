@@ -44,7 +44,8 @@ struct Case {
   int64_t window = 0;
   float softcap = 0.f;
   bool rotate = true;
-  int tile_rows = 8;  // the row tiles the plan must choose (8: the decode kernel)
+  int tile_rows = 8;  // the row tiles the plan must choose (8: the decode kernel; 0: the SIMT kernel)
+  int exact = 0;      // the format's exact window (the tensor-core kernels do not take one)
 };
 
 template <typename X>
@@ -52,7 +53,7 @@ void run_case(const Case& c) {
   using core::PagedLayout;
   PagedLayout l;
   l.head_dim = c.D, l.block_size = c.P, l.key_bits = c.bits, l.value_bits = c.bits, l.group_size = c.group;
-  l.num_outliers = 0, l.x_bytes = 2, l.exact_window = 0;
+  l.num_outliers = 0, l.x_bytes = 2, l.exact_window = c.exact;
   const int R = int(c.context.size()), H = c.kv_heads, Hq = H * c.gqa, D = c.D;
   int max_blocks = 0, total_blocks = 0;
   for (int n : c.context) max_blocks = std::max(max_blocks, (n + c.P - 1) / c.P), total_blocks += (n + c.P - 1) / c.P;
@@ -68,6 +69,10 @@ void run_case(const Case& c) {
   std::shuffle(ids.begin(), ids.end(), rng);
   size_t next = 0;
   float vmax = 0.f;
+  std::vector<int32_t> seq_lens(c.context.begin(), c.context.end()), qsl(size_t(R + 1), 0);
+  for (int r = 0; r < R; ++r) qsl[size_t(r + 1)] = qsl[size_t(r)] + c.queries[size_t(r)];
+  const int N = qsl[size_t(R)];
+  std::vector<X> step_k(size_t(N * H * D)), step_v(step_k.size());  // the step's own rows (exact window)
   for (int r = 0; r < R; ++r) {
     const int T = c.context[size_t(r)];
     for (int b = 0; b < (T + c.P - 1) / c.P; ++b) table[size_t(r * max_blocks + b)] = ids[next++];
@@ -94,10 +99,21 @@ void run_case(const Case& c) {
     cuda::launch_paged_write(w, scratch.data(), &status, nullptr);
     REQUIRE(status == 0);
     REQUIRE(pages_cuda == pages);
+    // The exact window's rings: the tokens before the step's (written after their own steps'
+    // attention, as a serving engine does), by the CPU and by the CUDA kernel; the step's own rows.
+    const int Q = c.queries[size_t(r)];
+    if (c.exact > 0) {
+      w.num_tokens = T - Q;
+      w.pages = pages.data();
+      core::paged_write_exact(w, 0, H);
+      w.pages = pages_cuda.data();
+      cuda::launch_paged_exact_write(w, &status, nullptr);
+      REQUIRE(status == 0);
+      REQUIRE(pages_cuda == pages);
+    }
+    std::copy(k.end() - Q * H * D, k.end(), step_k.begin() + qsl[size_t(r)] * H * D);
+    std::copy(v.end() - Q * H * D, v.end(), step_v.begin() + qsl[size_t(r)] * H * D);
   }
-  std::vector<int32_t> seq_lens(c.context.begin(), c.context.end()), qsl(size_t(R + 1), 0);
-  for (int r = 0; r < R; ++r) qsl[size_t(r + 1)] = qsl[size_t(r)] + c.queries[size_t(r)];
-  const int N = qsl[size_t(R)];
   std::vector<X> q(size_t(N * Hq * D)), want(q.size()), got(q.size());
   for (auto& x : q) x = core::from_float<X>(nd(rng));
 
@@ -107,6 +123,7 @@ void run_case(const Case& c) {
   p.block_table = table.data(), p.seq_lens = seq_lens.data(), p.query_start_loc = qsl.data();
   p.rotation_signs = c.rotate ? signs.data() : nullptr;
   p.scale = 0.125f, p.window = c.window, p.softcap = c.softcap;
+  if (c.exact > 0) p.key = step_k.data(), p.value = step_v.data(), p.key_stride_t = p.value_stride_t = H * D;
   // The CPU kernel: every request's queries in tasks of up to kPagedQueryBlock.
   p.out = want.data();
   for (int r = 0; r < R; ++r)
@@ -116,13 +133,16 @@ void run_case(const Case& c) {
   // The tensor-core kernels, emulated.
   p.out = got.data();
   const cuda::PagedAttentionPlan plan = cuda::paged_mma_plan(p, 4);
-  REQUIRE(plan.mma);
-  REQUIRE(plan.tile_rows == c.tile_rows);
-  INFO("splits " << plan.splits);
-  std::vector<uint64_t> scratch(size_t(plan.scratch_bytes / 8 + 32));
+  REQUIRE(plan.mma == (c.tile_rows > 0));
   uint32_t status = 0;
-  REQUIRE(cuda::launch_paged_attention_mma(p, plan, reinterpret_cast<uint8_t*>(scratch.data()), &status, nullptr) == 0);
-  REQUIRE(status == 0);
+  if (plan.mma) {
+    REQUIRE(plan.tile_rows == c.tile_rows);
+    INFO("splits " << plan.splits);
+    std::vector<uint64_t> scratch(size_t(plan.scratch_bytes / 8 + 32));
+    REQUIRE(cuda::launch_paged_attention_mma(p, plan, reinterpret_cast<uint8_t*>(scratch.data()), &status, nullptr) ==
+            0);
+    REQUIRE(status == 0);
+  }
   // Both round to X at the end; the kernels' queries are fp16 (2^-11) and their sums in another
   // order: test_cuda_paged.py's tolerance (1.5 x the largest value x (X's epsilon + 1e-4)).
   const double tol = 1.5 * vmax * ((std::is_same_v<X, core::bf16_t> ? 0x1p-8 : 0x1p-11) + 1e-4);
@@ -136,7 +156,7 @@ void run_case(const Case& c) {
     return w;
   };
   INFO("tolerance " << tol);
-  CHECK(worst(got) <= tol);
+  if (plan.mma) CHECK(worst(got) <= tol);
   // The SIMT kernel on the same pages.
   p.out = got.data();
   REQUIRE(cuda::launch_paged_attention_simt(p, &status, nullptr) == 0);
@@ -169,6 +189,12 @@ TEST_CASE("paged decode kernel (emulated): every format it takes", "[cuda_emulat
       else
         run_case<core::bf16_t>(c);
     }
+}
+
+TEST_CASE("paged SIMT kernel with an exact window (emulated) against the CPU kernel", "[cuda_emulated]") {
+  // the rings written by paged_exact_write (CPU and CUDA: the same bytes), read by each query's newest keys
+  run_case<core::bf16_t>({4, 64, 32, 16, 2, 4, {90, 41}, {1, 1}, 0, 0.f, true, 0, 7});
+  run_case<core::half_t>({2, 128, 64, 32, 1, 8, {70, 30}, {5, 2}, 24, 0.f, false, 0, 16});
 }
 
 TEST_CASE("paged 16-row kernel (emulated) against the CPU kernel", "[cuda_emulated]") {
