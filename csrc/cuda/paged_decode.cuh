@@ -35,9 +35,10 @@
 // Precision: keys and values exact as codes; queries fp16 (at most 2^-11
 // relative, round to nearest: the size of an fp16 query's own rounding, an
 // eighth of a bf16 one's; the 16-row kernel splits them in hi + lo); weights
-// hi + lo (~22 bits); fp32 accumulation.  Compiles; untested on a GPU until a lent one runs
-// benchmarks/gpu_check.sh (tests/python/test_cuda_paged.py compares it with
-// float64 and with the SIMT kernel).
+// hi + lo (~22 bits); fp32 accumulation.  Compiles; untested on a GPU until a
+// lent one runs benchmarks/gpu_check.sh (tests/python/test_cuda_paged.py
+// compares it with float64 and with the SIMT kernel); on the host, emulated,
+// it matches the CPU kernel in every format it takes (test_cuda_emulated.cpp).
 #pragma once
 
 #include <cstddef>

@@ -32,12 +32,13 @@
 // token and kv head x head chunk) combines the splits, divides, un-rotates and
 // writes out, zeros for padding tokens (as the reference kernel does).
 //
-// It takes (paged_mma_takes): fp16 / bf16, no exact window, no outliers, the
+// It takes (paged_mma_takes, paged_mma_launch.cuh): fp16 / bf16, no exact window, no outliers, the
 // same 2/4/8 bits for keys and values, head_dim 64 or 128 in 1, 2 or 4 groups
 // of a multiple of 16 channels per token (group_size >= head_dim: one), 16-byte
 // aligned pages; the rest runs the SIMT kernel (paged_kernels.cuh), which the
 // tests compare it with (tests/python/test_cuda_paged.py).  Compiles; untested
-// on a GPU until a lent one runs benchmarks/gpu_check.sh.
+// on a GPU until a lent one runs benchmarks/gpu_check.sh (on the host,
+// emulated, it matches the CPU kernel: tests/cpp/test_cuda_emulated.cpp).
 #pragma once
 
 #include <cstddef>
