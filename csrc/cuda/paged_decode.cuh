@@ -152,7 +152,8 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
     }
   }
   // Round i's offsets from piece `lane`'s (rows of 32 bytes or more): K or V, and the rows further on.
-  static constexpr int round_half(int i) { return kWarp * i / (kRB > 16 ? kRB : kCodePieces); }
+  // (rows of 16 bytes: one round, whose half is the lane's own, in code_src)
+  static constexpr int round_half(int i) { return kRB > 16 ? kWarp * i / kRB : 0; }
   static constexpr int32_t round_dst(int i) {
     return int32_t((round_half(i) ? offsetof(Stage, v_codes) - offsetof(Stage, k_codes) : 0) +
                    (kWarp * i % kRB) / kRowPieces * Smem::kRS);
