@@ -38,7 +38,13 @@ that this loop also holds a barrier (BAR.SYNC; WARPSYNC in the paged decode kern
 each take their own 16-key chunks) and an asynchronous copy (LDGSTS, the next tile's prefetch)
 and fails otherwise.  In that decode kernel (paged_decode.cuh, the "8r" rows) a warp's
 iteration takes 16 keys and the block's 4 warps 64 together, so its loop count per warp is the
-same unit as the others': instructions per warp per 64-key tile of the block.  The count is
+same unit as the others': instructions per warp per 64-key tile of the block.  Its kernel holds
+the chunk's work twice: the steady loop over the chunks every query row sees whole (no mask, no
+soft-cap), nested in the loop over all chunks, whose other branch runs a masked, capped copy for
+the edge chunks (a split's first and last, a window's start, the causal end: a few per warp and
+split, whatever the context; every chunk under a soft-cap).  Its row counts the steady loop: the
+innermost loop that holds exactly one chunk's HMMAs (3 D / 16: q . K, and P . V in hi + lo), which
+the smallest loop holding every HMMA (the outer one, both copies) would count twice.  The count is
 static: every instruction of the loop's blocks once, so inner loops the compiler did not unroll
 count once (the table lists how many) and rarely taken paths count fully; it is an estimate of
 the per-tile work, not a trace.
@@ -278,22 +284,48 @@ def natural_loops(code):
     return loops, blocks
 
 
-def tile_loop(code):
-    """(loop's blocks, blocks, inner loops) of the smallest loop that holds every HMMA."""
+def tile_loop(code, mma_per_iteration=None):
+    """(loop's blocks, blocks, inner loops) of the smallest loop that holds every HMMA; or, given
+    mma_per_iteration, the smallest innermost loop (no loop with an HMMA inside it) holding exactly
+    that many HMMAs: one iteration's work (paged_decode.cuh's steady loop, whose kernel holds a
+    second, masked copy of the chunk for the edge chunks outside it)."""
     loops, blocks = natural_loops(code)
-    hmma = {k for k, (b, e) in enumerate(blocks) if any(code[i][1].startswith("HMMA") for i in range(b, e + 1))}
+
+    def hmmas(k):
+        return sum(code[i][1].startswith("HMMA") for i in range(blocks[k][0], blocks[k][1] + 1))
+
+    hmma = {k for k in range(len(blocks)) if hmmas(k)}
     if not hmma:
         raise ValueError("no HMMA in the kernel")
 
     def size(body):
         return sum(blocks[k][1] - blocks[k][0] + 1 for k in body)
 
-    holding = [(h, body) for h, body in loops.items() if hmma <= body]
+    if mma_per_iteration is None:
+        holding = [(h, body) for h, body in loops.items() if hmma <= body]
+    else:  # (innermost: no loop inside it holds an HMMA, so it cannot be two iterations' copies)
+
+        def innermost(h, body):
+            return not any(b < body and b & hmma for h2, b in loops.items() if h2 != h)
+
+        holding = [
+            (h, body)
+            for h, body in loops.items()
+            if sum(hmmas(k) for k in body) == mma_per_iteration and innermost(h, body)
+        ]
     if not holding:
-        raise ValueError("no loop holds every HMMA")
+        raise ValueError(
+            "no loop holds every HMMA" if mma_per_iteration is None else f"no loop holds {mma_per_iteration} HMMAs"
+        )
     header, body = min(holding, key=lambda hb: size(hb[1]))
     inner = sum(1 for h, b in loops.items() if h != header and b < body)
     return body, blocks, inner
+
+
+def decode_steady_mmas(variant) -> int | None:
+    """HMMAs of one steady chunk of the paged decode kernel (paged_decode.cuh, the 8-row
+    variants): q . K per 16 channels, and P . V per 16 channels in hi + lo; None for the others."""
+    return 3 * variant.head_dim // 16 if variant.kernel == "paged" and variant.rows == 8 else None
 
 
 def division_calls(code, body, blocks) -> int:
@@ -316,7 +348,7 @@ def division_calls(code, body, blocks) -> int:
 
 
 def analyse(variant: Variant, code) -> None:
-    body, blocks, inner = tile_loop(code)
+    body, blocks, inner = tile_loop(code, decode_steady_mmas(variant))
     ops = [code[i][1] for k in sorted(body) for i in range(blocks[k][0], blocks[k][1] + 1)]
     counts = {
         "HMMA": sum(op.startswith("HMMA") for op in ops),

@@ -11,6 +11,7 @@
 // hardware's own rounding (a GPU run does that: tests/python/test_cuda_paged.py).
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -46,6 +47,7 @@ struct Case {
   bool rotate = true;
   int tile_rows = 8;  // the row tiles the plan must choose (8: the decode kernel; 0: the SIMT kernel)
   int exact = 0;      // the format's exact window (the tensor-core kernels do not take one)
+  int corrupt = -1;   // a token of request 0 whose key scale (kv head 0) is set to +inf after the write
 };
 
 template <typename X>
@@ -114,6 +116,12 @@ void run_case(const Case& c) {
     std::copy(k.end() - Q * H * D, k.end(), step_k.begin() + qsl[size_t(r)] * H * D);
     std::copy(v.end() - Q * H * D, v.end(), step_v.begin() + qsl[size_t(r)] * H * D);
   }
+  if (c.corrupt >= 0) {  // its scores are not finite: the rows that see it are NaN
+    const int64_t slot = int64_t(table[size_t(c.corrupt / c.P)]) * c.P + c.corrupt % c.P;
+    X* scale = reinterpret_cast<X*>(pages.data() + (slot / c.P * H) * l.head_page_bytes() +
+                                    core::PagedOffsets(l).scale[0] + slot % c.P * l.groups() * int64_t(sizeof(X)));
+    *scale = core::from_float<X>(std::numeric_limits<float>::infinity());
+  }
   std::vector<X> q(size_t(N * Hq * D)), want(q.size()), got(q.size());
   for (auto& x : q) x = core::from_float<X>(nd(rng));
 
@@ -146,12 +154,17 @@ void run_case(const Case& c) {
   // Both round to X at the end; the kernels' queries are fp16 (2^-11) and their sums in another
   // order: test_cuda_paged.py's tolerance (1.5 x the largest value x (X's epsilon + 1e-4)).
   const double tol = 1.5 * vmax * ((std::is_same_v<X, core::bf16_t> ? 0x1p-8 : 0x1p-11) + 1e-4);
+  // Rows that see a corrupt key are NaN on both sides (and only those); the rest finite and close.
+  int64_t nan_rows = 0;
+  for (size_t i = 0; i < want.size(); i += size_t(D)) nan_rows += std::isnan(core::to_float(want[i]));
+  CHECK(nan_rows == (c.corrupt >= 0 ? c.gqa * c.queries[0] : 0));
   const auto worst = [&](const std::vector<X>& out) {
     double w = 0;
     for (size_t i = 0; i < out.size(); ++i) {
       const double a = core::to_float(out[i]), b = core::to_float(want[i]);
-      REQUIRE(std::isfinite(a));
-      w = std::max(w, std::fabs(a - b));
+      REQUIRE(std::isnan(a) == std::isnan(b));
+      REQUIRE((std::isfinite(a) || std::isnan(b)));
+      if (!std::isnan(b)) w = std::max(w, std::fabs(a - b));
     }
     return w;
   };
@@ -173,6 +186,9 @@ TEST_CASE("paged decode kernel (emulated) against the CPU kernel", "[cuda_emulat
   run_case<core::half_t>({2, 64, 16, 32, 1, 8, {300, 5}, {1, 1}, 40, 30.f});
   // 8 bits, D128 in one group, GQA 1, no rotation; a request of 2 tokens beside one of none
   run_case<core::half_t>({8, 128, 128, 16, 2, 1, {90, 200, 17}, {1, 2, 0}, 0, 0.f, false});
+  // a key whose scale is +inf, in a chunk every row sees (the steady loop's) and in the newest (the edge's)
+  run_case<core::bf16_t>({4, 128, 64, 16, 2, 4, {300, 70}, {1, 1}, 0, 0.f, true, 8, 0, 150});
+  run_case<core::half_t>({2, 64, 32, 16, 2, 8, {300, 70}, {1, 1}, 0, 0.f, true, 8, 0, 299});
 }
 
 TEST_CASE("paged decode kernel (emulated): every format it takes", "[cuda_emulated]") {

@@ -94,6 +94,50 @@ def test_a_warp_barrier_marks_the_decode_kernels_loop():
     assert v.loop_instructions == 9 and v.loop_counts["BAR"] == 0
 
 
+def decode_kernel(edge_extra=0, steady_extra=0):
+    # paged_decode.cuh's shape: an outer loop over the chunks whose edge chunks run a masked copy
+    # of the chunk's work, and inside it the steady loop over the chunks every row sees.
+    return [
+        "S2R R0, SR_TID.X",
+        "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]",
+        "ISETP.GE.AND P0, PT, R5, R6, PT",  # 0x20: outer header
+        "@!P0 BRA 0x{edge:03x}",
+        "WARPSYNC.ALL",  # 0x40: steady header
+        "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]",
+        *["HMMA.16816.F32.BF16 R8, R12, R16, R8"] * 3,
+        *["FMUL R20, R20, R21"] * steady_extra,
+        "@P1 BRA 0x040",  # steady back edge
+        "BRA 0x{next:03x}",
+        # edge: the same work, masked
+        "WARPSYNC.ALL",
+        "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]",
+        *["HMMA.16816.F32.BF16 R8, R12, R16, R8"] * 3,
+        *["FSEL R22, R22, -INF, P3"] * (4 + edge_extra),
+        "@P2 BRA 0x020",  # next: outer back edge
+        "EXIT",
+    ]
+
+
+def resolve(lines):
+    edge = lines.index("BRA 0x{next:03x}") + 1
+    nxt = len(lines) - 2
+    return [ln.format(edge=16 * edge, next=16 * nxt) for ln in lines]
+
+
+def test_the_decode_kernels_steady_loop_is_the_one_holding_one_chunks_mmas():
+    v = cb.Variant("sm_90", "bf16", 4, 16, "paged", groups=1, rows=8)  # D 16: 3 HMMAs per chunk
+    cb.analyse(v, cb.parse_sass(listing(resolve(decode_kernel())))["kernel"])
+    assert v.loop_counts["HMMA"] == 3 and v.loop_instructions == 6  # header .. back edge of the inner loop
+    # more work in the steady loop counts; more on the edge does not
+    w = cb.Variant("sm_90", "bf16", 4, 16, "paged", groups=1, rows=8)
+    cb.analyse(w, cb.parse_sass(listing(resolve(decode_kernel(edge_extra=9, steady_extra=5))))["kernel"])
+    assert w.loop_instructions == v.loop_instructions + 5
+    # a kernel without a loop of exactly one chunk's MMAs is refused, not counted
+    x = cb.Variant("sm_90", "bf16", 4, 32, "paged", groups=1, rows=8)  # D 32: 6 per chunk
+    with pytest.raises(ValueError, match="no loop holds 6 HMMAs"):
+        cb.analyse(x, cb.parse_sass(listing(resolve(decode_kernel())))["kernel"])
+
+
 def test_refuses_a_loop_without_barrier_or_copy():
     lines = ["S2R R0, SR_TID.X", "HMMA.16816.F32.BF16 R8, R12, R16, R8", "@P0 BRA 0x010", "EXIT"]
     with pytest.raises(ValueError, match="not the tile loop"):
