@@ -148,7 +148,8 @@ class Variant:
     shared: int = 0
     blocks_per_sm: int = 0
     sass_instructions: int = 0
-    loop_instructions: int = 0
+    loop_instructions: int = 0  # per warp per 64-key tile
+    loop_chunks: int = 1  # decode kernel: 16-key chunks per warp iteration (the loop's count / this)
     loop_inner_loops: int = 0
     loop_counts: dict = field(default_factory=dict)
     tile_bytes: int = 0
@@ -284,11 +285,12 @@ def natural_loops(code):
     return loops, blocks
 
 
-def tile_loop(code, mma_per_iteration=None):
+def tile_loop(code, mma_per_chunk=None):
     """(loop's blocks, blocks, inner loops) of the smallest loop that holds every HMMA; or, given
-    mma_per_iteration, the smallest innermost loop (no loop with an HMMA inside it) holding exactly
-    that many HMMAs: one iteration's work (paged_decode.cuh's steady loop, whose kernel holds a
-    second, masked copy of the chunk for the edge chunks outside it)."""
+    mma_per_chunk, the smallest innermost loop (no loop with an HMMA inside it) whose HMMAs are a
+    whole number of chunks' (paged_decode.cuh's steady loop: its iterations take one or two
+    16-key chunks a warp, and its kernel holds a second, masked copy of the iteration for the
+    edge outside it)."""
     loops, blocks = natural_loops(code)
 
     def hmmas(k):
@@ -301,7 +303,7 @@ def tile_loop(code, mma_per_iteration=None):
     def size(body):
         return sum(blocks[k][1] - blocks[k][0] + 1 for k in body)
 
-    if mma_per_iteration is None:
+    if mma_per_chunk is None:
         holding = [(h, body) for h, body in loops.items() if hmma <= body]
     else:  # (innermost: no loop inside it holds an HMMA, so it cannot be two iterations' copies)
 
@@ -311,11 +313,13 @@ def tile_loop(code, mma_per_iteration=None):
         holding = [
             (h, body)
             for h, body in loops.items()
-            if sum(hmmas(k) for k in body) == mma_per_iteration and innermost(h, body)
+            if sum(hmmas(k) for k in body) % mma_per_chunk == 0 and body & hmma and innermost(h, body)
         ]
     if not holding:
         raise ValueError(
-            "no loop holds every HMMA" if mma_per_iteration is None else f"no loop holds {mma_per_iteration} HMMAs"
+            "no loop holds every HMMA"
+            if mma_per_chunk is None
+            else f"no innermost loop holds a multiple of {mma_per_chunk} HMMAs"
         )
     header, body = min(holding, key=lambda hb: size(hb[1]))
     inner = sum(1 for h, b in loops.items() if h != header and b < body)
@@ -348,7 +352,8 @@ def division_calls(code, body, blocks) -> int:
 
 
 def analyse(variant: Variant, code) -> None:
-    body, blocks, inner = tile_loop(code, decode_steady_mmas(variant))
+    per_chunk = decode_steady_mmas(variant)
+    body, blocks, inner = tile_loop(code, per_chunk)
     ops = [code[i][1] for k in sorted(body) for i in range(blocks[k][0], blocks[k][1] + 1)]
     counts = {
         "HMMA": sum(op.startswith("HMMA") for op in ops),
@@ -364,7 +369,10 @@ def analyse(variant: Variant, code) -> None:
     if barriers == 0 or counts["LDGSTS"] == 0:
         raise ValueError(f"the loop found ({len(ops)} instructions) has no barrier or no cp.async: not the tile loop")
     variant.sass_instructions = len(code)
-    variant.loop_instructions = len(ops)
+    # The decode kernel's warp takes loop_chunks 16-key chunks an iteration (its block 64 x as
+    # many keys): per 64-key tile, the loop's instructions / loop_chunks (rounded up).
+    variant.loop_chunks = counts["HMMA"] // per_chunk if per_chunk else 1
+    variant.loop_instructions = -(-len(ops) // variant.loop_chunks)
     variant.loop_inner_loops = inner
     variant.loop_counts = counts
 

@@ -64,7 +64,7 @@ constexpr int decode_row_stride() {
   return kRB >= 32 ? kRB + 16 : kRB;
 }
 
-template <int kD, int kRB, typename X, int kBg>
+template <int kD, int kRB, typename X, int kBg, int kSub>
 struct alignas(16) PagedDecodeSmem {
   static constexpr int kRS = decode_row_stride<kRB>();
   static constexpr int kRows = core::kPagedDecodeTileRows;  // 8
@@ -80,8 +80,8 @@ struct alignas(16) PagedDecodeSmem {
     float z[kDecodeWarps][kRows][kBg];   // sum of p x value zero per group
   };
   union {
-    Stage stage[kDecodeWarps][2];
-    float q[kRows][kD];  // the block's queries, before they are folded (set-up only)
+    Stage stage[kDecodeWarps][2][kSub];  // per warp two stages of an iteration's kSub chunks
+    float q[kRows][kD];                  // the block's queries, before they are folded (set-up only)
     Merge merge;
   } buf;
   uint4 qfrag[1][kD / 16][kWarp];  // normalized queries {hi, hi, lo, lo} per k-step and lane (hi used)
@@ -106,13 +106,18 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   static constexpr int kGroupSteps = kGroup / 16;
   static_assert(kGroup % 16 == 0 && kBg * kGroup == kD, "whole groups of 16-channel k-steps");
   static_assert(kCodeChunks * kPlanes == kMTiles, "a chunk's planes are its m-tiles");
-  using Smem = PagedDecodeSmem<kD, kRB, X, kBg>;
+  // Chunks of 16 keys per warp iteration: 2 (one max, rescale and normalizer
+  // for 32 keys), 1 at 8 bits (bound by its bytes; its stages would not fit 3
+  // blocks per SM twice over).
+  static constexpr int kSub = kBits == 8 ? 1 : 2;
+  using Smem = PagedDecodeSmem<kD, kRB, X, kBg, kSub>;
   using Stage = typename Smem::Stage;
   static constexpr int kRows = Smem::kRows;
-  // Blocks per SM the registers must allow: 4 (<= 128 registers); 3 at four
-  // groups and with rows of 128 bytes (8-bit D128), which spilled 8-16 bytes
-  // at 128 (8-bit is bound by its bytes: 3 blocks keep ~110 KB in flight).
-  static constexpr int kMinBlocks = kBg == 4 || kRB > 64 ? 3 : 4;
+  // Blocks per SM the registers must allow: 4 (<= 128 registers); 3 (<= 168)
+  // at four groups, with rows of 128 bytes (8-bit D128) and for two chunks an
+  // iteration at D128, which spilled 4-16 bytes at 128 (3 blocks keep ~30 KB
+  // in flight at 2 bits D128, ~55 KB at 4 bits, ~110 KB at 8 bits).
+  static constexpr int kMinBlocks = kBg == 4 || kRB > 64 || (kSub == 2 && kD == 128) ? 3 : 4;
   // A normalizer that constrains nothing (no visible non-zero value scale yet).
   static constexpr float kNoNormalizer = 1.2676506e30f;  // 2^100, pow2_normalizer's largest
   static constexpr float kLog2e = 1.4426950408889634f;   // base-2 scores: x log2 e
@@ -169,26 +174,32 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
                    (kWarp * i % kRB) / kRowPieces * Smem::kRS);
   }
 
-  // Issues the copies of the chunk at key c0 into `stage` (one commit group).
-  // A block id outside the pool copies nothing and poisons the block (every
-  // chunk from the aligned first key on holds a visible key).
+  // Issues the copies of the iteration at key c0 into `stage` (one commit
+  // group): chunk j at c0 + 64 j (none past the split's keys) into the j-th
+  // Stage.  A block id outside the pool copies nothing and poisons the block
+  // (every chunk from the aligned first key on holds a visible key).
   NKV_DEVICE void prefetch(int32_t c0, uint32_t stage) {
-    uint32_t col, slot;
-    ix.block.divmod(uint32_t(c0), col, slot);
-    const int32_t id = table[col];
-    if (id >= 0 && id < p.pool.num_blocks) {
-      const uint8_t* page = head_pages + int64_t(id) * block_bytes;  // the head's page of block id
-      // The lane's first piece (the chunk's first code row + code_src: < 2^31 bytes into the page);
-      // the other rounds' lie a compile-time distance on (V rounds: v_src more).
-      const uint8_t* k = page + (int32_t(slot) * kRB + code_src);
-      const uint8_t* v = k + v_src;
-      const uint32_t dst = stage + uint32_t(code_dst);
 #pragma unroll
-      for (int i = 0; i < kCodeCopies; ++i)
-        cp_async16(dst + uint32_t(round_dst(i)), (round_half(i) ? v : k) + 16 * (kWarp * i % kRB));
-      if (meta_src >= 0) cp_async16(stage + uint32_t(meta_dst), page + (int32_t(slot) * (2 * kBg) + meta_src));
-    } else if (lane == 0) {
-      atomic_or(&sm.flag, kBadBlock);
+    for (int j = 0; j < kSub; ++j) {
+      const int32_t key = c0 + kMmaTile * j;
+      if (j > 0 && key >= hi) break;
+      uint32_t col, slot;
+      ix.block.divmod(uint32_t(key), col, slot);
+      const int32_t id = table[col];
+      if (id >= 0 && id < p.pool.num_blocks) {
+        const uint8_t* page = head_pages + int64_t(id) * block_bytes;  // the head's page of block id
+        // The lane's first piece (the chunk's first code row + code_src: < 2^31 bytes into the page);
+        // the other rounds' lie a compile-time distance on (V rounds: v_src more).
+        const uint8_t* k = page + (int32_t(slot) * kRB + code_src);
+        const uint8_t* v = k + v_src;
+        const uint32_t at = stage + uint32_t(j * sizeof(Stage)), dst = at + uint32_t(code_dst);
+#pragma unroll
+        for (int i = 0; i < kCodeCopies; ++i)
+          cp_async16(dst + uint32_t(round_dst(i)), (round_half(i) ? v : k) + 16 * (kWarp * i % kRB));
+        if (meta_src >= 0) cp_async16(at + uint32_t(meta_dst), page + (int32_t(slot) * (2 * kBg) + meta_src));
+      } else if (lane == 0) {
+        atomic_or(&sm.flag, kBadBlock);
+      }
     }
     cp_async_commit();
   }
@@ -224,85 +235,101 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
     float acc[kMTiles][4];
   };
 
-  // One chunk of 16 keys at c0 from stage S into the lane's state.  kEdge:
-  // a chunk where some row may not see some key (the split's ends, a row's
-  // window or causal end) or with a soft-cap: masked, capped, the keys it
-  // cannot see skipped.  The rest, the steady chunks of the loop, see every
-  // key on every row (and have no cap): nothing to mask or skip, and a score
-  // that is not finite reaches the denominator as NaN through x * 0 (NaN for
-  // +-inf and NaN, 0 otherwise), the row NaN as on the edge.
+  // One iteration of the warp: kSub chunks of 16 keys, at c0 + 64 j, from
+  // stages S[j] into the lane's state (one max, one rescale, one normalizer
+  // per iteration).  kEdge: an iteration where some row may not see some key
+  // (the split's ends, a row's window or causal end; a chunk past the split's
+  // keys, not copied) or with a soft-cap: masked, capped, the keys it cannot
+  // see skipped.  The rest, the steady iterations, see every key on every row
+  // (and have no cap): nothing to mask or skip, and a score that is not
+  // finite reaches the denominator as NaN through x * 0 (NaN for +-inf and
+  // NaN, 0 otherwise), the row NaN as on the edge.
   template <bool kEdge>
-  NKV_DEVICE void chunk(const Stage& S, int32_t c0, const uint32_t (&qf)[kKSteps][2], const float (&qs)[2][kBg],
+  NKV_DEVICE void chunk(const Stage (&S)[kSub], int32_t c0, const uint32_t (&qf)[kKSteps][2], const float (&qs)[2][kBg],
                         const float (&qdl)[2], Rows& st) const {
     const float kNegInf = bits_float(0xff800000u), kNaN = bits_float(0x7fc00000u);
-    // S^T = K . Q^T per key group: c[b][i] holds key g + 8 (i / 2), row 2t + i % 2.
-    float c[kBg][4] = {};
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      uint32_t af[4];
-      key_codes_fragment<kBits>(S.k_codes, 0, g, t, ks, af);
-      mma_16816(c[ks / kGroupSteps], af, qf[ks]);
-    }
-    float kscale[2][kBg], kzero[2][kBg];
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      meta_of(S, 0, g + 8 * kk, kscale[kk]);
-      meta_of(S, 1, g + 8 * kk, kzero[kk]);
-    }
     // Scores (base 2), soft-cap, mask; a visible score that is not finite makes its row NaN.
-    float s[4];
+    // s[j][i]: chunk j's key g + 8 (i / 2), row 2t + i % 2.
+    float s[kSub][4];
     bool bad[2] = {false, false};
     const SoftCap cap(kEdge ? p.softcap * kLog2e : 0.f);  // cap tanh(x / cap) on base-2 scores: the cap x log2 e
-    float nan_if_bad[2] = {0.f, 0.f};                     // (steady chunks) 0, or NaN after a score that is not finite
+    float nan_if_bad[2] = {0.f, 0.f};  // (steady iterations) 0, or NaN after a score that is not finite
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int kk = i / 2, r = i % 2;
-      float x = 0.f;
+    for (int j = 0; j < kSub; ++j) {
+      // S^T = K . Q^T per key group: c[b][i] holds key g + 8 (i / 2), row 2t + i % 2.
+      float c[kBg][4] = {};
 #pragma unroll
-      for (int b = 0; b < kBg; ++b) x += c[b][i] * kscale[kk][b] + kzero[kk][b] * qs[r][b];
-      x *= qdl[r];
-      if constexpr (kEdge) {
-        if (cap.cap > 0.f) x = cap(x);
-        const int32_t kp = c0 + g + 8 * kk;
-        const bool vis = kp < sm.key_end[2 * t + r] && kp >= sm.key_first[2 * t + r];
-        bad[r] = bad[r] || (vis && non_finite(x));
-        s[i] = vis ? x : kNegInf;
-      } else {
-        nan_if_bad[r] = fmaf(x, 0.f, nan_if_bad[r]);
-        s[i] = x;
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        uint32_t af[4];
+        key_codes_fragment<kBits>(S[j].k_codes, 0, g, t, ks, af);
+        mma_16816(c[ks / kGroupSteps], af, qf[ks]);
+      }
+      float kscale[2][kBg], kzero[2][kBg];
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        meta_of(S[j], 0, g + 8 * kk, kscale[kk]);
+        meta_of(S[j], 1, g + 8 * kk, kzero[kk]);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int kk = i / 2, r = i % 2;
+        float x = 0.f;
+#pragma unroll
+        for (int b = 0; b < kBg; ++b) x = fmaf(kzero[kk][b], qs[r][b], fmaf(c[b][i], kscale[kk][b], x));
+        x *= qdl[r];
+        if constexpr (kEdge) {
+          if (cap.cap > 0.f) x = cap(x);
+          const int32_t kp = c0 + kMmaTile * j + g + 8 * kk;
+          const bool vis = kp < sm.key_end[2 * t + r] && kp >= sm.key_first[2 * t + r];
+          bad[r] = bad[r] || (vis && non_finite(x));
+          s[j][i] = vis ? x : kNegInf;
+        } else {
+          nan_if_bad[r] = fmaf(x, 0.f, nan_if_bad[r]);
+          s[j][i] = x;
+        }
       }
     }
-    // The online softmax of the lane's two rows: the max over the 16 keys (lanes g).
-    float alpha[2], pr[4];
+    // The online softmax of the lane's two rows: the max over the kSub x 16 keys (lanes g).
+    float alpha[2], pr[kSub][4];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float mx = fmaxf(s[r], s[r + 2]);
+      float mx = fmaxf(s[0][r], s[0][r + 2]);
+#pragma unroll
+      for (int j = 1; j < kSub; ++j) mx = fmaxf(mx, fmaxf(s[j][r], s[j][r + 2]));
       for (int o = 4; o < kWarp; o *= 2) mx = fmaxf(mx, shfl_xor(mx, o));
       const float m_new = fmaxf(st.m[r], mx);
-      // (no visible key yet: every weight 0; a steady chunk's keys are all visible)
+      // (no visible key yet: every weight 0; a steady iteration's keys are all visible)
       const float mu = kEdge && m_new == kNegInf ? 0.f : m_new;
       alpha[r] = fast_exp2(st.m[r] - mu);
-      pr[r] = fast_exp2(s[r] - mu);
-      pr[r + 2] = fast_exp2(s[r + 2] - mu);
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) {
+        pr[j][r] = fast_exp2(s[j][r] - mu);
+        pr[j][r + 2] = fast_exp2(s[j][r + 2] - mu);
+        sum += pr[j][r] + pr[j][r + 2];
+      }
       if constexpr (kEdge)
-        st.l[r] = bad[r] ? kNaN : st.l[r] * alpha[r] + (pr[r] + pr[r + 2]);
+        st.l[r] = bad[r] ? kNaN : st.l[r] * alpha[r] + sum;
       else
-        st.l[r] = st.l[r] * alpha[r] + (pr[r] + pr[r + 2]) + nan_if_bad[r];
+        st.l[r] = st.l[r] * alpha[r] + sum + nan_if_bad[r];
       st.m[r] = m_new;
     }
-    // The value weights' power of two per group over the chunk's visible keys
-    // (keys before the block's first visible one may be pages never written):
-    // 2^14 <= max |value scale| x it < 2^15, kept at the smallest so far (the
-    // accumulators are rescaled when it moves; a power of two: exact).
+    // The value weights' power of two per group over the iteration's visible
+    // keys (keys before the block's first visible one may be pages never
+    // written, chunks past its last are not copied): 2^14 <= max |value
+    // scale| x it < 2^15, kept at the smallest so far (the accumulators are
+    // rescaled when it moves; a power of two: exact).
     float ratio[kBg];
     {
       float mx = 0.f;
 #pragma unroll
-      for (int e0 = 0; e0 < kDecodeChunk * kBg; e0 += kWarp) {
-        const int e = e0 + lane, kp = c0 + e / kBg;
-        if (e < kDecodeChunk * kBg && (!kEdge || (kp >= sm.first && kp < hi)))
-          mx = fmaxf(mx, fabsf(fast_float(S.meta[2][e])));
-      }
+      for (int j = 0; j < kSub; ++j)
+#pragma unroll
+        for (int e0 = 0; e0 < kDecodeChunk * kBg; e0 += kWarp) {
+          const int e = e0 + lane, kp = c0 + kMmaTile * j + e / kBg;
+          if (e < kDecodeChunk * kBg && (!kEdge || (kp >= sm.first && kp < hi)))
+            mx = fmaxf(mx, fabsf(fast_float(S[j].meta[2][e])));
+        }
       for (int o = kWarp / 2; o >= kBg; o /= 2) mx = fmaxf(mx, shfl_xor(mx, o));
       const float up = mx > 0.f ? pow2_normalizer(mx) : kNoNormalizer;  // lane b: group b % kBg's
 #pragma unroll
@@ -312,36 +339,7 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
         st.vup[b] = vup;
       }
     }
-    float vscale[2][kBg], vzero[2][kBg];  // (loaded here: fewer registers live across the scores)
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      meta_of(S, 2, g + 8 * kk, vscale[kk]);
-      meta_of(S, 3, g + 8 * kk, vzero[kk]);
-    }
-    // Zeros: sum p x value zero per row and group (on the edge a weight of 0
-    // skips its key: the meta of masked keys is whatever the stage held).
-    const auto times = [](float w, float x) { return !kEdge || w != 0.f ? w * x : 0.f; };
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-      for (int b = 0; b < kBg; ++b)
-        st.z[r][b] = st.z[r][b] * alpha[r] + times(pr[r], vzero[0][b]) + times(pr[r + 2], vzero[1][b]);
-    // The B fragments of P . V per group: w = p x value scale x vup as fp16 hi
-    // + lo in the score layout (key g + 8 kk, rows 2t, 2t + 1: one 8x8 matrix
-    // per kk), transposed to rows x keys (keys 2t, 2t + 1 of row g) by movmatrix.
-    uint32_t bh[kBg][2], bl[kBg][2];
-#pragma unroll
-    for (int b = 0; b < kBg; ++b)
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        const float sv = vscale[kk][b] * st.vup[b];
-        const float w0 = times(pr[2 * kk], sv), w1 = times(pr[2 * kk + 1], sv);
-        uint32_t hi2, lo2;
-        split_half2(w0, w1, hi2, lo2);
-        bh[b][kk] = movmatrix_trans(hi2);
-        bl[b][kk] = movmatrix_trans(lo2);
-      }
-    // Rescale, then acc += V^T W^T per m-tile.
+    // Rescale by the max's change and the normalizer's, once per iteration.
     float ar[kBg][2];
 #pragma unroll
     for (int b = 0; b < kBg; ++b) ar[b][0] = alpha[0] * ratio[b], ar[b][1] = alpha[1] * ratio[b];
@@ -350,27 +348,63 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
 #pragma unroll
       for (int i = 0; i < 4; ++i) st.acc[mt][i] *= ar[16 * mt / kGroup][i % 2];
 #pragma unroll
-    for (int cc = 0; cc < kCodeChunks; ++cc) {
-      // Bytes 2g, 2g + 1 of the chunk's code rows 2t, 2t + 1 (pair 0) and 2t + 8, 2t + 9 (pair 1):
-      // a register holds byte 2g (+ 1 after >> 8) of both keys of a pair in its bytes 0 and 2.
-      const uint8_t* base = &S.v_codes[0][16 * cc + 2 * g];
-      uint32_t pw[4];
+    for (int r = 0; r < 2; ++r)
 #pragma unroll
-      for (int pair = 0; pair < 2; ++pair) {
-        const int j = 2 * t + 8 * pair;
-        const uint32_t x0 = *reinterpret_cast<const uint16_t*>(base + j * Smem::kRS);
-        const uint32_t x1 = *reinterpret_cast<const uint16_t*>(base + (j + 1) * Smem::kRS);
-        pw[2 * pair] = byte_perm(x0, x1, 0x5410u);
-        pw[2 * pair + 1] = pw[2 * pair] >> 8;
+      for (int b = 0; b < kBg; ++b) st.z[r][b] *= alpha[r];
+    // Per chunk: the zeros and acc += V^T W^T.
+    const auto times = [](float w, float x) { return !kEdge || w != 0.f ? w * x : 0.f; };
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      float vscale[2][kBg], vzero[2][kBg];
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        meta_of(S[j], 2, g + 8 * kk, vscale[kk]);
+        meta_of(S[j], 3, g + 8 * kk, vzero[kk]);
       }
+      // Zeros: sum p x value zero per row and group (on the edge a weight of 0
+      // skips its key: the meta of masked keys is whatever the stage held).
 #pragma unroll
-      for (int pl = 0; pl < kPlanes; ++pl) {
-        const int mt = cc * kPlanes + pl, b = 16 * mt / kGroup;
-        uint32_t av[4];  // rows g (byte 2g), g + 8 (byte 2g + 1); keys 2t.. then 2t + 8..
+      for (int r = 0; r < 2; ++r)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) av[i] = codes_half2<kBits>(pw[i], pl);
-        mma_16816(st.acc[mt], av, bh[b]);
-        mma_16816(st.acc[mt], av, bl[b]);
+        for (int b = 0; b < kBg; ++b) st.z[r][b] += times(pr[j][r], vzero[0][b]) + times(pr[j][r + 2], vzero[1][b]);
+      // The B fragments of P . V per group: w = p x value scale x vup as fp16 hi
+      // + lo in the score layout (key g + 8 kk, rows 2t, 2t + 1: one 8x8 matrix
+      // per kk), transposed to rows x keys (keys 2t, 2t + 1 of row g) by movmatrix.
+      uint32_t bh[kBg][2], bl[kBg][2];
+#pragma unroll
+      for (int b = 0; b < kBg; ++b)
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          const float sv = vscale[kk][b] * st.vup[b];
+          const float w0 = times(pr[j][2 * kk], sv), w1 = times(pr[j][2 * kk + 1], sv);
+          uint32_t hi2, lo2;
+          split_half2(w0, w1, hi2, lo2);
+          bh[b][kk] = movmatrix_trans(hi2);
+          bl[b][kk] = movmatrix_trans(lo2);
+        }
+#pragma unroll
+      for (int cc = 0; cc < kCodeChunks; ++cc) {
+        // Bytes 2g, 2g + 1 of the chunk's code rows 2t, 2t + 1 (pair 0) and 2t + 8, 2t + 9 (pair 1):
+        // a register holds byte 2g (+ 1 after >> 8) of both keys of a pair in its bytes 0 and 2.
+        const uint8_t* base = &S[j].v_codes[0][16 * cc + 2 * g];
+        uint32_t pw[4];
+#pragma unroll
+        for (int pair = 0; pair < 2; ++pair) {
+          const int k = 2 * t + 8 * pair;
+          const uint32_t x0 = *reinterpret_cast<const uint16_t*>(base + k * Smem::kRS);
+          const uint32_t x1 = *reinterpret_cast<const uint16_t*>(base + (k + 1) * Smem::kRS);
+          pw[2 * pair] = byte_perm(x0, x1, 0x5410u);
+          pw[2 * pair + 1] = pw[2 * pair] >> 8;
+        }
+#pragma unroll
+        for (int pl = 0; pl < kPlanes; ++pl) {
+          const int mt = cc * kPlanes + pl, b = 16 * mt / kGroup;
+          uint32_t av[4];  // rows g (byte 2g), g + 8 (byte 2g + 1); keys 2t.. then 2t + 8..
+#pragma unroll
+          for (int i = 0; i < 4; ++i) av[i] = codes_half2<kBits>(pw[i], pl);
+          mma_16816(st.acc[mt], av, bh[b]);
+          mma_16816(st.acc[mt], av, bl[b]);
+        }
       }
     }
   }
@@ -425,31 +459,33 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
       all_hi = sm.key_end[r] < all_hi ? sm.key_end[r] : all_hi;
     }
 
-    // The warp's chunks: keys lo + 16 warp + 64 i (lo is a multiple of 16).
-    const uint32_t stages = shared_address(&sm.buf.stage[warp][0]);
+    // The warp's chunks: keys lo + 16 warp + 64 i (lo is a multiple of 16), kSub an iteration.
+    constexpr int32_t kStep = kMmaTile * kSub;                  // keys from one iteration's first to the next's
+    constexpr int32_t kSpan = kStep - kMmaTile + kDecodeChunk;  // an iteration's first key to past its last
+    const uint32_t stages = shared_address(&sm.buf.stage[warp][0][0]);
     const int32_t start = lo + kDecodeChunk * warp;
     if (start < hi) prefetch(start, stages);
     int sidx = 0;
     const auto step = [&]<bool kEdge>(int32_t c0) {
-      if (c0 + kMmaTile < hi)
-        prefetch(c0 + kMmaTile, stages + uint32_t(sidx ^ 1) * uint32_t(sizeof(Stage)));
+      if (c0 + kStep < hi)
+        prefetch(c0 + kStep, stages + uint32_t(sidx ^ 1) * uint32_t(kSub * sizeof(Stage)));
       else
-        cp_async_commit();  // an empty group keeps wait<1> meaning "this chunk's group is done"
+        cp_async_commit();  // an empty group keeps wait<1> meaning "this iteration's group is done"
       cp_async_wait<1>();
-      __syncwarp();  // every lane's copies of the chunk are visible to the warp
+      __syncwarp();  // every lane's copies of the iteration are visible to the warp
       chunk<kEdge>(sm.buf.stage[warp][sidx], c0, qf, qs, qdl, st);
       __syncwarp();  // every lane is done with the stage before the next prefetch refills it
       sidx ^= 1;
     };
     for (int32_t c0 = start; c0 < hi;) {
-      if (c0 >= all_lo && c0 + kDecodeChunk <= all_hi) {
+      if (c0 >= all_lo && c0 + kSpan <= all_hi) {
         do {  // the steady loop (benchmarks/cuda_budget.py counts it)
           step.template operator()<false>(c0);
-          c0 += kMmaTile;
-        } while (c0 + kDecodeChunk <= all_hi);
+          c0 += kStep;
+        } while (c0 + kSpan <= all_hi);
       } else {
         step.template operator()<true>(c0);
-        c0 += kMmaTile;
+        c0 += kStep;
       }
     }
     cp_async_wait<0>();
