@@ -37,14 +37,17 @@ instruction of the kernel, since q . K and P . V both run once per tile.  The sc
 that this loop also holds a barrier (BAR.SYNC; WARPSYNC in the paged decode kernel, whose warps
 each take their own 16-key chunks) and an asynchronous copy (LDGSTS, the next tile's prefetch)
 and fails otherwise.  In that decode kernel (paged_decode.cuh, the "8r" rows) a warp's
-iteration takes 16 keys and the block's 4 warps 64 together, so its loop count per warp is the
-same unit as the others': instructions per warp per 64-key tile of the block.  Its kernel holds
-the chunk's work twice: the steady loop over the chunks every query row sees whole (no mask, no
+chunk is 16 keys and the block's 4 warps take 64 together, so its loop count per warp and chunk
+is the same unit as the others': instructions per warp per 64-key tile of the block.  Its
+kernel holds an iteration's work twice: the steady loop over the chunks every query row sees whole (no mask, no
 soft-cap), nested in the loop over all chunks, whose other branch runs a masked, capped copy for
 the edge chunks (a split's first and last, a window's start, the causal end: a few per warp and
 split, whatever the context; every chunk under a soft-cap).  Its row counts the steady loop: the
-innermost loop that holds exactly one chunk's HMMAs (3 D / 16: q . K, and P . V in hi + lo), which
-the smallest loop holding every HMMA (the outer one, both copies) would count twice.  The count is
+innermost loop whose HMMAs are a whole number of chunks' (2 D / 16 each: P . V in hi + lo; its
+q . K runs on integer MMAs, IMMA, listed apart), which the smallest loop holding every HMMA (the
+outer one, both copies) would count twice. Below 8 bits its warp takes two chunks an iteration
+(the block 128 keys): the row gives the loop's count per 64-key tile, half the iteration's
+(loop_chunks in the JSON).  The count is
 static: every instruction of the loop's blocks once, so inner loops the compiler did not unroll
 count once (the table lists how many) and rarely taken paths count fully; it is an estimate of
 the per-tile work, not a trace.
@@ -328,8 +331,9 @@ def tile_loop(code, mma_per_chunk=None):
 
 def decode_steady_mmas(variant) -> int | None:
     """HMMAs of one steady chunk of the paged decode kernel (paged_decode.cuh, the 8-row
-    variants): q . K per 16 channels, and P . V per 16 channels in hi + lo; None for the others."""
-    return 3 * variant.head_dim // 16 if variant.kernel == "paged" and variant.rows == 8 else None
+    variants): P . V per 16 channels in hi + lo (its q . K runs on integer MMAs, IMMA, counted
+    apart); None for the others."""
+    return 2 * variant.head_dim // 16 if variant.kernel == "paged" and variant.rows == 8 else None
 
 
 def division_calls(code, body, blocks) -> int:
@@ -357,6 +361,7 @@ def analyse(variant: Variant, code) -> None:
     ops = [code[i][1] for k in sorted(body) for i in range(blocks[k][0], blocks[k][1] + 1)]
     counts = {
         "HMMA": sum(op.startswith("HMMA") for op in ops),
+        "IMMA": sum(op.startswith("IMMA") for op in ops),
         "BAR": sum(op.startswith("BAR") for op in ops),
         "LDGSTS": sum(op.startswith("LDGSTS") for op in ops),
         "LDS": sum(op.startswith("LDS") for op in ops),

@@ -7,14 +7,18 @@
 // scores' round trip through shared memory, a softmax row per warp, the page
 // lookups of every chunk by every warp) was most of paged_mma.cuh's tile loop.
 //
-// A warp's chunk, all in registers but the copies:
-//  - its pages: the warp looks up its own chunk's head page (no shuffles, no
-//    block barrier) and copies the chunk's K, V codes and four [16, Bg] meta
-//    rows by cp.async into its own two stages; the next chunk's copies are in
-//    flight during this one's math;
-//  - S^T = K . Q^T per key group (m16n8k16: 16 keys x 8 rows), the queries
-//    fp16 (the B fragments held in registers for the whole block), then x the
-//    key's group scale + its zero x the row's sum of q over the group;
+// A warp's iteration takes two of its chunks (one at 8 bits), c0 and c0 + 64,
+// all in registers but the copies:
+//  - its pages: the warp looks up its own chunks' head pages (no shuffles, no
+//    block barrier) and copies each chunk's K, V codes and four [16, Bg] meta
+//    rows by cp.async into its own two stages; the next iteration's copies
+//    are in flight during this one's math;
+//  - S^T = K . Q^T per key group on integer MMAs (m16n8k32, m16n8k16 for
+//    groups of 16 channels: 16 keys x 8 rows), exact: the key codes as u8
+//    (one LOP3 per four, and a shift), the queries as 16-bit integers in two
+//    byte limbs (s8 hi, u8 lo; the B fragments held in registers for the
+//    whole block), hi x 256 + lo as a float, then x the key's group scale +
+//    its zero x the row's sum of q over the group;
 //  - the online softmax on the accumulator fragments: lane (g, t) holds keys
 //    g, g + 8 of rows 2t, 2t + 1, so a row's max is 3 shuffles over g; base-2
 //    exponentials (log2 e folded into the queries' normalizer and the cap);
@@ -27,7 +31,8 @@
 //    2g + 1 of the chunk's plane), un-permuted when the partial is written;
 //  - the value zeros summed as p x zero per lane, the accumulators rescaled
 //    by the max's change and the value normalizer's (both powers of two or
-//    exponentials, the same for every channel of a row and group);
+//    exponentials, the same for every channel of a row and group), once per
+//    iteration (one max, one normalizer for its 32 keys);
 //  - the chunks every row sees whole (all but a few per warp and split: the
 //    split's ends, a window's start, the causal end) run a steady loop with
 //    no mask, no soft-cap and no skipped keys; the others, and every chunk
@@ -36,10 +41,12 @@
 // (max, sum, accumulators) merge through shared memory into the split's
 // partial, in paged_mma.cuh's format (paged_mma_merge_kernel runs after).
 //
-// Precision: keys and values exact as codes; queries fp16 (at most 2^-11
-// relative, round to nearest: the size of an fp16 query's own rounding, an
-// eighth of a bf16 one's; the 16-row kernel splits them in hi + lo); weights
-// hi + lo (~22 bits); fp32 accumulation.  Compiles; untested on a GPU until a
+// Precision: keys and values exact as codes; queries rounded to 16-bit
+// integers after the row's power-of-two normalization (2^14 <= max |q| <
+// 2^15: at most 2^-15 of the row's largest |q|, 16 times finer than fp16 for
+// the large channels; the 16-row kernel splits them in fp16 hi + lo); q . K
+// exact in int32, then one rounding to float; weights hi + lo (~22 bits);
+// fp32 accumulation.  Compiles; untested on a GPU until a
 // lent one runs benchmarks/gpu_check.sh (tests/python/test_cuda_paged.py
 // compares it with float64 and with the SIMT kernel); on the host, emulated,
 // it matches the CPU kernel in every format it takes (test_cuda_emulated.cpp).
@@ -84,7 +91,7 @@ struct alignas(16) PagedDecodeSmem {
     float q[kRows][kD];                  // the block's queries, before they are folded (set-up only)
     Merge merge;
   } buf;
-  uint4 qfrag[1][kD / 16][kWarp];  // normalized queries {hi, hi, lo, lo} per k-step and lane (hi used)
+  uint4 qfrag[1][kD / 16][kWarp];  // fold_queries's fp16 fragments (unused: the integer limbs come from buf.q)
   float qsum[kRows][kBg];          // normalized sum of the row's q over each key group
   float qdown[kRows];              // 1 / the row's normalizer
   int32_t key_first[kRows];        // the row's visible keys: [key_first, key_end)
@@ -151,6 +158,7 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   int32_t meta_src = -1, meta_dst = -1;  // -1: no piece (lanes past the meta pieces)
   const uint8_t* head_pages = nullptr;   // kv head h's page of block 0
   int64_t block_bytes = 0;               // bytes between a head's pages of two blocks
+  bool bad_block = false;                // a block id outside the pool was met (the block is poisoned)
 
   NKV_DEVICE void copy_plan() {
     const int half = lane / kRB, piece = lane % kRB;      // (half 1 only with rows of 16 bytes)
@@ -186,7 +194,7 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
       uint32_t col, slot;
       ix.block.divmod(uint32_t(key), col, slot);
       const int32_t id = table[col];
-      if (id >= 0 && id < p.pool.num_blocks) {
+      if (uint32_t(id) < uint32_t(p.pool.num_blocks)) {                // (a negative id: above every count)
         const uint8_t* page = head_pages + int64_t(id) * block_bytes;  // the head's page of block id
         // The lane's first piece (the chunk's first code row + code_src: < 2^31 bytes into the page);
         // the other rounds' lie a compile-time distance on (V rounds: v_src more).
@@ -197,8 +205,8 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
         for (int i = 0; i < kCodeCopies; ++i)
           cp_async16(dst + uint32_t(round_dst(i)), (round_half(i) ? v : k) + 16 * (kWarp * i % kRB));
         if (meta_src >= 0) cp_async16(at + uint32_t(meta_dst), page + (int32_t(slot) * (2 * kBg) + meta_src));
-      } else if (lane == 0) {
-        atomic_or(&sm.flag, kBadBlock);
+      } else {
+        bad_block = true;  // (reported once after the loop: no atomic in it)
       }
     }
     cp_async_commit();
@@ -235,6 +243,52 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
     float acc[kMTiles][4];
   };
 
+  // The queries' B fragments of q . K (16-channel units v: channels 16 v + 4t + j in byte j).
+  struct QueryLimbs {
+    uint32_t hi[kKSteps], lo[kKSteps];  // (q >> 8) as s8, q & 255 as u8
+  };
+  // Byte j of key row `row`'s register of unit v (channels 16 v + 4t + j):
+  // the unit's codes (plane v % kPlanes of code chunk 16 v / kC, as
+  // key_codes_fragment reads them) as u8, one shift and one LOP3 per four.
+  NKV_DEVICE uint32_t key_codes_u8(const Stage& S, int row, int v) const {
+    constexpr int kC = core::layout::kChunkChannels<kBits>;
+    const uint32_t w = reinterpret_cast<const uint32_t*>(&S.k_codes[row][16 * v / kC * 16])[t];
+    if constexpr (kBits == 8)
+      return w;
+    else
+      return (w >> (kBits * (v % kPlanes))) & (0x01010101u * ((1u << kBits) - 1u));
+  }
+  // The chunk's q . code per key group as floats, from integer MMAs (u8 codes
+  // x the s8 hi and u8 lo limbs, int32: exact; 256 hi + lo < 2^31 at 8 bits
+  // and 128 channels a group): m16n8k32 for groups of 32 channels or more,
+  // m16n8k16 for groups of 16.
+  NKV_DEVICE void key_scores(const Stage& S, const QueryLimbs& qf, float (&c)[kBg][4]) const {
+    int32_t ch[kBg][4] = {}, cl[kBg][4] = {};
+    if constexpr (kGroup >= 32) {
+#pragma unroll
+      for (int u = 0; u < kKSteps / 2; ++u) {
+        const uint32_t a[4] = {key_codes_u8(S, g, 2 * u), key_codes_u8(S, g + 8, 2 * u), key_codes_u8(S, g, 2 * u + 1),
+                               key_codes_u8(S, g + 8, 2 * u + 1)};
+        const uint32_t bh[2] = {qf.hi[2 * u], qf.hi[2 * u + 1]}, bl[2] = {qf.lo[2 * u], qf.lo[2 * u + 1]};
+        const int b = 32 * u / kGroup;
+        mma_16832_u8<true>(ch[b], a, bh);
+        mma_16832_u8<false>(cl[b], a, bl);
+      }
+    } else {
+#pragma unroll
+      for (int v = 0; v < kKSteps; ++v) {
+        const uint32_t a[2] = {key_codes_u8(S, g, v), key_codes_u8(S, g + 8, v)};
+        const int b = 16 * v / kGroup;
+        mma_16816_u8<true>(ch[b], a, qf.hi[v]);
+        mma_16816_u8<false>(cl[b], a, qf.lo[v]);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kBg; ++b)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) c[b][i] = float(ch[b][i] * 256 + cl[b][i]);
+  }
+
   // One iteration of the warp: kSub chunks of 16 keys, at c0 + 64 j, from
   // stages S[j] into the lane's state (one max, one rescale, one normalizer
   // per iteration).  kEdge: an iteration where some row may not see some key
@@ -245,7 +299,7 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   // finite reaches the denominator as NaN through x * 0 (NaN for +-inf and
   // NaN, 0 otherwise), the row NaN as on the edge.
   template <bool kEdge>
-  NKV_DEVICE void chunk(const Stage (&S)[kSub], int32_t c0, const uint32_t (&qf)[kKSteps][2], const float (&qs)[2][kBg],
+  NKV_DEVICE void chunk(const Stage (&S)[kSub], int32_t c0, const QueryLimbs& qf, const float (&qs)[2][kBg],
                         const float (&qdl)[2], Rows& st) const {
     const float kNegInf = bits_float(0xff800000u), kNaN = bits_float(0x7fc00000u);
     // Scores (base 2), soft-cap, mask; a visible score that is not finite makes its row NaN.
@@ -256,14 +310,9 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
     float nan_if_bad[2] = {0.f, 0.f};  // (steady iterations) 0, or NaN after a score that is not finite
 #pragma unroll
     for (int j = 0; j < kSub; ++j) {
-      // S^T = K . Q^T per key group: c[b][i] holds key g + 8 (i / 2), row 2t + i % 2.
-      float c[kBg][4] = {};
-#pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        uint32_t af[4];
-        key_codes_fragment<kBits>(S[j].k_codes, 0, g, t, ks, af);
-        mma_16816(c[ks / kGroupSteps], af, qf[ks]);
-      }
+      // S^T = K . Q^T per key group, exact in integers: c[b][i] holds key g + 8 (i / 2), row 2t + i % 2.
+      float c[kBg][4];
+      key_scores(S[j], qf, c);
       float kscale[2][kBg], kzero[2][kBg];
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
@@ -426,13 +475,26 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
     NKV_SYNC();
     this->template fold_queries<kD, kBg, kRows>(sm, kRows);  // (ends with a barrier)
     copy_plan();
-    // The lane's B fragments of q (hi halves), its rows' group sums and normalizers (x log2 e).
-    uint32_t qf[kKSteps][2];
+    // The lane's B fragments of q . K: row g's normalized query as a 16-bit
+    // integer (2^14 <= max |q| < 2^15: round to nearest, 2^-16 of the largest),
+    // in two byte limbs, hi (s8) and lo (u8), channels 16 v + 4t + j in byte j
+    // of unit v; then its rows' group sums and normalizers (x log2 e).
+    QueryLimbs qf;
+    {
+      const float up = pow2_inverse(sm.qdown[g]);
 #pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      const uint4 f = sm.qfrag[0][ks][lane];
-      qf[ks][0] = f.x, qf[ks][1] = f.y;
+      for (int v = 0; v < kKSteps; ++v) {
+        uint32_t h = 0, l = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float x = fminf(fmaxf(rintf(sm.buf.q[g][16 * v + 4 * t + j] * up), -32768.f), 32767.f);
+          const uint32_t q16 = uint32_t(int32_t(x));
+          h |= ((q16 >> 8) & 0xffu) << (8 * j), l |= (q16 & 0xffu) << (8 * j);
+        }
+        qf.hi[v] = h, qf.lo[v] = l;
+      }
     }
+    NKV_SYNC();  // every warp has read sm.buf.q before the stages overlay it
     float qs[2][kBg], qdl[2];
     Rows st;
 #pragma unroll
@@ -498,6 +560,7 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
 #pragma unroll
         for (int b = 0; b < kBg; ++b) st.z[r][b] += shfl_xor(st.z[r][b], o);
       }
+    if (bad_block && lane == 0) atomic_or(&sm.flag, kBadBlock);
     NKV_SYNC();  // every warp is done with its stages: the merge area overlays them
     auto& M = sm.buf.merge;
     if (g == 0)

@@ -142,6 +142,41 @@ NKV_DEVICE void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// D = A . B + D for one m16n8k32 tile of 8-bit integers: A u8 16x32
+// row-major, B 32x8 column-major (s8 if kSignedB, else u8), D int32 (exact),
+// in the PTX fragment layout: a[i] holds A[g + 8 (i % 2)][4t + 16 (i / 2) + j]
+// in byte j; b[i] holds B[4t + 16 i + j][g] in byte j; d as mma_16816's.
+// All 32 lanes call it together.
+// (B's type, "s8" or "u8", spliced into the instruction: asm takes literals only)
+#define NKV_MMA_16832_U8(BTYPE)                                                         \
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.u8." BTYPE                        \
+               ".s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n" \
+               : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])                         \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
+#define NKV_MMA_16816_U8(BTYPE)                                  \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.u8." BTYPE \
+               ".s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "         \
+               "{%0, %1, %2, %3};\n"                             \
+               : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])  \
+               : "r"(a[0]), "r"(a[1]), "r"(b))
+template <bool kSignedB>
+NKV_DEVICE void mma_16832_u8(int32_t d[4], const uint32_t a[4], const uint32_t b[2]) {
+  if constexpr (kSignedB)
+    NKV_MMA_16832_U8("s8");
+  else
+    NKV_MMA_16832_U8("u8");
+}
+// The same for one m16n8k16 tile: a[i] holds A[g + 8 i][4t + j], b holds B[4t + j][g].
+template <bool kSignedB>
+NKV_DEVICE void mma_16816_u8(int32_t d[4], const uint32_t a[2], uint32_t b) {
+  if constexpr (kSignedB)
+    NKV_MMA_16816_U8("s8");
+  else
+    NKV_MMA_16816_U8("u8");
+}
+#undef NKV_MMA_16832_U8
+#undef NKV_MMA_16816_U8
+
 // The transpose of an 8x8 matrix of 16-bit values held by the warp in the
 // fragment layout (lane 4 r + c holds row r, columns 2c and 2c + 1, the lower
 // column in bits 0..15): lane 4 r + c gets rows 2c and 2c + 1 of column r

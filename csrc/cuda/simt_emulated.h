@@ -231,6 +231,41 @@ inline void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
   });
   for (int i = 0; i < 4; ++i) d[i] = out[i];
 }
+// The integer MMAs (simt.cuh's layouts): d[i] += sum_k A[g + 8 (i / 2)][k] B[k][2t + i % 2], exact.
+namespace emu {
+template <bool kSignedB, int kK>
+inline void mma_u8(int32_t d[4], const uint32_t* a, const uint32_t* b) {
+  constexpr int kA = kK / 8, kB = kK / 16;  // registers of A and B
+  uint32_t mine[6] = {};
+  for (int i = 0; i < kA; ++i) mine[i] = a[i];
+  for (int i = 0; i < kB; ++i) mine[kA + i] = b[i];
+  const int g = lane() / 4, t = lane() % 4;
+  int32_t out[4];
+  exchange(mine, kA + kB, [&](const uint32_t(*word)[6]) {
+    const auto byte = [](uint32_t w, int j) { return (w >> (8 * j)) & 0xffu; };
+    for (int i = 0; i < 4; ++i) {
+      const int r = g + 8 * (i / 2), n = 2 * t + i % 2;
+      int64_t s = d[i];
+      for (int k = 0; k < kK; ++k) {
+        const int av = int(byte(word[4 * (r % 8) + (k % 16) / 4][r / 8 + 2 * (k / 16)], k % 4));
+        const uint32_t bb = byte(word[4 * n + (k % 16) / 4][kA + k / 16], k % 4);
+        const int bv = kSignedB ? int(int8_t(uint8_t(bb))) : int(bb);
+        s += int64_t(av) * bv;
+      }
+      out[i] = int32_t(uint32_t(uint64_t(s)));  // (the hardware wraps; the kernels stay in range)
+    }
+  });
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+}  // namespace emu
+template <bool kSignedB>
+inline void mma_16832_u8(int32_t d[4], const uint32_t a[4], const uint32_t b[2]) {
+  emu::mma_u8<kSignedB, 32>(d, a, b);
+}
+template <bool kSignedB>
+inline void mma_16816_u8(int32_t d[4], const uint32_t a[2], uint32_t b) {
+  emu::mma_u8<kSignedB, 16>(d, a, &b);
+}
 inline uint32_t movmatrix_trans(uint32_t x) {
   const int g = emu::lane() / 4, t = emu::lane() % 4;
   uint32_t r = 0;
