@@ -15,10 +15,11 @@
 //    are in flight during this one's math;
 //  - S^T = K . Q^T per key group on integer MMAs (m16n8k32, m16n8k16 for
 //    groups of 16 channels: 16 keys x 8 rows), exact: the key codes as u8
-//    (one LOP3 per four, and a shift), the queries as 16-bit integers in two
-//    byte limbs (s8 hi, u8 lo; the B fragments held in registers for the
-//    whole block), hi x 256 + lo as a float, then x the key's group scale +
-//    its zero x the row's sum of q over the group;
+//    (their words by ldmatrix, one LOP3 per four codes and a shift), the
+//    queries as 16-bit integers in two byte limbs (s8 hi, u8 lo; the B
+//    fragments held in registers for the whole block), hi x 256 + lo as a
+//    float, then x the key's group scale + its zero x the row's sum of q
+//    over the group;
 //  - the online softmax on the accumulator fragments: lane (g, t) holds keys
 //    g, g + 8 of rows 2t, 2t + 1, so a row's max is 3 shuffles over g; base-2
 //    exponentials (log2 e folded into the queries' normalizer and the cap);
@@ -26,9 +27,10 @@
 //    keys): the weights p x value scale x a power of two per value group, in
 //    fp16 hi + lo, go from the score fragments (keys x rows) to the B
 //    fragments (rows x keys) by movmatrix; the A fragments are value codes of
-//    two keys per register from 16-bit loads, the channels of an m-tile in
-//    the order the loads give them (row g <-> byte 2g, row g + 8 <-> byte
-//    2g + 1 of the chunk's plane), un-permuted when the partial is written;
+//    two keys per register, by ldmatrix's transpose (bytes 2g, 2g + 1 of two
+//    key rows in one register), the channels of an m-tile in the order that
+//    gives them (row g <-> byte 2g, row g + 8 <-> byte 2g + 1 of the chunk's
+//    plane), un-permuted when the partial is written;
 //  - the value zeros summed as p x zero per lane, the accumulators rescaled
 //    by the max's change and the value normalizer's (both powers of two or
 //    exponentials, the same for every channel of a row and group), once per
@@ -154,6 +156,7 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   static_assert(kCodePieces % kWarp == 0 && kMetaPieces <= kWarp, "a chunk's copies: whole rounds of the warp");
   static_assert(kRB == 16 || kRB % kWarp == 0, "rows of 16 bytes, or a round of the warp in whole rows");
   int32_t code_src = 0, code_dst = 0;    // piece `lane`'s
+  int32_t ldsm_row = 0;                  // the code row (bytes from the first) whose address the lane gives ldmatrix
   int32_t v_src = 0;                     // V codes' offset - K codes' in the head page
   int32_t meta_src = -1, meta_dst = -1;  // -1: no piece (lanes past the meta pieces)
   const uint8_t* head_pages = nullptr;   // kv head h's page of block 0
@@ -161,6 +164,8 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   bool bad_block = false;                // a block id outside the pool was met (the block is poisoned)
 
   NKV_DEVICE void copy_plan() {
+    // ldmatrix: lane 8 i + r gives row r of matrix i: rows 8 (i % 2) + r of code chunk i / 2.
+    ldsm_row = ((lane / 8) % 2 * 8 + lane % 8) * Smem::kRS + 16 * (lane / 16);
     const int half = lane / kRB, piece = lane % kRB;      // (half 1 only with rows of 16 bytes)
     code_src = int32_t(ix.off.codes[half]) + 16 * piece;  // (a head page is < 2^31 bytes)
     code_dst = int32_t((half ? offsetof(Stage, v_codes) : offsetof(Stage, k_codes)) + piece / kRowPieces * Smem::kRS +
@@ -247,12 +252,31 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   struct QueryLimbs {
     uint32_t hi[kKSteps], lo[kKSteps];  // (q >> 8) as s8, q & 255 as u8
   };
-  // Byte j of key row `row`'s register of unit v (channels 16 v + 4t + j):
-  // the unit's codes (plane v % kPlanes of code chunk 16 v / kC, as
-  // key_codes_fragment reads them) as u8, one shift and one LOP3 per four.
-  NKV_DEVICE uint32_t key_codes_u8(const Stage& S, int row, int v) const {
-    constexpr int kC = core::layout::kChunkChannels<kBits>;
-    const uint32_t w = reinterpret_cast<const uint32_t*>(&S.k_codes[row][16 * v / kC * 16])[t];
+  // Words of a chunk's code rows by ldmatrix, code chunks cc and cc + 1 (one
+  // ldmatrix; cc alone with a single code chunk): w[i][h] of lane (g, t) is
+  // word t (bytes 4t .. 4t + 3) of code chunk cc + i of row g + 8 h; with
+  // kTrans, bytes 2g, 2g + 1 of rows 2t + 8 h (bits 0..15) and 2t + 8 h + 1
+  // (bits 16..31).  `rows`: the shared address of the stage's K or V code
+  // rows.  (Loaded where they are used: at 8 bits D128 all of a chunk's words
+  // at once would take 16 registers.)
+  static constexpr int kPairChunks = kCodeChunks > 1 ? 2 : 1;
+  template <bool kTrans>
+  NKV_DEVICE void code_words(uint32_t rows, int cc, uint32_t (&w)[kPairChunks][2]) const {
+    if constexpr (kPairChunks == 1) {
+      uint32_t m[2];
+      ldmatrix<kTrans>(m, rows + uint32_t(ldsm_row));
+      w[0][0] = m[0], w[0][1] = m[1];
+    } else {
+      uint32_t m[4];
+      ldmatrix<kTrans>(m, rows + uint32_t(ldsm_row + 16 * cc));
+      w[0][0] = m[0], w[0][1] = m[1], w[1][0] = m[2], w[1][1] = m[3];
+    }
+  }
+  // Byte j of a key row's register of unit v (channels 16 v + 4t + j), from
+  // the row's words of code chunk 16 v / kC (code_words): the unit's codes
+  // (plane v % kPlanes, as key_codes_fragment reads them) as u8, one shift
+  // and one LOP3 per four.
+  NKV_DEVICE static uint32_t key_codes_u8(uint32_t w, int v) {
     if constexpr (kBits == 8)
       return w;
     else
@@ -262,25 +286,33 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   // x the s8 hi and u8 lo limbs, int32: exact; 256 hi + lo < 2^31 at 8 bits
   // and 128 channels a group): m16n8k32 for groups of 32 channels or more,
   // m16n8k16 for groups of 16.
-  NKV_DEVICE void key_scores(const Stage& S, const QueryLimbs& qf, float (&c)[kBg][4]) const {
+  NKV_DEVICE void key_scores(uint32_t stage, const QueryLimbs& qf, float (&c)[kBg][4]) const {
     int32_t ch[kBg][4] = {}, cl[kBg][4] = {};
-    if constexpr (kGroup >= 32) {
 #pragma unroll
-      for (int u = 0; u < kKSteps / 2; ++u) {
-        const uint32_t a[4] = {key_codes_u8(S, g, 2 * u), key_codes_u8(S, g + 8, 2 * u), key_codes_u8(S, g, 2 * u + 1),
-                               key_codes_u8(S, g + 8, 2 * u + 1)};
-        const uint32_t bh[2] = {qf.hi[2 * u], qf.hi[2 * u + 1]}, bl[2] = {qf.lo[2 * u], qf.lo[2 * u + 1]};
-        const int b = 32 * u / kGroup;
-        mma_16832_u8<true>(ch[b], a, bh);
-        mma_16832_u8<false>(cl[b], a, bl);
-      }
-    } else {
+    for (int cc = 0; cc < kCodeChunks; cc += kPairChunks) {
+      uint32_t w[kPairChunks][2];
+      code_words<false>(stage + uint32_t(offsetof(Stage, k_codes)), cc, w);
+      // the units of code chunks cc ..: v = cc kPlanes ..
+      if constexpr (kGroup >= 32) {
 #pragma unroll
-      for (int v = 0; v < kKSteps; ++v) {
-        const uint32_t a[2] = {key_codes_u8(S, g, v), key_codes_u8(S, g + 8, v)};
-        const int b = 16 * v / kGroup;
-        mma_16816_u8<true>(ch[b], a, qf.hi[v]);
-        mma_16816_u8<false>(cl[b], a, qf.lo[v]);
+        for (int v = cc * kPlanes; v < (cc + kPairChunks) * kPlanes; v += 2) {
+          const uint32_t w0[2] = {w[v / kPlanes - cc][0], w[v / kPlanes - cc][1]};
+          const uint32_t w1[2] = {w[(v + 1) / kPlanes - cc][0], w[(v + 1) / kPlanes - cc][1]};
+          const uint32_t a[4] = {key_codes_u8(w0[0], v), key_codes_u8(w0[1], v), key_codes_u8(w1[0], v + 1),
+                                 key_codes_u8(w1[1], v + 1)};
+          const uint32_t bh[2] = {qf.hi[v], qf.hi[v + 1]}, bl[2] = {qf.lo[v], qf.lo[v + 1]};
+          const int b = 16 * v / kGroup;
+          mma_16832_u8<true>(ch[b], a, bh);
+          mma_16832_u8<false>(cl[b], a, bl);
+        }
+      } else {
+#pragma unroll
+        for (int v = cc * kPlanes; v < (cc + kPairChunks) * kPlanes; ++v) {
+          const uint32_t a[2] = {key_codes_u8(w[v / kPlanes - cc][0], v), key_codes_u8(w[v / kPlanes - cc][1], v)};
+          const int b = 16 * v / kGroup;
+          mma_16816_u8<true>(ch[b], a, qf.hi[v]);
+          mma_16816_u8<false>(cl[b], a, qf.lo[v]);
+        }
       }
     }
 #pragma unroll
@@ -299,8 +331,8 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   // finite reaches the denominator as NaN through x * 0 (NaN for +-inf and
   // NaN, 0 otherwise), the row NaN as on the edge.
   template <bool kEdge>
-  NKV_DEVICE void chunk(const Stage (&S)[kSub], int32_t c0, const QueryLimbs& qf, const float (&qs)[2][kBg],
-                        const float (&qdl)[2], Rows& st) const {
+  NKV_DEVICE void chunk(const Stage (&S)[kSub], uint32_t stages, int32_t c0, const QueryLimbs& qf,
+                        const float (&qs)[2][kBg], const float (&qdl)[2], Rows& st) const {
     const float kNegInf = bits_float(0xff800000u), kNaN = bits_float(0x7fc00000u);
     // Scores (base 2), soft-cap, mask; a visible score that is not finite makes its row NaN.
     // s[j][i]: chunk j's key g + 8 (i / 2), row 2t + i % 2.
@@ -312,7 +344,7 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
     for (int j = 0; j < kSub; ++j) {
       // S^T = K . Q^T per key group, exact in integers: c[b][i] holds key g + 8 (i / 2), row 2t + i % 2.
       float c[kBg][4];
-      key_scores(S[j], qf, c);
+      key_scores(stages + uint32_t(j * sizeof(Stage)), qf, c);
       float kscale[2][kBg], kzero[2][kBg];
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
@@ -431,20 +463,16 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
           bh[b][kk] = movmatrix_trans(hi2);
           bl[b][kk] = movmatrix_trans(lo2);
         }
+      // Bytes 2g, 2g + 1 of the chunk's code rows 2t, 2t + 1 (pair 0) and 2t + 8, 2t + 9 (pair 1) per
+      // code chunk, by ldmatrix's transpose: a register holds byte 2g (+ 1 after >> 8) of both keys
+      // of a pair in its bytes 0 and 2.
+      uint32_t vw[kPairChunks][2];
 #pragma unroll
       for (int cc = 0; cc < kCodeChunks; ++cc) {
-        // Bytes 2g, 2g + 1 of the chunk's code rows 2t, 2t + 1 (pair 0) and 2t + 8, 2t + 9 (pair 1):
-        // a register holds byte 2g (+ 1 after >> 8) of both keys of a pair in its bytes 0 and 2.
-        const uint8_t* base = &S[j].v_codes[0][16 * cc + 2 * g];
-        uint32_t pw[4];
-#pragma unroll
-        for (int pair = 0; pair < 2; ++pair) {
-          const int k = 2 * t + 8 * pair;
-          const uint32_t x0 = *reinterpret_cast<const uint16_t*>(base + k * Smem::kRS);
-          const uint32_t x1 = *reinterpret_cast<const uint16_t*>(base + (k + 1) * Smem::kRS);
-          pw[2 * pair] = byte_perm(x0, x1, 0x5410u);
-          pw[2 * pair + 1] = pw[2 * pair] >> 8;
-        }
+        if (cc % kPairChunks == 0)
+          code_words<true>(stages + uint32_t(j * sizeof(Stage) + offsetof(Stage, v_codes)), cc, vw);
+        const uint32_t* x = vw[cc % kPairChunks];
+        const uint32_t pw[4] = {x[0], x[0] >> 8, x[1], x[1] >> 8};
 #pragma unroll
         for (int pl = 0; pl < kPlanes; ++pl) {
           const int mt = cc * kPlanes + pl, b = 16 * mt / kGroup;
@@ -535,7 +563,8 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
         cp_async_commit();  // an empty group keeps wait<1> meaning "this iteration's group is done"
       cp_async_wait<1>();
       __syncwarp();  // every lane's copies of the iteration are visible to the warp
-      chunk<kEdge>(sm.buf.stage[warp][sidx], c0, qf, qs, qdl, st);
+      chunk<kEdge>(sm.buf.stage[warp][sidx], stages + uint32_t(sidx) * uint32_t(kSub * sizeof(Stage)), c0, qf, qs, qdl,
+                   st);
       __syncwarp();  // every lane is done with the stage before the next prefetch refills it
       sidx ^= 1;
     };

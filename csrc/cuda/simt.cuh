@@ -177,6 +177,35 @@ NKV_DEVICE void mma_16816_u8(int32_t d[4], const uint32_t a[2], uint32_t b) {
 #undef NKV_MMA_16832_U8
 #undef NKV_MMA_16816_U8
 
+// kN (2 or 4) 8x8 matrices of 16-bit values from shared memory (ldmatrix):
+// lane 8 i + r gives the shared address of matrix i's row r (16 bytes,
+// 16-byte aligned; lanes past the matrices give any); m[i] of lane (g, t)
+// gets matrix i's row g, elements 2t and 2t + 1 (the first in bits 0..15),
+// or with kTrans its elements g of rows 2t and 2t + 1 (the transpose's row
+// g).  All 32 lanes call it together.
+#define NKV_LDMATRIX_X4(TRANS)                                                               \
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4" TRANS ".shared.b16 {%0, %1, %2, %3}, [%4];\n" \
+               : "=r"(m[0]), "=r"(m[1]), "=r"(m[2]), "=r"(m[3])                              \
+               : "r"(row))
+#define NKV_LDMATRIX_X2(TRANS)                                                       \
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2" TRANS ".shared.b16 {%0, %1}, [%2];\n" \
+               : "=r"(m[0]), "=r"(m[1])                                              \
+               : "r"(row))
+template <bool kTrans, int kN>
+NKV_DEVICE void ldmatrix(uint32_t (&m)[kN], uint32_t row) {
+  static_assert(kN == 2 || kN == 4, "ldmatrix takes 1, 2 or 4 matrices (1: not needed here)");
+  if constexpr (kN == 4 && kTrans)
+    NKV_LDMATRIX_X4(".trans");
+  else if constexpr (kN == 4)
+    NKV_LDMATRIX_X4("");
+  else if constexpr (kTrans)
+    NKV_LDMATRIX_X2(".trans");
+  else
+    NKV_LDMATRIX_X2("");
+}
+#undef NKV_LDMATRIX_X4
+#undef NKV_LDMATRIX_X2
+
 // The transpose of an 8x8 matrix of 16-bit values held by the warp in the
 // fragment layout (lane 4 r + c holds row r, columns 2c and 2c + 1, the lower
 // column in bits 0..15): lane 4 r + c gets rows 2c and 2c + 1 of column r

@@ -266,6 +266,20 @@ template <bool kSignedB>
 inline void mma_16816_u8(int32_t d[4], const uint32_t a[2], uint32_t b) {
   emu::mma_u8<kSignedB, 16>(d, a, &b);
 }
+template <bool kTrans, int kN>
+inline void ldmatrix(uint32_t (&m)[kN], uint32_t row) {
+  const int g = emu::lane() / 4, t = emu::lane() % 4;
+  emu::exchange(&row, 1, [&](const uint32_t(*word)[6]) {
+    for (int i = 0; i < kN; ++i) {
+      const auto elem = [&](int r, int c) {  // matrix i's row r, element c
+        uint16_t v;
+        std::memcpy(&v, emu::dynamic_smem() + word[8 * i + r][0] + 2 * c, 2);
+        return uint32_t(v);
+      };
+      m[i] = kTrans ? elem(2 * t, g) | elem(2 * t + 1, g) << 16 : elem(g, 2 * t) | elem(g, 2 * t + 1) << 16;
+    }
+  });
+}
 inline uint32_t movmatrix_trans(uint32_t x) {
   const int g = emu::lane() / 4, t = emu::lane() % 4;
   uint32_t r = 0;
