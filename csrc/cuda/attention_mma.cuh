@@ -190,11 +190,13 @@ NKV_DEVICE void value_codes_fragments(const uint8_t (*codes)[kRS], int g, int t,
 
 // Exponent e with 2^14 <= |x| 2^e < 2^15 for the largest |x| of a set (max
 // finite, > 0), as the float 2^e; 1 for 0 or non-finite (NaN stays NaN).
+// Every finite set reaches it (e >= -113: the largest floats too); sets below
+// 2^-86 stop at 2^100 (their normalized values below 2^14).
 NKV_DEVICE float pow2_normalizer(float max_abs) {
   const int e = int((float_bits(max_abs) >> 23) & 0xffu) - 127;  // max_abs in [2^e, 2^(e+1))
   if (!(max_abs > 0.f) || e > 127 || e < -126) return 1.f;
   int s = 14 - e;
-  s = s > 100 ? 100 : (s < -100 ? -100 : s);
+  s = s > 100 ? 100 : s;
   return bits_float(uint32_t(s + 127) << 23);
 }
 

@@ -504,9 +504,10 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
     this->template fold_queries<kD, kBg, kRows>(sm, kRows);  // (ends with a barrier)
     copy_plan();
     // The lane's B fragments of q . K: row g's normalized query as a 16-bit
-    // integer (2^14 <= max |q| < 2^15: round to nearest, 2^-16 of the largest),
-    // in two byte limbs, hi (s8) and lo (u8), channels 16 v + 4t + j in byte j
-    // of unit v; then its rows' group sums and normalizers (x log2 e).
+    // integer (2^14 <= max |q| < 2^15: round to nearest, at most 2^-15 of the
+    // largest; the clamp only meets +-inf, whose row the group sums make
+    // NaN), in two byte limbs, hi (s8) and lo (u8), channels 16 v + 4t + j in
+    // byte j of unit v; then its rows' group sums and normalizers (x log2 e).
     QueryLimbs qf;
     {
       const float up = pow2_inverse(sm.qdown[g]);

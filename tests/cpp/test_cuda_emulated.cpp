@@ -45,9 +45,10 @@ struct Case {
   int64_t window = 0;
   float softcap = 0.f;
   bool rotate = true;
-  int tile_rows = 8;  // the row tiles the plan must choose (8: the decode kernel; 0: the SIMT kernel)
-  int exact = 0;      // the format's exact window (the tensor-core kernels do not take one)
-  int corrupt = -1;   // a token of request 0 whose key scale (kv head 0) is set to +inf after the write
+  int tile_rows = 8;    // the row tiles the plan must choose (8: the decode kernel; 0: the SIMT kernel)
+  int exact = 0;        // the format's exact window (the tensor-core kernels do not take one)
+  int corrupt = -1;     // a token of request 0 whose key scale (kv head 0) is set to +inf after the write
+  float q_scale = 1.f;  // the queries' scale (2^118: near the largest bf16, where normalizers must reach)
 };
 
 template <typename X>
@@ -123,7 +124,7 @@ void run_case(const Case& c) {
     *scale = core::from_float<X>(std::numeric_limits<float>::infinity());
   }
   std::vector<X> q(size_t(N * Hq * D)), want(q.size()), got(q.size());
-  for (auto& x : q) x = core::from_float<X>(nd(rng));
+  for (auto& x : q) x = core::from_float<X>(nd(rng) * c.q_scale);
 
   core::PagedAttention<X> p;
   p.pool = pool, p.pages = pages.data(), p.q = q.data(), p.q_stride_t = Hq * D, p.q_stride_h = D;
@@ -189,6 +190,8 @@ TEST_CASE("paged decode kernel (emulated) against the CPU kernel", "[cuda_emulat
   // a key whose scale is +inf, in a chunk every row sees (the steady loop's) and in the newest (the edge's)
   run_case<core::bf16_t>({4, 128, 64, 16, 2, 4, {300, 70}, {1, 1}, 0, 0.f, true, 8, 0, 150});
   run_case<core::half_t>({2, 64, 32, 16, 2, 8, {300, 70}, {1, 1}, 0, 0.f, true, 8, 0, 299});
+  // queries near the largest bf16 (2^118 x N(0, 1)): the softmax one-hot, the queries' normalizer 2^-103
+  run_case<core::bf16_t>({4, 128, 64, 16, 2, 4, {300, 70}, {1, 1}, 0, 0.f, true, 8, 0, -1, 0x1p118f});
 }
 
 TEST_CASE("paged decode kernel (emulated): every format it takes", "[cuda_emulated]") {
