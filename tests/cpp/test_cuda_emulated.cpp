@@ -152,8 +152,9 @@ void run_case(const Case& c) {
             0);
     REQUIRE(status == 0);
   }
-  // Both round to X at the end; the kernels' queries are fp16 (2^-11) and their sums in another
-  // order: test_cuda_paged.py's tolerance (1.5 x the largest value x (X's epsilon + 1e-4)).
+  // Both round to X at the end; the kernels' queries are fp16 hi + lo or, in the decode kernel,
+  // 16-bit integers (2^-15 of the row's largest), and their sums in another order:
+  // test_cuda_paged.py's tolerance (1.5 x the largest value x (X's epsilon + 1e-4)).
   const double tol = 1.5 * vmax * ((std::is_same_v<X, core::bf16_t> ? 0x1p-8 : 0x1p-11) + 1e-4);
   // Rows that see a corrupt key are NaN on both sides (and only those); the rest finite and close.
   int64_t nan_rows = 0;
