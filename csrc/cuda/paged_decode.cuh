@@ -60,14 +60,14 @@
 
 namespace nexuskv::cuda {
 
-constexpr int kDecodeChunk = 16;                   // keys a warp takes at a time
-constexpr int kDecodeWarps = kMmaThreads / kWarp;  // 4: a block takes 64 keys at a time
+constexpr int kDecodeChunk = 16;                   // keys of a chunk (a warp takes one or two an iteration)
+constexpr int kDecodeWarps = kMmaThreads / kWarp;  // 4: a block takes 64 keys a chunk round
 static_assert(kDecodeChunk * kDecodeWarps == kMmaTile, "the block's keys per round: one 64-key tile");
 
 // Bytes between two code rows of a chunk in shared memory: 16 more than the
-// row for rows of 32 bytes or more, so that the 8 rows a key fragment reads
-// (lanes g) and the 4 row pairs a value fragment reads (lanes t) lie on
-// distinct banks; rows of 16 bytes are conflict-free as they are.
+// row for rows of 32 bytes or more, so that the 8 rows of an ldmatrix matrix
+// (16 bytes of 8 consecutive rows) lie on distinct banks; rows of 16 bytes
+// are conflict-free as they are.
 template <int kRB>
 constexpr int decode_row_stride() {
   return kRB >= 32 ? kRB + 16 : kRB;
