@@ -39,18 +39,18 @@ each take their own 16-key chunks) and an asynchronous copy (LDGSTS, the next ti
 and fails otherwise.  In that decode kernel (paged_decode.cuh, the "8r" rows) a warp's
 chunk is 16 keys and the block's 4 warps take 64 together, so its loop count per warp and chunk
 is the same unit as the others': instructions per warp per 64-key tile of the block.  Its
-kernel holds an iteration's work twice: the steady loop over the chunks every query row sees whole (no mask, no
-soft-cap), nested in the loop over all chunks, whose other branch runs a masked, capped copy for
-the edge chunks (a split's first and last, a window's start, the causal end: a few per warp and
-split, whatever the context; every chunk under a soft-cap).  Its row counts the steady loop: the
-innermost loop whose HMMAs are a whole number of chunks' (2 D / 16 each: P . V in hi + lo; its
-q . K runs on integer MMAs, IMMA, listed apart), which the smallest loop holding every HMMA (the
-outer one, both copies) would count twice. Below 8 bits its warp takes two chunks an iteration
-(the block 128 keys): the row gives the loop's count per 64-key tile, half the iteration's
-(loop_chunks in the JSON).  The count is
-static: every instruction of the loop's blocks once, so inner loops the compiler did not unroll
-count once (the table lists how many) and rarely taken paths count fully; it is an estimate of
-the per-tile work, not a trace.
+kernel holds an iteration's work twice: the steady loop over the chunks every query row sees
+whole (no mask, no soft-cap), nested in the loop over all chunks, whose other branch runs a
+masked, capped copy for the edge chunks (a split's first and last, a window's start, the causal
+end: a few per warp and split, whatever the context; every chunk under a soft-cap).  Its row
+counts the steady loop: the innermost loop whose HMMAs are a whole number of chunks' (2 D / 16
+each: P . V in hi + lo; its q . K runs on integer MMAs, IMMA, listed apart), which the smallest
+loop holding every HMMA (the outer one, both copies) would count twice.  Below 8 bits its warp
+takes two chunks an iteration (the block 128 keys): the row gives the loop's count per 64-key
+tile, half the iteration's (loop_chunks in the JSON).  The count is static: every instruction
+of the loop's blocks once, so inner loops the compiler did not unroll count once (the table lists
+how many) and rarely taken paths count fully; it is an estimate of the per-tile work, not a
+trace.
 
 From the counts it predicts one decode step of today's kernel on an H200 (32 q / 8 kv heads,
 D 128, batch 1 and 64, 4K and 32K; predict()): the larger of an issue bound (4 warp-instructions

@@ -112,7 +112,6 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   static constexpr int kPlanes = core::layout::kPlanes<kBits>;
   static constexpr int kCodeChunks = kRB / 16;  // 16-byte chunks of a code row (kPlanes m-tiles each)
   static constexpr int kGroup = kD / kBg;       // channels per key / value group
-  static constexpr int kGroupSteps = kGroup / 16;
   static_assert(kGroup % 16 == 0 && kBg * kGroup == kD, "whole groups of 16-channel k-steps");
   static_assert(kCodeChunks * kPlanes == kMTiles, "a chunk's planes are its m-tiles");
   // Chunks of 16 keys per warp iteration: 2 (one max, rescale and normalizer
@@ -296,8 +295,7 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
       if constexpr (kGroup >= 32) {
 #pragma unroll
         for (int v = cc * kPlanes; v < (cc + kPairChunks) * kPlanes; v += 2) {
-          const uint32_t w0[2] = {w[v / kPlanes - cc][0], w[v / kPlanes - cc][1]};
-          const uint32_t w1[2] = {w[(v + 1) / kPlanes - cc][0], w[(v + 1) / kPlanes - cc][1]};
+          const uint32_t(&w0)[2] = w[v / kPlanes - cc], (&w1)[2] = w[(v + 1) / kPlanes - cc];
           const uint32_t a[4] = {key_codes_u8(w0[0], v), key_codes_u8(w0[1], v), key_codes_u8(w1[0], v + 1),
                                  key_codes_u8(w1[1], v + 1)};
           const uint32_t bh[2] = {qf.hi[v], qf.hi[v + 1]}, bl[2] = {qf.lo[v], qf.lo[v + 1]};
@@ -557,15 +555,15 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
     const int32_t start = lo + kDecodeChunk * warp;
     if (start < hi) prefetch(start, stages);
     int sidx = 0;
+    const auto stage_at = [&](int i) { return stages + uint32_t(i) * uint32_t(kSub * sizeof(Stage)); };
     const auto step = [&]<bool kEdge>(int32_t c0) {
       if (c0 + kStep < hi)
-        prefetch(c0 + kStep, stages + uint32_t(sidx ^ 1) * uint32_t(kSub * sizeof(Stage)));
+        prefetch(c0 + kStep, stage_at(sidx ^ 1));
       else
         cp_async_commit();  // an empty group keeps wait<1> meaning "this iteration's group is done"
       cp_async_wait<1>();
       __syncwarp();  // every lane's copies of the iteration are visible to the warp
-      chunk<kEdge>(sm.buf.stage[warp][sidx], stages + uint32_t(sidx) * uint32_t(kSub * sizeof(Stage)), c0, qf, qs, qdl,
-                   st);
+      chunk<kEdge>(sm.buf.stage[warp][sidx], stage_at(sidx), c0, qf, qs, qdl, st);
       __syncwarp();  // every lane is done with the stage before the next prefetch refills it
       sidx ^= 1;
     };
