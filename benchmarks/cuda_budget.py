@@ -43,8 +43,9 @@ kernel holds an iteration's work twice: the steady loop over the chunks every qu
 whole (no mask, no soft-cap), nested in the loop over all chunks, whose other branch runs a
 masked, capped copy for the edge chunks (a split's first and last, a window's start, the causal
 end: a few per warp and split, whatever the context; every chunk under a soft-cap).  Its row
-counts the steady loop: the innermost loop whose HMMAs are a whole number of chunks' (2 D / 16
-each: P . V in hi + lo; its q . K runs on integer MMAs, IMMA, listed apart), which the smallest
+counts the steady loop: the innermost loop whose HMMAs are a whole number of chunks' (D / 16
+each, P . V, twice for fp16 output: its weights in hi + lo; its q . K runs on integer MMAs,
+IMMA, listed apart), which the smallest
 loop holding every HMMA (the outer one, both copies) would count twice.  Below 8 bits its warp
 takes two chunks an iteration (the block 128 keys): the row gives the loop's count per 64-key
 tile, half the iteration's (loop_chunks in the JSON).  The count is static: every instruction
@@ -331,9 +332,12 @@ def tile_loop(code, mma_per_chunk=None):
 
 def decode_steady_mmas(variant) -> int | None:
     """HMMAs of one steady chunk of the paged decode kernel (paged_decode.cuh, the 8-row
-    variants): P . V per 16 channels in hi + lo (its q . K runs on integer MMAs, IMMA, counted
-    apart); None for the others."""
-    return 2 * variant.head_dim // 16 if variant.kernel == "paged" and variant.rows == 8 else None
+    variants): P . V per 16 channels, its weights in one fp16 term for bf16 output and in two
+    (hi + lo) for fp16 (kTwoTermWeights; its q . K runs on integer MMAs, IMMA, counted apart);
+    None for the others."""
+    if variant.kernel != "paged" or variant.rows != 8:
+        return None
+    return (1 if variant.dtype == "bf16" else 2) * variant.head_dim // 16
 
 
 def division_calls(code, body, blocks) -> int:

@@ -7,12 +7,13 @@
 // scores' round trip through shared memory, a softmax row per warp, the page
 // lookups of every chunk by every warp) was most of paged_mma.cuh's tile loop.
 //
-// A warp's iteration takes two of its chunks (one at 8 bits), c0 and c0 + 64,
-// all in registers but the copies:
+// A warp's iteration takes kSub of its chunks (3 at 2 bits, 2 at 4, 1 at 8;
+// see kSub), c0, c0 + 64, ..., all in registers but the copies:
 //  - its pages: the warp looks up its own chunks' head pages (no shuffles, no
 //    block barrier) and copies each chunk's K, V codes and four [16, Bg] meta
-//    rows by cp.async into its own two stages; the next iteration's copies
-//    are in flight during this one's math;
+//    rows by cp.async into its own two stages (a lane one code row, from a
+//    pointer it holds into the head's page of block 0); the next iteration's
+//    copies are in flight during this one's math;
 //  - S^T = K . Q^T per key group on integer MMAs (m16n8k32, m16n8k16 for
 //    groups of 16 channels: 16 keys x 8 rows), exact: the key codes as u8
 //    (their words by ldmatrix, one LOP3 per four codes and a shift), the
@@ -25,16 +26,16 @@
 //    exponentials (log2 e folded into the queries' normalizer and the cap);
 //  - P . V as O^T = V^T . W^T (m16n8k16: 16 channels x 8 rows, k = the 16
 //    keys): the weights p x value scale x a power of two per value group, in
-//    fp16 hi + lo, go from the score fragments (keys x rows) to the B
-//    fragments (rows x keys) by movmatrix; the A fragments are value codes of
-//    two keys per register, by ldmatrix's transpose (bytes 2g, 2g + 1 of two
-//    key rows in one register), the channels of an m-tile in the order that
-//    gives them (row g <-> byte 2g, row g + 8 <-> byte 2g + 1 of the chunk's
-//    plane), un-permuted when the partial is written;
+//    fp16 (hi + lo for fp16 output), go from the score fragments (keys x
+//    rows) to the B fragments (rows x keys) by movmatrix; the A fragments are
+//    value codes of two keys per register, by ldmatrix's transpose (bytes
+//    2g, 2g + 1 of two key rows in one register), the channels of an m-tile
+//    in the order that gives them (row g <-> byte 2g, row g + 8 <-> byte
+//    2g + 1 of the chunk's plane), un-permuted when the partial is written;
 //  - the value zeros summed as p x zero per lane, the accumulators rescaled
 //    by the max's change and the value normalizer's (both powers of two or
 //    exponentials, the same for every channel of a row and group), once per
-//    iteration (one max, one normalizer for its 32 keys);
+//    iteration (one max, one normalizer for its 16 kSub keys);
 //  - the chunks every row sees whole (all but a few per warp and split: the
 //    split's ends, a window's start, the causal end) run a steady loop with
 //    no mask, no soft-cap and no skipped keys; the others, and every chunk
@@ -47,8 +48,10 @@
 // integers after the row's power-of-two normalization (2^14 <= max |q| <
 // 2^15: at most 2^-15 of the row's largest |q|, 16 times finer than fp16 for
 // the large channels; the 16-row kernel splits them in fp16 hi + lo); q . K
-// exact in int32, then one rounding to float; weights hi + lo (~22 bits);
-// fp32 accumulation.  Compiles; untested on a GPU until a
+// exact in int32, then one rounding to float; weights in one fp16 for bf16
+// output (2^-11 each: at most 2^-10 of the largest |value|, a quarter of the
+// output's rounding), hi + lo (~22 bits) for fp16; fp32 accumulation.
+// Compiles; untested on a GPU until a
 // lent one runs benchmarks/gpu_check.sh (tests/python/test_cuda_paged.py
 // compares it with float64 and with the SIMT kernel); on the host, emulated,
 // it matches the CPU kernel in every format it takes (test_cuda_emulated.cpp).
@@ -114,18 +117,29 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   static constexpr int kGroup = kD / kBg;       // channels per key / value group
   static_assert(kGroup % 16 == 0 && kBg * kGroup == kD, "whole groups of 16-channel k-steps");
   static_assert(kCodeChunks * kPlanes == kMTiles, "a chunk's planes are its m-tiles");
-  // Chunks of 16 keys per warp iteration: 2 (one max, rescale and normalizer
-  // for 32 keys), 1 at 8 bits (bound by its bytes; its stages would not fit 3
-  // blocks per SM twice over).
-  static constexpr int kSub = kBits == 8 ? 1 : 2;
+  // P . V's weights in two fp16 terms, hi + lo (~22 bits), for fp16 output;
+  // in one (11 bits, as FlashAttention's P) for bf16, whose rounding (2^-8 of
+  // the output) is 4 x the one term's worst error (2^-11 of the value minus
+  // its zero, <= 2 x the largest |value|: 2^-10 of it).  One term halves the
+  // HMMAs and drops the lo split's 6 instructions per key pair and group.
+  static constexpr bool kTwoTermWeights = !std::is_same_v<X, core::bf16_t>;
+  // Chunks of 16 keys per warp iteration (one max, one rescale of the
+  // accumulators and one value normalizer for all of them): 1 at 8 bits
+  // (bound by its bytes; its stages would not fit 3 blocks per SM twice
+  // over), 2 at 4 bits, 3 at 2 bits, whose few bytes a tile leave the least
+  // room for that per-iteration work; at 2 bits D128 in four groups 2 (3
+  // spilled 8 bytes at 168 registers), or 4 with two-term weights, 2 blocks
+  // per SM (2 at 168 registers spilled; its 8 warps keep ~37 KB in flight).
+  static constexpr int kSub = kBits == 8 ? 1 : kBits == 4 ? 2 : !(kBg == 4 && kD == 128) ? 3 : kTwoTermWeights ? 4 : 2;
   using Smem = PagedDecodeSmem<kD, kRB, X, kBg, kSub>;
   using Stage = typename Smem::Stage;
   static constexpr int kRows = Smem::kRows;
   // Blocks per SM the registers must allow: 4 (<= 128 registers); 3 (<= 168)
-  // at four groups, with rows of 128 bytes (8-bit D128) and for two chunks an
-  // iteration at D128, which spilled 4-16 bytes at 128 (3 blocks keep ~30 KB
-  // in flight at 2 bits D128, ~55 KB at 4 bits, ~110 KB at 8 bits).
-  static constexpr int kMinBlocks = kBg == 4 || kRB > 64 || (kSub == 2 && kD == 128) ? 3 : 4;
+  // at four groups, with rows of 128 bytes (8-bit D128) and for two chunks or
+  // more an iteration at D128, which spilled 4-16 bytes at 128 (3 blocks keep
+  // ~30 KB in flight at 2 bits D128, ~55 KB at 4 bits, ~110 KB at 8 bits); 2
+  // (<= 255) for four chunks.
+  static constexpr int kMinBlocks = kSub == 4 ? 2 : kBg == 4 || kRB > 64 || (kSub >= 2 && kD == 128) ? 3 : 4;
   // A normalizer that constrains nothing (no visible non-zero value scale yet).
   static constexpr float kNoNormalizer = 1.2676506e30f;  // 2^100, pow2_normalizer's largest
   static constexpr float kLog2e = 1.4426950408889634f;   // base-2 scores: x log2 e
@@ -142,48 +156,35 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
 
   // ---- copies --------------------------------------------------------------------------------
 
-  // The copies of one chunk: its K and V code rows (kRB 16-byte pieces each,
-  // contiguous in the head page from the chunk's first slot) and its four
-  // [16, Bg] meta rows (2 Bg pieces each).  Lane l owns code pieces l, l + 32,
-  // ... and meta piece l.  Where piece l comes from (bytes from the chunk's
-  // first code row / meta entry) and goes to (bytes in the stage) is worked out
-  // once per block; with rows of 32 bytes or more (a whole number of rows per
-  // round of the warp) piece l + 32 i lies a fixed distance further on both
-  // sides, so that 2 registers hold the plan of every round.
-  static constexpr int kCodePieces = 2 * kRB, kMetaPieces = 4 * 2 * kBg;
-  static constexpr int kCodeCopies = kCodePieces / kWarp, kRowPieces = kRB / 16;
-  static_assert(kCodePieces % kWarp == 0 && kMetaPieces <= kWarp, "a chunk's copies: whole rounds of the warp");
-  static_assert(kRB == 16 || kRB % kWarp == 0, "rows of 16 bytes, or a round of the warp in whole rows");
-  int32_t code_src = 0, code_dst = 0;    // piece `lane`'s
-  int32_t ldsm_row = 0;                  // the code row (bytes from the first) whose address the lane gives ldmatrix
-  int32_t v_src = 0;                     // V codes' offset - K codes' in the head page
-  int32_t meta_src = -1, meta_dst = -1;  // -1: no piece (lanes past the meta pieces)
-  const uint8_t* head_pages = nullptr;   // kv head h's page of block 0
-  int64_t block_bytes = 0;               // bytes between a head's pages of two blocks
-  bool bad_block = false;                // a block id outside the pool was met (the block is poisoned)
+  // The copies of one chunk: its K and V code rows (16 rows of kRB bytes
+  // each, contiguous in the head page from the chunk's first slot) and its
+  // four [16, Bg] meta rows (2 Bg 16-byte pieces each).  Lane l copies code
+  // row l % 16 of K (l < 16) or V, whole (kRB / 16 pieces, a compile-time
+  // distance apart on both sides), and meta piece l; its sources as pointers
+  // into the head's page of block 0 (worked out once per block), so that a
+  // chunk's copies cost one multiply-add per pointer past the page lookup.
+  static constexpr int kRowCopies = kRB / 16, kMetaPieces = 4 * 2 * kBg;
+  static_assert(kMetaPieces <= kWarp, "a chunk's meta pieces: one round of the warp");
+  const uint8_t* code_src = nullptr;   // the lane's code row in block 0's head page, at slot 0
+  const uint8_t* meta_src = nullptr;   // the lane's meta piece there (lanes below kMetaPieces)
+  int32_t code_dst = 0, meta_dst = 0;  // their bytes from the Stage's start
+  int32_t ldsm_row = 0;                // the code row (bytes from the first) whose address the lane gives ldmatrix
+  uint32_t block_bytes = 0;            // bytes between a head's pages of two blocks (< 2^32: paged_mma_takes)
+  uint32_t bad_block = 0;              // 1: a block id outside the pool was met (the block is poisoned)
 
   NKV_DEVICE void copy_plan() {
     // ldmatrix: lane 8 i + r gives row r of matrix i: rows 8 (i % 2) + r of code chunk i / 2.
     ldsm_row = ((lane / 8) % 2 * 8 + lane % 8) * Smem::kRS + 16 * (lane / 16);
-    const int half = lane / kRB, piece = lane % kRB;      // (half 1 only with rows of 16 bytes)
-    code_src = int32_t(ix.off.codes[half]) + 16 * piece;  // (a head page is < 2^31 bytes)
-    code_dst = int32_t((half ? offsetof(Stage, v_codes) : offsetof(Stage, k_codes)) + piece / kRowPieces * Smem::kRS +
-                       16 * (piece % kRowPieces));
-    v_src = int32_t(ix.off.codes[1] - ix.off.codes[0]);
-    head_pages = p.pages + int64_t(h) * ix.head_page_bytes;
-    block_bytes = int64_t(p.pool.kv_heads) * ix.head_page_bytes;
+    const uint8_t* head_pages = p.pages + int64_t(h) * ix.head_page_bytes;  // kv head h's page of block 0
+    const int half = lane / kDecodeChunk, row = lane % kDecodeChunk;
+    code_src = head_pages + ix.off.codes[half] + row * kRB;
+    code_dst = int32_t((half ? offsetof(Stage, v_codes) : offsetof(Stage, k_codes)) + row * Smem::kRS);
+    block_bytes = uint32_t(int64_t(p.pool.kv_heads) * ix.head_page_bytes);
     if (lane < kMetaPieces) {
       const int arr = lane / (2 * kBg), mp = lane % (2 * kBg);
-      meta_src = int32_t(ix.off.scale[0] + arr * ix.meta_array_bytes) + 16 * mp;
+      meta_src = head_pages + ix.off.scale[0] + arr * ix.meta_array_bytes + 16 * mp;
       meta_dst = int32_t(offsetof(Stage, meta) + arr * sizeof(Stage::meta[0])) + 16 * mp;
     }
-  }
-  // Round i's offsets from piece `lane`'s (rows of 32 bytes or more): K or V, and the rows further on.
-  // (rows of 16 bytes: one round, whose half is the lane's own, in code_src)
-  static constexpr int round_half(int i) { return kRB > 16 ? kWarp * i / kRB : 0; }
-  static constexpr int32_t round_dst(int i) {
-    return int32_t((round_half(i) ? offsetof(Stage, v_codes) - offsetof(Stage, k_codes) : 0) +
-                   (kWarp * i % kRB) / kRowPieces * Smem::kRS);
   }
 
   // Issues the copies of the iteration at key c0 into `stage` (one commit
@@ -197,20 +198,16 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
       if (j > 0 && key >= hi) break;
       uint32_t col, slot;
       ix.block.divmod(uint32_t(key), col, slot);
-      const int32_t id = table[col];
-      if (uint32_t(id) < uint32_t(p.pool.num_blocks)) {                // (a negative id: above every count)
-        const uint8_t* page = head_pages + int64_t(id) * block_bytes;  // the head's page of block id
-        // The lane's first piece (the chunk's first code row + code_src: < 2^31 bytes into the page);
-        // the other rounds' lie a compile-time distance on (V rounds: v_src more).
-        const uint8_t* k = page + (int32_t(slot) * kRB + code_src);
-        const uint8_t* v = k + v_src;
-        const uint32_t at = stage + uint32_t(j * sizeof(Stage)), dst = at + uint32_t(code_dst);
+      const uint32_t id = uint32_t(table[col]);
+      if (id < uint32_t(p.pool.num_blocks)) {                         // (a negative id: above every count)
+        const uint64_t page = uint64_t(id) * block_bytes;             // block id's head page from block 0's
+        const uint8_t* src = code_src + page + slot * uint32_t(kRB);  // (< 2^31 bytes into the page)
+        const uint32_t at = stage + uint32_t(j * sizeof(Stage));
 #pragma unroll
-        for (int i = 0; i < kCodeCopies; ++i)
-          cp_async16(dst + uint32_t(round_dst(i)), (round_half(i) ? v : k) + 16 * (kWarp * i % kRB));
-        if (meta_src >= 0) cp_async16(at + uint32_t(meta_dst), page + (int32_t(slot) * (2 * kBg) + meta_src));
+        for (int i = 0; i < kRowCopies; ++i) cp_async16(at + uint32_t(code_dst + 16 * i), src + 16 * i);
+        if (lane < kMetaPieces) cp_async16(at + uint32_t(meta_dst), meta_src + page + slot * uint32_t(2 * kBg));
       } else {
-        bad_block = true;  // (reported once after the loop: no atomic in it)
+        bad_block = 1;  // (reported once after the loop: no atomic in it)
       }
     }
     cp_async_commit();
@@ -446,21 +443,27 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
       for (int r = 0; r < 2; ++r)
 #pragma unroll
         for (int b = 0; b < kBg; ++b) st.z[r][b] += times(pr[j][r], vzero[0][b]) + times(pr[j][r + 2], vzero[1][b]);
-      // The B fragments of P . V per group: w = p x value scale x vup as fp16 hi
-      // + lo in the score layout (key g + 8 kk, rows 2t, 2t + 1: one 8x8 matrix
-      // per kk), transposed to rows x keys (keys 2t, 2t + 1 of row g) by movmatrix.
-      uint32_t bh[kBg][2], bl[kBg][2];
-#pragma unroll
-      for (int b = 0; b < kBg; ++b)
+      // The B fragments of P . V of group b: w = p x value scale x vup as
+      // fp16 (hi, and lo for fp16 output: kTwoTermWeights) in the score layout
+      // (key g + 8 kk, rows 2t, 2t + 1: one 8x8 matrix per kk), transposed to
+      // rows x keys (keys 2t, 2t + 1 of row g) by movmatrix; made at the
+      // group's first m-tile (one group's live at a time).
+      uint32_t bh[2], bl[kTwoTermWeights ? 2 : 1];
+      const auto weights = [&](int b) {
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
           const float sv = vscale[kk][b] * st.vup[b];
           const float w0 = times(pr[j][2 * kk], sv), w1 = times(pr[j][2 * kk + 1], sv);
-          uint32_t hi2, lo2;
-          split_half2(w0, w1, hi2, lo2);
-          bh[b][kk] = movmatrix_trans(hi2);
-          bl[b][kk] = movmatrix_trans(lo2);
+          if constexpr (kTwoTermWeights) {
+            uint32_t hi2, lo2;
+            split_half2(w0, w1, hi2, lo2);
+            bh[kk] = movmatrix_trans(hi2);
+            bl[kk] = movmatrix_trans(lo2);
+          } else {
+            bh[kk] = movmatrix_trans(pack_half2(w0, w1));
+          }
         }
+      };
       // Bytes 2g, 2g + 1 of the chunk's code rows 2t, 2t + 1 (pair 0) and 2t + 8, 2t + 9 (pair 1) per
       // code chunk, by ldmatrix's transpose: a register holds byte 2g (+ 1 after >> 8) of both keys
       // of a pair in its bytes 0 and 2.
@@ -473,12 +476,13 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
         const uint32_t pw[4] = {x[0], x[0] >> 8, x[1], x[1] >> 8};
 #pragma unroll
         for (int pl = 0; pl < kPlanes; ++pl) {
-          const int mt = cc * kPlanes + pl, b = 16 * mt / kGroup;
+          const int mt = cc * kPlanes + pl;
+          if (16 * mt % kGroup == 0) weights(16 * mt / kGroup);
           uint32_t av[4];  // rows g (byte 2g), g + 8 (byte 2g + 1); keys 2t.. then 2t + 8..
 #pragma unroll
           for (int i = 0; i < 4; ++i) av[i] = codes_half2<kBits>(pw[i], pl);
-          mma_16816(st.acc[mt], av, bh[b]);
-          mma_16816(st.acc[mt], av, bl[b]);
+          mma_16816(st.acc[mt], av, bh);
+          if constexpr (kTwoTermWeights) mma_16816(st.acc[mt], av, bl);
         }
       }
     }
