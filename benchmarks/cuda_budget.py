@@ -43,12 +43,12 @@ kernel holds an iteration's work twice: the steady loop over the chunks every qu
 whole (no mask, no soft-cap), nested in the loop over all chunks, whose other branch runs a
 masked, capped copy for the edge chunks (a split's first and last, a window's start, the causal
 end: a few per warp and split, whatever the context; every chunk under a soft-cap).  Its row
-counts the steady loop: the innermost loop whose HMMAs are a whole number of chunks' (D / 16
-each, P . V, twice for fp16 output: its weights in hi + lo; its q . K runs on integer MMAs,
-IMMA, listed apart), which the smallest
+counts the steady loop: the innermost loop whose HMMAs are a whole number of chunks' (2 D / 16
+each: P . V in hi + lo; its q . K runs on integer MMAs, IMMA, listed apart), which the smallest
 loop holding every HMMA (the outer one, both copies) would count twice.  Below 8 bits its warp
-takes two chunks an iteration (the block 128 keys): the row gives the loop's count per 64-key
-tile, half the iteration's (loop_chunks in the JSON).  The count is static: every instruction
+takes several chunks an iteration (2 at 4 bits, 3 or 4 at 2 bits; the block 64 keys a chunk
+round): the row gives the loop's count per 64-key tile, the iteration's / its chunks
+(loop_chunks in the JSON).  The count is static: every instruction
 of the loop's blocks once, so inner loops the compiler did not unroll count once (the table lists
 how many) and rarely taken paths count fully; it is an estimate of the per-tile work, not a
 trace.
@@ -292,7 +292,7 @@ def natural_loops(code):
 def tile_loop(code, mma_per_chunk=None):
     """(loop's blocks, blocks, inner loops) of the smallest loop that holds every HMMA; or, given
     mma_per_chunk, the smallest innermost loop (no loop with an HMMA inside it) whose HMMAs are a
-    whole number of chunks' (paged_decode.cuh's steady loop: its iterations take one or two
+    whole number of chunks' (paged_decode.cuh's steady loop: its iterations take 1 to 4
     16-key chunks a warp, and its kernel holds a second, masked copy of the iteration for the
     edge outside it)."""
     loops, blocks = natural_loops(code)
@@ -332,12 +332,9 @@ def tile_loop(code, mma_per_chunk=None):
 
 def decode_steady_mmas(variant) -> int | None:
     """HMMAs of one steady chunk of the paged decode kernel (paged_decode.cuh, the 8-row
-    variants): P . V per 16 channels, its weights in one fp16 term for bf16 output and in two
-    (hi + lo) for fp16 (kTwoTermWeights; its q . K runs on integer MMAs, IMMA, counted apart);
-    None for the others."""
-    if variant.kernel != "paged" or variant.rows != 8:
-        return None
-    return (1 if variant.dtype == "bf16" else 2) * variant.head_dim // 16
+    variants): P . V per 16 channels in hi + lo (its q . K runs on integer MMAs, IMMA, counted
+    apart); None for the others."""
+    return 2 * variant.head_dim // 16 if variant.kernel == "paged" and variant.rows == 8 else None
 
 
 def division_calls(code, body, blocks) -> int:
@@ -435,7 +432,8 @@ def plan_splits(units: int, slots: int, keys: int, tile: int) -> int:
 def grid(batch: int, q_heads: int, kv_heads: int, ctx: int, sms: int, blocks_per_sm: int) -> tuple[int, int]:
     """(blocks, tiles per block) of one decode step (q_len 1).  blocks_per_sm: the variant's,
     from its registers alone here; the glue asks the CUDA occupancy API, which counts shared
-    memory too (the same 3 on an H200 for every variant, 2 for 8-bit D128 on an A100)."""
+    memory too (3 on an H200 for every variant but the paged decode kernel's 2 bits D128 in four
+    groups, 2 by its registers; 2 for 8-bit D128 on an A100)."""
     units = batch * kv_heads * cdiv(q_heads // kv_heads, ATTN_ROWS)
     splits = plan_splits(units, max(blocks_per_sm, 1) * sms, ctx, TILE)
     return units * splits, cdiv(cdiv(ctx, splits), TILE)

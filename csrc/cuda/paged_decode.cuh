@@ -26,12 +26,12 @@
 //    exponentials (log2 e folded into the queries' normalizer and the cap);
 //  - P . V as O^T = V^T . W^T (m16n8k16: 16 channels x 8 rows, k = the 16
 //    keys): the weights p x value scale x a power of two per value group, in
-//    fp16 (hi + lo for fp16 output), go from the score fragments (keys x
-//    rows) to the B fragments (rows x keys) by movmatrix; the A fragments are
-//    value codes of two keys per register, by ldmatrix's transpose (bytes
-//    2g, 2g + 1 of two key rows in one register), the channels of an m-tile
-//    in the order that gives them (row g <-> byte 2g, row g + 8 <-> byte
-//    2g + 1 of the chunk's plane), un-permuted when the partial is written;
+//    fp16 hi + lo, go from the score fragments (keys x rows) to the B
+//    fragments (rows x keys) by movmatrix; the A fragments are value codes of
+//    two keys per register, by ldmatrix's transpose (bytes 2g, 2g + 1 of two
+//    key rows in one register), the channels of an m-tile in the order that
+//    gives them (row g <-> byte 2g, row g + 8 <-> byte 2g + 1 of the chunk's
+//    plane), un-permuted when the partial is written;
 //  - the value zeros summed as p x zero per lane, the accumulators rescaled
 //    by the max's change and the value normalizer's (both powers of two or
 //    exponentials, the same for every channel of a row and group), once per
@@ -48,12 +48,13 @@
 // integers after the row's power-of-two normalization (2^14 <= max |q| <
 // 2^15: at most 2^-15 of the row's largest |q|, 16 times finer than fp16 for
 // the large channels; the 16-row kernel splits them in fp16 hi + lo); q . K
-// exact in int32, then one rounding to float; weights in one fp16 for bf16
-// output (2^-11 each: at most 2^-10 of the largest |value|, a quarter of the
-// output's rounding), hi + lo (~22 bits) for fp16; fp32 accumulation.
-// Compiles; untested on a GPU until a
-// lent one runs benchmarks/gpu_check.sh (tests/python/test_cuda_paged.py
-// compares it with float64 and with the SIMT kernel); on the host, emulated,
+// exact in int32, then one rounding to float; weights hi + lo (~22 bits;
+// one fp16 term, as FlashAttention's P, would err by 2^-11 of p x (value -
+// its zero) per key, coherent over a group's channels, which the output's
+// un-rotation gathers: past the bf16 tolerance's margin, not only fp16's);
+// fp32 accumulation.  Compiles; untested on a GPU until a lent one runs
+// benchmarks/gpu_check.sh (tests/python/test_cuda_paged.py compares it with
+// float64 and with the SIMT kernel); on the host, emulated,
 // it matches the CPU kernel in every format it takes (test_cuda_emulated.cpp).
 #pragma once
 
@@ -63,7 +64,7 @@
 
 namespace nexuskv::cuda {
 
-constexpr int kDecodeChunk = 16;                   // keys of a chunk (a warp takes one or two an iteration)
+constexpr int kDecodeChunk = 16;                   // keys of a chunk (a warp takes kSub an iteration)
 constexpr int kDecodeWarps = kMmaThreads / kWarp;  // 4: a block takes 64 keys a chunk round
 static_assert(kDecodeChunk * kDecodeWarps == kMmaTile, "the block's keys per round: one 64-key tile");
 
@@ -117,20 +118,14 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   static constexpr int kGroup = kD / kBg;       // channels per key / value group
   static_assert(kGroup % 16 == 0 && kBg * kGroup == kD, "whole groups of 16-channel k-steps");
   static_assert(kCodeChunks * kPlanes == kMTiles, "a chunk's planes are its m-tiles");
-  // P . V's weights in two fp16 terms, hi + lo (~22 bits), for fp16 output;
-  // in one (11 bits, as FlashAttention's P) for bf16, whose rounding (2^-8 of
-  // the output) is 4 x the one term's worst error (2^-11 of the value minus
-  // its zero, <= 2 x the largest |value|: 2^-10 of it).  One term halves the
-  // HMMAs and drops the lo split's 6 instructions per key pair and group.
-  static constexpr bool kTwoTermWeights = !std::is_same_v<X, core::bf16_t>;
   // Chunks of 16 keys per warp iteration (one max, one rescale of the
   // accumulators and one value normalizer for all of them): 1 at 8 bits
   // (bound by its bytes; its stages would not fit 3 blocks per SM twice
   // over), 2 at 4 bits, 3 at 2 bits, whose few bytes a tile leave the least
-  // room for that per-iteration work; at 2 bits D128 in four groups 2 (3
-  // spilled 8 bytes at 168 registers), or 4 with two-term weights, 2 blocks
-  // per SM (2 at 168 registers spilled; its 8 warps keep ~37 KB in flight).
-  static constexpr int kSub = kBits == 8 ? 1 : kBits == 4 ? 2 : !(kBg == 4 && kD == 128) ? 3 : kTwoTermWeights ? 4 : 2;
+  // room for that per-iteration work; at 2 bits D128 in four groups 4, with 2
+  // blocks per SM (at 168 registers 3 chunks spilled 8-16 bytes, 2 spilled 8
+  // on sm_90; its 8 warps keep ~37 KB in flight, as 12 with 2 chunks).
+  static constexpr int kSub = kBits == 8 ? 1 : kBits == 4 ? 2 : kBg == 4 && kD == 128 ? 4 : 3;
   using Smem = PagedDecodeSmem<kD, kRB, X, kBg, kSub>;
   using Stage = typename Smem::Stage;
   static constexpr int kRows = Smem::kRows;
@@ -138,8 +133,11 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   // at four groups, with rows of 128 bytes (8-bit D128) and for two chunks or
   // more an iteration at D128, which spilled 4-16 bytes at 128 (3 blocks keep
   // ~30 KB in flight at 2 bits D128, ~55 KB at 4 bits, ~110 KB at 8 bits); 2
-  // (<= 255) for four chunks.
-  static constexpr int kMinBlocks = kSub == 4 ? 2 : kBg == 4 || kRB > 64 || (kSub >= 2 && kD == 128) ? 3 : 4;
+  // (<= 255) at D128 in four groups below 8 bits, which spilled 8 bytes at
+  // 168 (sm_90 at 2 bits, sm_80 at 4 bits; 2 blocks keep ~37 KB and ~41 KB).
+  static constexpr int kMinBlocks = kBg == 4 && kD == 128 && kBits < 8                 ? 2
+                                    : kBg == 4 || kRB > 64 || (kSub >= 2 && kD == 128) ? 3
+                                                                                       : 4;
   // A normalizer that constrains nothing (no visible non-zero value scale yet).
   static constexpr float kNoNormalizer = 1.2676506e30f;  // 2^100, pow2_normalizer's largest
   static constexpr float kLog2e = 1.4426950408889634f;   // base-2 scores: x log2 e
@@ -170,7 +168,7 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   int32_t code_dst = 0, meta_dst = 0;  // their bytes from the Stage's start
   int32_t ldsm_row = 0;                // the code row (bytes from the first) whose address the lane gives ldmatrix
   uint32_t block_bytes = 0;            // bytes between a head's pages of two blocks (< 2^32: paged_mma_takes)
-  uint32_t bad_block = 0;              // 1: a block id outside the pool was met (the block is poisoned)
+  bool bad_block = false;              // a block id outside the pool was met (the block is poisoned)
 
   NKV_DEVICE void copy_plan() {
     // ldmatrix: lane 8 i + r gives row r of matrix i: rows 8 (i % 2) + r of code chunk i / 2.
@@ -207,7 +205,7 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
         for (int i = 0; i < kRowCopies; ++i) cp_async16(at + uint32_t(code_dst + 16 * i), src + 16 * i);
         if (lane < kMetaPieces) cp_async16(at + uint32_t(meta_dst), meta_src + page + slot * uint32_t(2 * kBg));
       } else {
-        bad_block = 1;  // (reported once after the loop: no atomic in it)
+        bad_block = true;  // (reported once after the loop: no atomic in it)
       }
     }
     cp_async_commit();
@@ -443,27 +441,21 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
       for (int r = 0; r < 2; ++r)
 #pragma unroll
         for (int b = 0; b < kBg; ++b) st.z[r][b] += times(pr[j][r], vzero[0][b]) + times(pr[j][r + 2], vzero[1][b]);
-      // The B fragments of P . V of group b: w = p x value scale x vup as
-      // fp16 (hi, and lo for fp16 output: kTwoTermWeights) in the score layout
-      // (key g + 8 kk, rows 2t, 2t + 1: one 8x8 matrix per kk), transposed to
-      // rows x keys (keys 2t, 2t + 1 of row g) by movmatrix; made at the
-      // group's first m-tile (one group's live at a time).
-      uint32_t bh[2], bl[kTwoTermWeights ? 2 : 1];
-      const auto weights = [&](int b) {
+      // The B fragments of P . V per group: w = p x value scale x vup as fp16 hi
+      // + lo in the score layout (key g + 8 kk, rows 2t, 2t + 1: one 8x8 matrix
+      // per kk), transposed to rows x keys (keys 2t, 2t + 1 of row g) by movmatrix.
+      uint32_t bh[kBg][2], bl[kBg][2];
+#pragma unroll
+      for (int b = 0; b < kBg; ++b)
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
           const float sv = vscale[kk][b] * st.vup[b];
           const float w0 = times(pr[j][2 * kk], sv), w1 = times(pr[j][2 * kk + 1], sv);
-          if constexpr (kTwoTermWeights) {
-            uint32_t hi2, lo2;
-            split_half2(w0, w1, hi2, lo2);
-            bh[kk] = movmatrix_trans(hi2);
-            bl[kk] = movmatrix_trans(lo2);
-          } else {
-            bh[kk] = movmatrix_trans(pack_half2(w0, w1));
-          }
+          uint32_t hi2, lo2;
+          split_half2(w0, w1, hi2, lo2);
+          bh[b][kk] = movmatrix_trans(hi2);
+          bl[b][kk] = movmatrix_trans(lo2);
         }
-      };
       // Bytes 2g, 2g + 1 of the chunk's code rows 2t, 2t + 1 (pair 0) and 2t + 8, 2t + 9 (pair 1) per
       // code chunk, by ldmatrix's transpose: a register holds byte 2g (+ 1 after >> 8) of both keys
       // of a pair in its bytes 0 and 2.
@@ -476,13 +468,12 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
         const uint32_t pw[4] = {x[0], x[0] >> 8, x[1], x[1] >> 8};
 #pragma unroll
         for (int pl = 0; pl < kPlanes; ++pl) {
-          const int mt = cc * kPlanes + pl;
-          if (16 * mt % kGroup == 0) weights(16 * mt / kGroup);
+          const int mt = cc * kPlanes + pl, b = 16 * mt / kGroup;
           uint32_t av[4];  // rows g (byte 2g), g + 8 (byte 2g + 1); keys 2t.. then 2t + 8..
 #pragma unroll
           for (int i = 0; i < 4; ++i) av[i] = codes_half2<kBits>(pw[i], pl);
-          mma_16816(st.acc[mt], av, bh);
-          if constexpr (kTwoTermWeights) mma_16816(st.acc[mt], av, bl);
+          mma_16816(st.acc[mt], av, bh[b]);
+          mma_16816(st.acc[mt], av, bl[b]);
         }
       }
     }

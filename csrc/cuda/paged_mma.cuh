@@ -35,8 +35,10 @@
 // It takes (paged_mma_takes, paged_mma_launch.cuh): fp16 / bf16, no exact window, no outliers, the
 // same 2/4/8 bits for keys and values, head_dim 64 or 128 in 1, 2 or 4 groups
 // of a multiple of 16 channels per token (group_size >= head_dim: one), 16-byte
-// aligned pages; the rest runs the SIMT kernel (paged_kernels.cuh), which the
-// tests compare it with (tests/python/test_cuda_paged.py).  Compiles; untested
+// aligned pages, a block's pages (its kv heads') under 4 GiB (the decode
+// kernel's 32-bit block stride); the rest runs the SIMT kernel
+// (paged_kernels.cuh), which the tests compare it with
+// (tests/python/test_cuda_paged.py).  Compiles; untested
 // on a GPU until a lent one runs benchmarks/gpu_check.sh (on the host,
 // emulated, it matches the CPU kernel: tests/cpp/test_cuda_emulated.cpp).
 #pragma once

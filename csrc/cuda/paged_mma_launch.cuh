@@ -87,8 +87,8 @@ bool paged_mma_takes(const core::PagedAttention<X>& p) {
          l.key_bits == l.value_bits && (l.key_bits == 2 || l.key_bits == 4 || l.key_bits == 8) &&
          (l.head_dim == 64 || l.head_dim == 128) && paged_mma_groups(l) > 0 &&
          (reinterpret_cast<uintptr_t>(p.pages) & 15u) == 0 &&
-         p.max_blocks * l.block_size + kMmaTile < core::kFastDivmodLimit &&
-         l.head_page_bytes() * p.pool.kv_heads < (int64_t(1) << 32);  // a block's pages: 32-bit strides
+         p.max_blocks * l.block_size + 4 * kMmaTile < core::kFastDivmodLimit &&  // (decode: keys up to 256 on)
+         l.head_page_bytes() * p.pool.kv_heads < (int64_t(1) << 32);             // a block's pages: 32-bit strides
 }
 
 // The kernel of p's variant (p must be taken) for row tiles of tile_rows (8

@@ -94,10 +94,9 @@ def test_a_warp_barrier_marks_the_decode_kernels_loop():
     assert v.loop_instructions == 9 and v.loop_counts["BAR"] == 0
 
 
-def decode_kernel(edge_extra=0, steady_extra=0, chunks=1, terms=2):
+def decode_kernel(edge_extra=0, steady_extra=0, chunks=1):
     # paged_decode.cuh's shape: an outer loop over the iterations whose edge ones run a masked copy
     # of the iteration's work, and inside it the steady loop over those every row sees whole.
-    # terms: P . V's HMMAs per chunk at D 16 (2 for fp16 output: hi + lo weights; 1 for bf16).
     return [
         "S2R R0, SR_TID.X",
         "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]",
@@ -105,14 +104,24 @@ def decode_kernel(edge_extra=0, steady_extra=0, chunks=1, terms=2):
         "@!P0 BRA 0x{edge:03x}",
         "WARPSYNC.ALL",  # 0x40: steady header
         "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]",
-        *(["IMMA.16832.S8.S8 R4, R12, R16, R4"] + ["HMMA.16816.F32.F16 R8, R12, R16, R8"] * terms) * chunks,
+        *[
+            "IMMA.16832.S8.S8 R4, R12, R16, R4",
+            "HMMA.16816.F32.BF16 R8, R12, R16, R8",
+            "HMMA.16816.F32.BF16 R8, R12, R16, R8",
+        ]
+        * chunks,
         *["FMUL R20, R20, R21"] * steady_extra,
         "@P1 BRA 0x040",  # steady back edge
         "BRA 0x{next:03x}",
         # edge: the same work, masked
         "WARPSYNC.ALL",
         "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]",
-        *(["IMMA.16832.S8.S8 R4, R12, R16, R4"] + ["HMMA.16816.F32.F16 R8, R12, R16, R8"] * terms) * chunks,
+        *[
+            "IMMA.16832.S8.S8 R4, R12, R16, R4",
+            "HMMA.16816.F32.BF16 R8, R12, R16, R8",
+            "HMMA.16816.F32.BF16 R8, R12, R16, R8",
+        ]
+        * chunks,
         *["FSEL R22, R22, -INF, P3"] * (4 + edge_extra),
         "@P2 BRA 0x020",  # next: outer back edge
         "EXIT",
@@ -126,34 +135,28 @@ def resolve(lines):
 
 
 def test_the_decode_kernels_steady_loop_is_the_one_holding_one_chunks_mmas():
-    v = cb.Variant("sm_90", "fp16", 4, 16, "paged", groups=1, rows=8)  # D 16, fp16: 2 HMMAs (P . V) per chunk
+    v = cb.Variant("sm_90", "bf16", 4, 16, "paged", groups=1, rows=8)  # D 16: 2 HMMAs (P . V) per chunk
     cb.analyse(v, cb.parse_sass(listing(resolve(decode_kernel())))["kernel"])
     assert v.loop_counts["HMMA"] == 2 and v.loop_counts["IMMA"] == 1
     assert v.loop_instructions == 6  # header .. back edge of the inner loop
     # more work in the steady loop counts; more on the edge does not
-    w = cb.Variant("sm_90", "fp16", 4, 16, "paged", groups=1, rows=8)
+    w = cb.Variant("sm_90", "bf16", 4, 16, "paged", groups=1, rows=8)
     cb.analyse(w, cb.parse_sass(listing(resolve(decode_kernel(edge_extra=9, steady_extra=5))))["kernel"])
     assert w.loop_instructions == v.loop_instructions + 5
     # a kernel without a loop of exactly one chunk's MMAs is refused, not counted
-    x = cb.Variant("sm_90", "fp16", 4, 32, "paged", groups=1, rows=8)  # D 32: 4 per chunk
+    x = cb.Variant("sm_90", "bf16", 4, 32, "paged", groups=1, rows=8)  # D 32: 4 per chunk
     with pytest.raises(ValueError, match="no innermost loop holds a multiple of 4 HMMAs"):
         cb.analyse(x, cb.parse_sass(listing(resolve(decode_kernel())))["kernel"])
     # two chunks an iteration (32 keys a warp, 128 a block): per 64-key tile, half the loop
-    y = cb.Variant("sm_90", "fp16", 4, 16, "paged", groups=1, rows=8)
+    y = cb.Variant("sm_90", "bf16", 4, 16, "paged", groups=1, rows=8)
     cb.analyse(y, cb.parse_sass(listing(resolve(decode_kernel(chunks=2, steady_extra=1))))["kernel"])
     assert y.loop_chunks == 2 and y.loop_counts["HMMA"] == 4
     assert y.loop_instructions == 5  # (WARPSYNC, LDGSTS, 2 IMMA, 4 HMMA, FMUL, BRA) / 2
-    # bf16 output: one HMMA a chunk (one-term weights); three chunks an iteration: a third of it
+    # three chunks (2 bits): a third of the loop, rounded up
     z = cb.Variant("sm_90", "bf16", 2, 16, "paged", groups=1, rows=8)
-    cb.analyse(z, cb.parse_sass(listing(resolve(decode_kernel(chunks=3, terms=1, steady_extra=2))))["kernel"])
-    assert z.loop_chunks == 3 and z.loop_counts["HMMA"] == 3
-    assert z.loop_instructions == 4  # (WARPSYNC, LDGSTS, 3 IMMA, 3 HMMA, 2 FMUL, BRA) / 3 = 11 / 3, up
-    # the same listing read as fp16's (two HMMAs a chunk) is refused: 3 is no whole number of chunks
-    with pytest.raises(ValueError, match="multiple of 2 HMMAs"):
-        cb.analyse(
-            cb.Variant("sm_90", "fp16", 2, 16, "paged", groups=1, rows=8),
-            cb.parse_sass(listing(resolve(decode_kernel(chunks=3, terms=1))))["kernel"],
-        )
+    cb.analyse(z, cb.parse_sass(listing(resolve(decode_kernel(chunks=3, steady_extra=2))))["kernel"])
+    assert z.loop_chunks == 3 and z.loop_counts["HMMA"] == 6
+    assert z.loop_instructions == 5  # (WARPSYNC, LDGSTS, 3 IMMA, 6 HMMA, 2 FMUL, BRA) / 3 = 14 / 3, up
 
 
 def test_refuses_a_loop_without_barrier_or_copy():

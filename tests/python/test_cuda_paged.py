@@ -25,9 +25,6 @@ from nexuskv import paged  # noqa: E402
 pytestmark = requires_cuda
 
 HALVES = [torch.float16, torch.bfloat16]
-# The decode kernel's P . V weights for bf16 output: one fp16 term, 2^-11 of p x (value - its
-# zero), <= 2 x the largest |value| (paged_decode.cuh, kTwoTermWeights); for fp16 two (~2^-22).
-DECODE_WEIGHTS = {torch.bfloat16: 2.0**-10, torch.float16: 0.0}
 
 
 def run(pool, reqs, table, lens, qsl, q, kernel, monkeypatch, **kw):
@@ -66,7 +63,7 @@ def serve(pool, steps, q_heads, monkeypatch, seed=0, pads=None, profile=False, *
             pool, reqs, table, lens, qsl, q[:n], q_heads, kw.get("scale", 0.125), kw.get("window"), kw.get("softcap")
         )
         vmax = max(float(pool.v[r].abs().max()) for r in reqs) * 1.5
-        check_close(got[:n], want, pool.dtype, vmax, DECODE_WEIGHTS[pool.dtype])
+        check_close(got[:n], want, pool.dtype, vmax)
         check_close(simt[:n], want, pool.dtype, vmax)
     return launched
 
