@@ -130,14 +130,12 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   using Stage = typename Smem::Stage;
   static constexpr int kRows = Smem::kRows;
   // Blocks per SM the registers must allow: 4 (<= 128 registers); 3 (<= 168)
-  // at four groups, with rows of 128 bytes (8-bit D128) and for two chunks or
-  // more an iteration at D128, which spilled 4-16 bytes at 128 (3 blocks keep
-  // ~30 KB in flight at 2 bits D128, ~55 KB at 4 bits, ~110 KB at 8 bits); 2
-  // (<= 255) at D128 in four groups below 8 bits, which spilled 8 bytes at
-  // 168 (sm_90 at 2 bits, sm_80 at 4 bits; 2 blocks keep ~37 KB and ~41 KB).
-  static constexpr int kMinBlocks = kBg == 4 && kD == 128 && kBits < 8                 ? 2
-                                    : kBg == 4 || kRB > 64 || (kSub >= 2 && kD == 128) ? 3
-                                                                                       : 4;
+  // at four groups and at D128 (two chunks or more an iteration, or rows of
+  // 128 bytes at 8 bits), which spilled 4-16 bytes at 128 (3 blocks keep ~30
+  // KB in flight at 2 bits D128, ~55 KB at 4 bits, ~110 KB at 8 bits); 2 (<=
+  // 255) at D128 in four groups below 8 bits, which spilled 8 bytes at 168
+  // (sm_90 at 2 bits, sm_80 at 4 bits; 2 blocks keep ~37 KB and ~41 KB).
+  static constexpr int kMinBlocks = kBg == 4 && kD == 128 && kBits < 8 ? 2 : kBg == 4 || kD == 128 ? 3 : 4;
   // A normalizer that constrains nothing (no visible non-zero value scale yet).
   static constexpr float kNoNormalizer = 1.2676506e30f;  // 2^100, pow2_normalizer's largest
   static constexpr float kLog2e = 1.4426950408889634f;   // base-2 scores: x log2 e
