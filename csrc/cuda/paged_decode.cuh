@@ -7,13 +7,14 @@
 // scores' round trip through shared memory, a softmax row per warp, the page
 // lookups of every chunk by every warp) was most of paged_mma.cuh's tile loop.
 //
-// A warp's iteration takes kSub of its chunks (3 at 2 bits, 2 at 4, 1 at 8;
+// A warp's iteration takes kSub of its chunks (4 at 2 bits, 2 at 4, 1 at 8;
 // see kSub), c0, c0 + 64, ..., all in registers but the copies:
 //  - its pages: the warp looks up its own chunks' head pages (no shuffles, no
-//    block barrier) and copies each chunk's K, V codes and four [16, Bg] meta
-//    rows by cp.async into its own two stages (a lane one code row, from a
-//    pointer it holds into the head's page of block 0); the next iteration's
-//    copies are in flight during this one's math;
+//    block barrier), a lane the page of one chunk (lane l chunk l % kSub),
+//    and copies each chunk's K, V codes and four [16, Bg] meta rows by
+//    cp.async into its own two stages (from pointers it holds into the head's
+//    page of block 0); the next iteration's copies are in flight during this
+//    one's math;
 //  - S^T = K . Q^T per key group on integer MMAs (m16n8k32, m16n8k16 for
 //    groups of 16 channels: 16 keys x 8 rows), exact: the key codes as u8
 //    (their words by ldmatrix, one LOP3 per four codes and a shift), the
@@ -22,8 +23,10 @@
 //    float, then x the key's group scale + its zero x the row's sum of q
 //    over the group;
 //  - the online softmax on the accumulator fragments: lane (g, t) holds keys
-//    g, g + 8 of rows 2t, 2t + 1, so a row's max is 3 shuffles over g; base-2
-//    exponentials (log2 e folded into the queries' normalizer and the cap);
+//    2g, 2g + 1 (stage_row: the MMAs' rows g, g + 8) of rows 2t, 2t + 1, so a
+//    row's max is 3 shuffles over g; base-2 exponentials (log2 e folded into
+//    the queries' normalizer and the cap; in the steady loop the normalizer
+//    is applied by the exponential's FMA);
 //  - P . V as O^T = V^T . W^T (m16n8k16: 16 channels x 8 rows, k = the 16
 //    keys): the weights p x value scale x a power of two per value group, in
 //    fp16 hi + lo, go from the score fragments (keys x rows) to the B
@@ -119,23 +122,31 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   static_assert(kGroup % 16 == 0 && kBg * kGroup == kD, "whole groups of 16-channel k-steps");
   static_assert(kCodeChunks * kPlanes == kMTiles, "a chunk's planes are its m-tiles");
   // Chunks of 16 keys per warp iteration (one max, one rescale of the
-  // accumulators and one value normalizer for all of them): 1 at 8 bits
+  // accumulators and one page lookup a lane for all of them): 1 at 8 bits
   // (bound by its bytes; its stages would not fit 3 blocks per SM twice
-  // over), 2 at 4 bits, 3 at 2 bits, whose few bytes a tile leave the least
-  // room for that per-iteration work; at 2 bits D128 in four groups 4, with 2
-  // blocks per SM (at 168 registers 3 chunks spilled 8-16 bytes, 2 spilled 8
-  // on sm_90; its 8 warps keep ~37 KB in flight, as 12 with 2 chunks).
-  static constexpr int kSub = kBits == 8 ? 1 : kBits == 4 ? 2 : kBg == 4 && kD == 128 ? 4 : 3;
+  // over), 2 at 4 bits, 4 at 2 bits, whose few bytes a tile leave the least
+  // room for that per-iteration work.  A divisor of 32: the copies give each
+  // chunk 32 / kSub lanes.
+  static constexpr int kSub = kBits == 8 ? 1 : kBits == 4 ? 2 : 4;
   using Smem = PagedDecodeSmem<kD, kRB, X, kBg, kSub>;
   using Stage = typename Smem::Stage;
   static constexpr int kRows = Smem::kRows;
   // Blocks per SM the registers must allow: 4 (<= 128 registers); 3 (<= 168)
-  // at four groups and at D128 (two chunks or more an iteration, or rows of
-  // 128 bytes at 8 bits), which spilled 4-16 bytes at 128 (3 blocks keep ~30
-  // KB in flight at 2 bits D128, ~55 KB at 4 bits, ~110 KB at 8 bits); 2 (<=
-  // 255) at D128 in four groups below 8 bits, which spilled 8 bytes at 168
-  // (sm_90 at 2 bits, sm_80 at 4 bits; 2 blocks keep ~37 KB and ~41 KB).
-  static constexpr int kMinBlocks = kBg == 4 && kD == 128 && kBits < 8 ? 2 : kBg == 4 || kD == 128 ? 3 : 4;
+  // at four groups and at D128 (rows of 128 bytes at 8 bits), which spilled
+  // 4-16 bytes at 128 (3 blocks keep ~55 KB in flight at 4 bits D128, ~110
+  // KB at 8 bits); 2 (<= 255) at 4 bits D128 in four groups (8 bytes spilled
+  // at 168 on sm_80) and at 2 bits but D64 in one group (4) or two (3),
+  // whose four chunks an iteration spilled 8-40 bytes at the cap above: an
+  // iteration's copies in flight keep 32-48 KB per SM with 2 blocks, 36 KB
+  // with 3 at D64 in two groups, 41 KB with 4 in one.  (2 bits D128's stages,
+  // 53-57 KB a block, allow 2 blocks on an A100, 3 on an H100/H200, 1 on
+  // sm_86/89's 100 KB.)
+  static constexpr int kMinBlocks = kBits == 2                            ? (kD == 64 && kBg == 1   ? 4
+                                                                             : kD == 64 && kBg == 2 ? 3
+                                                                                                    : 2)
+                                    : kBg == 4 && kD == 128 && kBits == 4 ? 2
+                                    : kBg == 4 || kD == 128               ? 3
+                                                                          : 4;
   // A normalizer that constrains nothing (no visible non-zero value scale yet).
   static constexpr float kNoNormalizer = 1.2676506e30f;  // 2^100, pow2_normalizer's largest
   static constexpr float kLog2e = 1.4426950408889634f;   // base-2 scores: x log2 e
@@ -152,35 +163,50 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
 
   // ---- copies --------------------------------------------------------------------------------
 
-  // The copies of one chunk: its K and V code rows (16 rows of kRB bytes
-  // each, contiguous in the head page from the chunk's first slot) and its
-  // four [16, Bg] meta rows (2 Bg 16-byte pieces each).  Lane l copies code
-  // row l % 16 of K (l < 16) or V, whole (kRB / 16 pieces, a compile-time
-  // distance apart on both sides), and meta piece l; its sources as pointers
-  // into the head's page of block 0 (worked out once per block), so that a
-  // chunk's copies cost one multiply-add per pointer past the page lookup.
+  // The copies of an iteration: each chunk's K and V code rows (16 rows of
+  // kRB bytes each, contiguous in the head page from the chunk's first slot:
+  // 16 kRowCopies 16-byte pieces a side, piece q at byte 16 q) and its four
+  // [16, Bg] meta rows (2 Bg pieces each).  Lane l copies for chunk j = l %
+  // kSub alone, and looks its page up itself (one division and one table load
+  // a lane an iteration, where every lane once looked up every chunk): pieces
+  // i0 + L r of each side, i0 = l / kSub, L = 32 / kSub lanes a chunk, and
+  // meta pieces i0 + L r; so that a round's piece lies a compile-time
+  // distance from the lane's first on both sides (sources as pointers into
+  // the head's page of block 0, worked out once per block).
   static constexpr int kRowCopies = kRB / 16, kMetaPieces = 4 * 2 * kBg;
-  static_assert(kMetaPieces <= kWarp, "a chunk's meta pieces: one round of the warp");
-  const uint8_t* code_src = nullptr;   // the lane's code row in block 0's head page, at slot 0
-  const uint8_t* meta_src = nullptr;   // the lane's meta piece there (lanes below kMetaPieces)
-  int32_t code_dst = 0, meta_dst = 0;  // their bytes from the Stage's start
+  static constexpr int kLanes = kWarp / kSub;                             // L: the lanes of a chunk
+  static constexpr int kCodeRounds = kDecodeChunk * kRowCopies / kLanes;  // a side's pieces per lane
+  static constexpr int kMetaRounds = (kMetaPieces + kLanes - 1) / kLanes;
+  static_assert(kWarp % kSub == 0 && kDecodeChunk * kRowCopies % kLanes == 0, "whole rounds of code pieces");
+  static_assert(kLanes % kRowCopies == 0 && kLanes / kRowCopies % 2 == 0, "a round: an even number of rows on");
+  static_assert(kLanes % (2 * kBg) == 0, "a round of meta pieces: whole meta arrays on");
+  // The stage row of a chunk's key k: (k % 2) 8 + k / 2, so that the MMAs'
+  // row m (of q . K's A, of P . V's k) is key 2 (m % 8) + m / 8 and lane (g,
+  // t), which holds rows g and g + 8, holds keys 2g and 2g + 1, whose meta
+  // lie side by side (one load per array: meta_pair).  (Rows k and k + 2n:
+  // stage rows n apart.)
+  NKV_HOST_DEVICE static constexpr int stage_row(int k) { return k % 2 * 8 + k / 2; }
+  const uint8_t* code_src = nullptr;   // the lane's first K piece in block 0's head page, at slot 0
+  const uint8_t* meta_src = nullptr;   // its first meta piece there
+  int32_t code_dst = 0, meta_dst = 0;  // their bytes from the first Stage's start
+  int32_t copy_key = 0;                // the lane's chunk's first key from the iteration's: 64 (l % kSub)
   int32_t ldsm_row = 0;                // the code row (bytes from the first) whose address the lane gives ldmatrix
   uint32_t block_bytes = 0;            // bytes between a head's pages of two blocks (< 2^32: paged_mma_takes)
-  bool bad_block = false;              // a block id outside the pool was met (the block is poisoned)
+  bool bad_block = false;              // the lane met a block id outside the pool (the block is poisoned)
 
   NKV_DEVICE void copy_plan() {
     // ldmatrix: lane 8 i + r gives row r of matrix i: rows 8 (i % 2) + r of code chunk i / 2.
     ldsm_row = ((lane / 8) % 2 * 8 + lane % 8) * Smem::kRS + 16 * (lane / 16);
     const uint8_t* head_pages = p.pages + int64_t(h) * ix.head_page_bytes;  // kv head h's page of block 0
-    const int half = lane / kDecodeChunk, row = lane % kDecodeChunk;
-    code_src = head_pages + ix.off.codes[half] + row * kRB;
-    code_dst = int32_t((half ? offsetof(Stage, v_codes) : offsetof(Stage, k_codes)) + row * Smem::kRS);
+    const int j = lane % kSub, i0 = lane / kSub;
+    copy_key = kMmaTile * j;
+    code_src = head_pages + ix.off.codes[0] + 16 * i0;
+    code_dst = int32_t(j * sizeof(Stage) + offsetof(Stage, k_codes) + stage_row(i0 / kRowCopies) * Smem::kRS) +
+               16 * (i0 % kRowCopies);
     block_bytes = uint32_t(int64_t(p.pool.kv_heads) * ix.head_page_bytes);
-    if (lane < kMetaPieces) {
-      const int arr = lane / (2 * kBg), mp = lane % (2 * kBg);
-      meta_src = head_pages + ix.off.scale[0] + arr * ix.meta_array_bytes + 16 * mp;
-      meta_dst = int32_t(offsetof(Stage, meta) + arr * sizeof(Stage::meta[0])) + 16 * mp;
-    }
+    const int arr = i0 / (2 * kBg), mp = i0 % (2 * kBg);  // (lanes past the meta pieces: never used)
+    meta_src = head_pages + ix.off.scale[0] + arr * ix.meta_array_bytes + 16 * mp;
+    meta_dst = int32_t(j * sizeof(Stage) + offsetof(Stage, meta) + arr * sizeof(Stage::meta[0])) + 16 * mp;
   }
 
   // Issues the copies of the iteration at key c0 into `stage` (one commit
@@ -188,20 +214,31 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   // Stage.  A block id outside the pool copies nothing and poisons the block
   // (every chunk from the aligned first key on holds a visible key).
   NKV_DEVICE void prefetch(int32_t c0, uint32_t stage) {
-#pragma unroll
-    for (int j = 0; j < kSub; ++j) {
-      const int32_t key = c0 + kMmaTile * j;
-      if (j > 0 && key >= hi) break;
+    const int32_t key = c0 + copy_key;
+    if (key < hi) {
       uint32_t col, slot;
       ix.block.divmod(uint32_t(key), col, slot);
       const uint32_t id = uint32_t(table[col]);
-      if (id < uint32_t(p.pool.num_blocks)) {                         // (a negative id: above every count)
-        const uint64_t page = uint64_t(id) * block_bytes;             // block id's head page from block 0's
-        const uint8_t* src = code_src + page + slot * uint32_t(kRB);  // (< 2^31 bytes into the page)
-        const uint32_t at = stage + uint32_t(j * sizeof(Stage));
+      if (id < uint32_t(p.pool.num_blocks)) {                           // (a negative id: above every count)
+        const uint64_t page = uint64_t(id) * block_bytes;               // block id's head page from block 0's
+        const uint8_t* k_src = code_src + page + slot * uint32_t(kRB);  // (< 2^31 bytes into the page)
+        const uint8_t* v_src = k_src + (ix.off.codes[1] - ix.off.codes[0]);
+        const uint32_t at = stage + uint32_t(code_dst);
+        constexpr int kRowsOn = kLanes / kRowCopies / 2;  // stage rows from one round's piece to the next
+        constexpr uint32_t kV = offsetof(Stage, v_codes) - offsetof(Stage, k_codes);
 #pragma unroll
-        for (int i = 0; i < kRowCopies; ++i) cp_async16(at + uint32_t(code_dst + 16 * i), src + 16 * i);
-        if (lane < kMetaPieces) cp_async16(at + uint32_t(meta_dst), meta_src + page + slot * uint32_t(2 * kBg));
+        for (int r = 0; r < kCodeRounds; ++r) {
+          const uint32_t dst = at + uint32_t(r * kRowsOn * Smem::kRS);
+          cp_async16(dst, k_src + 16 * kLanes * r);
+          cp_async16(dst + kV, v_src + 16 * kLanes * r);
+        }
+        const uint8_t* m_src = meta_src + page + slot * uint32_t(2 * kBg);
+        constexpr int kArraysOn = kLanes / (2 * kBg);  // meta arrays from one round's piece to the next
+#pragma unroll
+        for (int r = 0; r < kMetaRounds; ++r)
+          if (kMetaPieces % kLanes == 0 || lane / kSub + kLanes * r < kMetaPieces)
+            cp_async16(stage + uint32_t(meta_dst + r * kArraysOn * int(sizeof(Stage::meta[0]))),
+                       m_src + int64_t(r * kArraysOn) * ix.meta_array_bytes);
       } else {
         bad_block = true;  // (reported once after the loop: no atomic in it)
       }
@@ -211,19 +248,23 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
 
   // ---- the chunk -----------------------------------------------------------------------------
 
-  // kBg meta values of key `key` of array arr, as floats: one 2-, 4- or 8-byte load.
-  NKV_DEVICE void meta_of(const Stage& S, int arr, int key, float (&out)[kBg]) const {
-    const X* e = &S.meta[arr][key * kBg];
+  // The kBg meta values of array arr of the lane's keys 2g (out[0]) and 2g +
+  // 1 (out[1]), as floats: one 4-, 8- or 16-byte load.
+  NKV_DEVICE void meta_pair(const Stage& S, int arr, float (&out)[2][kBg]) const {
+    const X* e = &S.meta[arr][2 * g * kBg];
+    uint32_t w[kBg];  // element n (key n / kBg, group n % kBg) in half n % 2 of word n / 2
     if constexpr (kBg == 1) {
-      out[0] = fast_float(e[0]);
+      w[0] = *reinterpret_cast<const uint32_t*>(e);
     } else if constexpr (kBg == 2) {
-      const uint32_t w = *reinterpret_cast<const uint32_t*>(e);
-      out[0] = meta_bits_float(w & 0xffffu), out[1] = meta_bits_float(w >> 16);
+      const uint2 v = *reinterpret_cast<const uint2*>(e);
+      w[0] = v.x, w[1] = v.y;
     } else {
-      const uint2 w = *reinterpret_cast<const uint2*>(e);
-      out[0] = meta_bits_float(w.x & 0xffffu), out[1] = meta_bits_float(w.x >> 16);
-      out[2] = meta_bits_float(w.y & 0xffffu), out[3] = meta_bits_float(w.y >> 16);
+      const uint4 v = *reinterpret_cast<const uint4*>(e);
+      w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
     }
+#pragma unroll
+    for (int n = 0; n < 2 * kBg; ++n)
+      out[n / kBg][n % kBg] = meta_bits_float(n % 2 ? w[n / 2] >> 16 : w[n / 2] & 0xffffu);
   }
   NKV_DEVICE static float meta_bits_float(uint32_t bits) {
     if constexpr (std::is_same_v<X, core::bf16_t>)
@@ -320,38 +361,41 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   // see skipped.  The rest, the steady iterations, see every key on every row
   // (and have no cap): nothing to mask or skip, and a score that is not
   // finite reaches the denominator as NaN through x * 0 (NaN for +-inf and
-  // NaN, 0 otherwise), the row NaN as on the edge.
+  // NaN, 0 otherwise), the row NaN as on the edge.  A steady iteration also
+  // keeps the value normalizer: it returns false, having changed nothing,
+  // where one of its value scales would move it (value_normalizer_holds),
+  // and the edge's copy takes the iteration.
   template <bool kEdge>
-  NKV_DEVICE void chunk(const Stage (&S)[kSub], uint32_t stages, int32_t c0, const QueryLimbs& qf,
+  NKV_DEVICE bool chunk(const Stage (&S)[kSub], uint32_t stages, int32_t c0, const QueryLimbs& qf,
                         const float (&qs)[2][kBg], const float (&qdl)[2], Rows& st) const {
+    if constexpr (!kEdge)
+      if (!value_normalizer_holds(S, st)) return false;
     const float kNegInf = bits_float(0xff800000u), kNaN = bits_float(0x7fc00000u);
     // Scores (base 2), soft-cap, mask; a visible score that is not finite makes its row NaN.
-    // s[j][i]: chunk j's key g + 8 (i / 2), row 2t + i % 2.
+    // s[j][i]: chunk j's key 2g + i / 2, row 2t + i % 2; on the edge x log2 e / the row's
+    // normalizer, in a steady iteration not yet (the exponentials' FMA applies it).
     float s[kSub][4];
     bool bad[2] = {false, false};
     const SoftCap cap(kEdge ? p.softcap * kLog2e : 0.f);  // cap tanh(x / cap) on base-2 scores: the cap x log2 e
     float nan_if_bad[2] = {0.f, 0.f};  // (steady iterations) 0, or NaN after a score that is not finite
 #pragma unroll
     for (int j = 0; j < kSub; ++j) {
-      // S^T = K . Q^T per key group, exact in integers: c[b][i] holds key g + 8 (i / 2), row 2t + i % 2.
+      // S^T = K . Q^T per key group, exact in integers: c[b][i] holds key 2g + i / 2, row 2t + i % 2.
       float c[kBg][4];
       key_scores(stages + uint32_t(j * sizeof(Stage)), qf, c);
       float kscale[2][kBg], kzero[2][kBg];
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        meta_of(S[j], 0, g + 8 * kk, kscale[kk]);
-        meta_of(S[j], 1, g + 8 * kk, kzero[kk]);
-      }
+      meta_pair(S[j], 0, kscale);
+      meta_pair(S[j], 1, kzero);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int kk = i / 2, r = i % 2;
         float x = 0.f;
 #pragma unroll
         for (int b = 0; b < kBg; ++b) x = fmaf(kzero[kk][b], qs[r][b], fmaf(c[b][i], kscale[kk][b], x));
-        x *= qdl[r];
         if constexpr (kEdge) {
+          x *= qdl[r];
           if (cap.cap > 0.f) x = cap(x);
-          const int32_t kp = c0 + kMmaTile * j + g + 8 * kk;
+          const int32_t kp = c0 + kMmaTile * j + 2 * g + kk;
           const bool vis = kp < sm.key_end[2 * t + r] && kp >= sm.key_first[2 * t + r];
           bad[r] = bad[r] || (vis && non_finite(x));
           s[j][i] = vis ? x : kNegInf;
@@ -369,15 +413,17 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
 #pragma unroll
       for (int j = 1; j < kSub; ++j) mx = fmaxf(mx, fmaxf(s[j][r], s[j][r + 2]));
       for (int o = 4; o < kWarp; o *= 2) mx = fmaxf(mx, shfl_xor(mx, o));
+      if constexpr (!kEdge) mx *= qdl[r];  // (> 0: the max of the scaled scores)
       const float m_new = fmaxf(st.m[r], mx);
       // (no visible key yet: every weight 0; a steady iteration's keys are all visible)
       const float mu = kEdge && m_new == kNegInf ? 0.f : m_new;
       alpha[r] = fast_exp2(st.m[r] - mu);
+      const auto weight = [&](float x) { return fast_exp2(kEdge ? x - mu : fmaf(x, qdl[r], -mu)); };
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < kSub; ++j) {
-        pr[j][r] = fast_exp2(s[j][r] - mu);
-        pr[j][r + 2] = fast_exp2(s[j][r + 2] - mu);
+        pr[j][r] = weight(s[j][r]);
+        pr[j][r + 2] = weight(s[j][r + 2]);
         sum += pr[j][r] + pr[j][r + 2];
       }
       if constexpr (kEdge)
@@ -386,35 +432,17 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
         st.l[r] = st.l[r] * alpha[r] + sum + nan_if_bad[r];
       st.m[r] = m_new;
     }
-    // The value weights' power of two per group over the iteration's visible
-    // keys (keys before the block's first visible one may be pages never
-    // written, chunks past its last are not copied): 2^14 <= max |value
-    // scale| x it < 2^15, kept at the smallest so far (the accumulators are
-    // rescaled when it moves; a power of two: exact).
-    float ratio[kBg];
-    {
-      float mx = 0.f;
-#pragma unroll
-      for (int j = 0; j < kSub; ++j)
-#pragma unroll
-        for (int e0 = 0; e0 < kDecodeChunk * kBg; e0 += kWarp) {
-          const int e = e0 + lane, kp = c0 + kMmaTile * j + e / kBg;
-          if (e < kDecodeChunk * kBg && (!kEdge || (kp >= sm.first && kp < hi)))
-            mx = fmaxf(mx, fabsf(fast_float(S[j].meta[2][e])));
-        }
-      for (int o = kWarp / 2; o >= kBg; o /= 2) mx = fmaxf(mx, shfl_xor(mx, o));
-      const float up = mx > 0.f ? pow2_normalizer(mx) : kNoNormalizer;  // lane b: group b % kBg's
-#pragma unroll
-      for (int b = 0; b < kBg; ++b) {
-        const float vup = fminf(st.vup[b], shfl(up, b));
-        ratio[b] = vup * pow2_inverse(st.vup[b]);
-        st.vup[b] = vup;
-      }
-    }
-    // Rescale by the max's change and the normalizer's, once per iteration.
+    // Rescale by the max's change and (on the edge) the value normalizer's, once per iteration.
     float ar[kBg][2];
+    if constexpr (kEdge) {
+      float ratio[kBg];
+      move_value_normalizer(S, c0, st, ratio);
 #pragma unroll
-    for (int b = 0; b < kBg; ++b) ar[b][0] = alpha[0] * ratio[b], ar[b][1] = alpha[1] * ratio[b];
+      for (int b = 0; b < kBg; ++b) ar[b][0] = alpha[0] * ratio[b], ar[b][1] = alpha[1] * ratio[b];
+    } else {
+#pragma unroll
+      for (int b = 0; b < kBg; ++b) ar[b][0] = alpha[0], ar[b][1] = alpha[1];
+    }
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -428,11 +456,8 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
 #pragma unroll
     for (int j = 0; j < kSub; ++j) {
       float vscale[2][kBg], vzero[2][kBg];
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        meta_of(S[j], 2, g + 8 * kk, vscale[kk]);
-        meta_of(S[j], 3, g + 8 * kk, vzero[kk]);
-      }
+      meta_pair(S[j], 2, vscale);
+      meta_pair(S[j], 3, vzero);
       // Zeros: sum p x value zero per row and group (on the edge a weight of 0
       // skips its key: the meta of masked keys is whatever the stage held).
 #pragma unroll
@@ -440,8 +465,8 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
 #pragma unroll
         for (int b = 0; b < kBg; ++b) st.z[r][b] += times(pr[j][r], vzero[0][b]) + times(pr[j][r + 2], vzero[1][b]);
       // The B fragments of P . V per group: w = p x value scale x vup as fp16 hi
-      // + lo in the score layout (key g + 8 kk, rows 2t, 2t + 1: one 8x8 matrix
-      // per kk), transposed to rows x keys (keys 2t, 2t + 1 of row g) by movmatrix.
+      // + lo in the score layout (key 2g + kk, rows 2t, 2t + 1: one 8x8 matrix
+      // per kk), transposed to rows x keys (k slots 2t, 2t + 1 of row g) by movmatrix.
       uint32_t bh[kBg][2], bl[kBg][2];
 #pragma unroll
       for (int b = 0; b < kBg; ++b)
@@ -454,7 +479,7 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
           bh[b][kk] = movmatrix_trans(hi2);
           bl[b][kk] = movmatrix_trans(lo2);
         }
-      // Bytes 2g, 2g + 1 of the chunk's code rows 2t, 2t + 1 (pair 0) and 2t + 8, 2t + 9 (pair 1) per
+      // Bytes 2g, 2g + 1 of the chunk's stage rows 2t, 2t + 1 (pair 0) and 2t + 8, 2t + 9 (pair 1) per
       // code chunk, by ldmatrix's transpose: a register holds byte 2g (+ 1 after >> 8) of both keys
       // of a pair in its bytes 0 and 2.
       uint32_t vw[kPairChunks][2];
@@ -467,7 +492,7 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
 #pragma unroll
         for (int pl = 0; pl < kPlanes; ++pl) {
           const int mt = cc * kPlanes + pl, b = 16 * mt / kGroup;
-          uint32_t av[4];  // rows g (byte 2g), g + 8 (byte 2g + 1); keys 2t.. then 2t + 8..
+          uint32_t av[4];  // rows g (byte 2g), g + 8 (byte 2g + 1); k slots 2t.. then 2t + 8..
 #pragma unroll
           for (int i = 0; i < 4; ++i) av[i] = codes_half2<kBits>(pw[i], pl);
           mma_16816(st.acc[mt], av, bh[b]);
@@ -475,6 +500,51 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
         }
       }
     }
+    return true;
+  }
+
+  // The value weights' power of two per group, vup: 2^14 <= max |value scale|
+  // x vup < 2^15 over the visible keys so far (keys before the block's first
+  // visible one may be pages never written, chunks past its last are not
+  // copied), kept at the smallest so far: the accumulators are rescaled by
+  // `ratio` (a power of two: exact) when an iteration's scales move it.
+  NKV_DEVICE void move_value_normalizer(const Stage (&S)[kSub], int32_t c0, Rows& st, float (&ratio)[kBg]) const {
+    float mx = 0.f;
+#pragma unroll
+    for (int j = 0; j < kSub; ++j)
+#pragma unroll
+      for (int e0 = 0; e0 < kDecodeChunk * kBg; e0 += kWarp) {
+        const int e = e0 + lane, kp = c0 + kMmaTile * j + e / kBg;
+        if (e < kDecodeChunk * kBg && kp >= sm.first && kp < hi) mx = fmaxf(mx, fabsf(fast_float(S[j].meta[2][e])));
+      }
+    for (int o = kWarp / 2; o >= kBg; o /= 2) mx = fmaxf(mx, shfl_xor(mx, o));
+    const float up = mx > 0.f ? pow2_normalizer(mx) : kNoNormalizer;  // lane b: group b % kBg's
+#pragma unroll
+    for (int b = 0; b < kBg; ++b) {
+      const float vup = fminf(st.vup[b], shfl(up, b));
+      ratio[b] = vup * pow2_inverse(st.vup[b]);
+      st.vup[b] = vup;
+    }
+  }
+  // Whether a steady iteration's value scales (every key visible) leave vup
+  // where it is, as move_value_normalizer would: yes unless some |scale| x vup
+  // reaches 2^15 (its max's normalizer would be below vup; exact: vup is a
+  // power of two) or the lane's largest |scale| is subnormal (pow2_normalizer
+  // answers 1 for it).  The lanes' keys 2g, 2g + 1 cover the chunk; one vote.
+  NKV_DEVICE bool value_normalizer_holds(const Stage (&S)[kSub], const Rows& st) const {
+    constexpr float kMinNormal = 1.17549435e-38f;  // 2^-126
+    float mx[kBg] = {};
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      float vscale[2][kBg];
+      meta_pair(S[j], 2, vscale);
+#pragma unroll
+      for (int b = 0; b < kBg; ++b) mx[b] = fmaxf(mx[b], fmaxf(fabsf(vscale[0][b]), fabsf(vscale[1][b])));
+    }
+    bool moves = false;
+#pragma unroll
+    for (int b = 0; b < kBg; ++b) moves = moves || mx[b] * st.vup[b] >= 32768.f || (mx[b] > 0.f && mx[b] < kMinNormal);
+    return !any_lane(moves);
   }
 
   // ---- the block -----------------------------------------------------------------------------
@@ -549,27 +619,36 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
     if (start < hi) prefetch(start, stages);
     int sidx = 0;
     const auto stage_at = [&](int i) { return stages + uint32_t(i) * uint32_t(kSub * sizeof(Stage)); };
-    const auto step = [&]<bool kEdge>(int32_t c0) {
+    // The iteration at c0: the next one's copies issued, c0's in the stage and visible to the warp.
+    const auto fetch = [&](int32_t c0) {
       if (c0 + kStep < hi)
         prefetch(c0 + kStep, stage_at(sidx ^ 1));
       else
         cp_async_commit();  // an empty group keeps wait<1> meaning "this iteration's group is done"
       cp_async_wait<1>();
       __syncwarp();  // every lane's copies of the iteration are visible to the warp
-      chunk<kEdge>(sm.buf.stage[warp][sidx], stage_at(sidx), c0, qf, qs, qdl, st);
+    };
+    const auto done = [&] {
       __syncwarp();  // every lane is done with the stage before the next prefetch refills it
       sidx ^= 1;
     };
     for (int32_t c0 = start; c0 < hi;) {
+      fetch(c0);
       if (c0 >= all_lo && c0 + kSpan <= all_hi) {
-        do {  // the steady loop (benchmarks/cuda_budget.py counts it)
-          step.template operator()<false>(c0);
+        bool steady;
+        // the steady loop (benchmarks/cuda_budget.py counts it); it leaves with c0 fetched where
+        // c0's value scales move the normalizer (the edge's copy takes that iteration)
+        while ((steady = chunk<false>(sm.buf.stage[warp][sidx], stage_at(sidx), c0, qf, qs, qdl, st))) {
+          done();
           c0 += kStep;
-        } while (c0 + kSpan <= all_hi);
-      } else {
-        step.template operator()<true>(c0);
-        c0 += kStep;
+          if (c0 + kSpan > all_hi) break;
+          fetch(c0);
+        }
+        if (steady) continue;
       }
+      chunk<true>(sm.buf.stage[warp][sidx], stage_at(sidx), c0, qf, qs, qdl, st);
+      done();
+      c0 += kStep;
     }
     cp_async_wait<0>();
 
@@ -581,7 +660,9 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
 #pragma unroll
         for (int b = 0; b < kBg; ++b) st.z[r][b] += shfl_xor(st.z[r][b], o);
       }
-    if (bad_block && lane == 0) atomic_or(&sm.flag, kBadBlock);
+    // (by each lane that met one: a lane looks up its own chunks' blocks; no vote after the loop, whose
+    // reconvergence the compiler pays for inside it)
+    if (bad_block) atomic_or(&sm.flag, kBadBlock);
     NKV_SYNC();  // every warp is done with its stages: the merge area overlays them
     auto& M = sm.buf.merge;
     if (g == 0)

@@ -97,6 +97,8 @@ int blocks_per_sm(void (*kernel)(Params...), int block, size_t smem) {
 // ---- the few instructions of the tensor-core attention kernel -----------------------------
 
 NKV_DEVICE float shfl(float v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+// Whether p holds on any lane of the warp (one VOTE).
+NKV_DEVICE bool any_lane(bool p) { return __any_sync(0xffffffffu, p) != 0; }
 
 // Bytes of (hi:lo) picked by the selector's nibbles (PRMT).
 NKV_DEVICE uint32_t byte_perm(uint32_t lo, uint32_t hi, uint32_t selector) { return __byte_perm(lo, hi, selector); }

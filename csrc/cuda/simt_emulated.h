@@ -173,6 +173,14 @@ inline double dsub_rn(double a, double b) { return a - b; }
 inline float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 inline uint32_t shfl_xor(uint32_t v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 inline float shfl(float v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+inline bool any_lane(bool p) {
+  const uint32_t mine = p ? 1u : 0u;
+  bool any = false;
+  emu::exchange(&mine, 1, [&](const uint32_t(*word)[6]) {
+    for (int l = 0; l < 32; ++l) any = any || word[l][0] != 0;
+  });
+  return any;
+}
 
 inline uint32_t atomic_or(uint32_t* p, uint32_t v) { return std::atomic_ref<uint32_t>(*p).fetch_or(v); }
 inline float atomic_add(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }

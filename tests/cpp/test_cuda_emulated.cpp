@@ -49,6 +49,7 @@ struct Case {
   int exact = 0;        // the format's exact window (the tensor-core kernels do not take one)
   int corrupt = -1;     // a token of request 0 whose key scale (kv head 0) is set to +inf after the write
   float q_scale = 1.f;  // the queries' scale (2^118: near the largest bf16, where normalizers must reach)
+  int bad_block = -1;   // a block of request 0 whose table entry is set outside the pool after the write
 };
 
 template <typename X>
@@ -133,6 +134,26 @@ void run_case(const Case& c) {
   p.rotation_signs = c.rotate ? signs.data() : nullptr;
   p.scale = 0.125f, p.window = c.window, p.softcap = c.softcap;
   if (c.exact > 0) p.key = step_k.data(), p.value = step_v.data(), p.key_stride_t = p.value_stride_t = H * D;
+  if (c.bad_block >= 0) {
+    // The tensor-core kernel reports it and poisons request 0's rows (every kv head reads that
+    // block); request 1 is untouched.  (The CPU kernel refuses the table.)
+    table[size_t(c.bad_block)] = int32_t(pool.num_blocks);
+    p.out = got.data();
+    const cuda::PagedAttentionPlan plan = cuda::paged_mma_plan(p, 4);
+    REQUIRE((plan.mma && plan.tile_rows == c.tile_rows));
+    std::vector<uint64_t> scratch(size_t(plan.scratch_bytes / 8 + 32));
+    uint32_t status = 0;
+    REQUIRE(cuda::launch_paged_attention_mma(p, plan, reinterpret_cast<uint8_t*>(scratch.data()), &status, nullptr) ==
+            0);
+    CHECK((status & cuda::kBadBlock) != 0);
+    for (int n = 0; n < N; ++n)
+      for (int hq = 0; hq < Hq; ++hq) {
+        const float x = core::to_float(got[size_t((n * Hq + hq) * D)]);
+        INFO("query row " << n << ", head " << hq);
+        CHECK((n < qsl[1] ? std::isnan(x) : std::isfinite(x)));
+      }
+    return;
+  }
   // The CPU kernel: every request's queries in tasks of up to kPagedQueryBlock.
   p.out = want.data();
   for (int r = 0; r < R; ++r)
@@ -186,9 +207,10 @@ TEST_CASE("paged decode kernel (emulated) against the CPU kernel", "[cuda_emulat
   run_case<core::bf16_t>({4, 128, 64, 16, 2, 4, {700, 70, 33}, {1, 1, 1}});
   // 2 bits, D64 in four groups of 16, blocks of 32, GQA 8, a sliding window and a soft-cap
   run_case<core::half_t>({2, 64, 16, 32, 1, 8, {300, 5}, {1, 1}, 40, 30.f});
-  // 2 bits, D128 in two groups (three chunks a warp iteration), GQA 4: steady iterations and edges
+  // 2 bits, D128 in two groups (four chunks a warp iteration, a lane's page lookup each), GQA 4: steady
+  // iterations (values growing along the context: some move the value normalizer) and edges
   run_case<core::bf16_t>({2, 128, 64, 16, 2, 4, {900, 260, 33}, {1, 1, 1}});
-  // 2 bits in fp16, one group (three chunks), GQA 8, blocks of 48 tokens (a chunk's first slot not 0)
+  // 2 bits in fp16, one group, GQA 8, blocks of 48 tokens (a chunk's first slot not 0)
   run_case<core::half_t>({2, 128, 128, 48, 1, 8, {1000, 64}, {1, 1}});
   // 2 bits, D128 in four groups: four chunks an iteration
   run_case<core::bf16_t>({2, 128, 32, 16, 2, 4, {1300, 300}, {1, 1}});
@@ -199,6 +221,17 @@ TEST_CASE("paged decode kernel (emulated) against the CPU kernel", "[cuda_emulat
   run_case<core::half_t>({2, 64, 32, 16, 2, 8, {300, 70}, {1, 1}, 0, 0.f, true, 8, 0, 299});
   // queries near the largest bf16 (2^118 x N(0, 1)): the softmax one-hot, the queries' normalizer 2^-103
   run_case<core::bf16_t>({4, 128, 64, 16, 2, 4, {300, 70}, {1, 1}, 0, 0.f, true, 8, 0, -1, 0x1p118f});
+}
+
+TEST_CASE("paged decode kernel (emulated): a block id outside the pool poisons its request", "[cuda_emulated]") {
+  // Blocks of 16 keys, one chunk each: block b is chunk b / 4 of warp b % 4 (from the split's first
+  // key), looked up by lane (b / 4) % kSub of that warp alone (kSub 4 at 2 bits, 2 at 4, 1 at 8):
+  // blocks 5, 9 and 14 are chunks lane 0 does not look up at 2 bits, nor 5 and 14 at 4 bits.
+  for (int bits : {2, 4, 8})
+    for (int b : {5, 9, 14}) {
+      INFO("bits " << bits << ", block " << b);
+      run_case<core::bf16_t>({bits, 64, 64, 16, 2, 4, {300, 70}, {1, 1}, 0, 0.f, true, 8, 0, -1, 1.f, b});
+    }
 }
 
 TEST_CASE("paged decode kernel (emulated): every format it takes", "[cuda_emulated]") {

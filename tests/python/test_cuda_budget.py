@@ -152,7 +152,7 @@ def test_the_decode_kernels_steady_loop_is_the_one_holding_one_chunks_mmas():
     cb.analyse(y, cb.parse_sass(listing(resolve(decode_kernel(chunks=2, steady_extra=1))))["kernel"])
     assert y.loop_chunks == 2 and y.loop_counts["HMMA"] == 4
     assert y.loop_instructions == 5  # (WARPSYNC, LDGSTS, 2 IMMA, 4 HMMA, FMUL, BRA) / 2
-    # three chunks (2 bits): a third of the loop, rounded up
+    # three chunks: a third of the loop, rounded up
     z = cb.Variant("sm_90", "bf16", 2, 16, "paged", groups=1, rows=8)
     cb.analyse(z, cb.parse_sass(listing(resolve(decode_kernel(chunks=3, steady_extra=2))))["kernel"])
     assert z.loop_chunks == 3 and z.loop_counts["HMMA"] == 6
