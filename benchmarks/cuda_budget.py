@@ -432,8 +432,8 @@ def plan_splits(units: int, slots: int, keys: int, tile: int) -> int:
 def grid(batch: int, q_heads: int, kv_heads: int, ctx: int, sms: int, blocks_per_sm: int) -> tuple[int, int]:
     """(blocks, tiles per block) of one decode step (q_len 1).  blocks_per_sm: the variant's,
     from its registers alone here; the glue asks the CUDA occupancy API, which counts shared
-    memory too (3 on an H200 for every variant but the paged decode kernel's 2 bits D128 in four
-    groups, 2 by its registers; 2 for 8-bit D128 on an A100)."""
+    memory too (the paged decode kernel's stages fit at least what its registers allow on an
+    H200: 2 blocks at 2 bits but D64 in one or two groups, and at 4 bits D128 in four groups)."""
     units = batch * kv_heads * cdiv(q_heads // kv_heads, ATTN_ROWS)
     splits = plan_splits(units, max(blocks_per_sm, 1) * sms, ctx, TILE)
     return units * splits, cdiv(cdiv(ctx, splits), TILE)

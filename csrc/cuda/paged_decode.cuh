@@ -25,8 +25,7 @@
 //  - the online softmax on the accumulator fragments: lane (g, t) holds keys
 //    2g, 2g + 1 (stage_row: the MMAs' rows g, g + 8) of rows 2t, 2t + 1, so a
 //    row's max is 3 shuffles over g; base-2 exponentials (log2 e folded into
-//    the queries' normalizer and the cap; in the steady loop the normalizer
-//    is applied by the exponential's FMA);
+//    the queries' normalizer and the cap);
 //  - P . V as O^T = V^T . W^T (m16n8k16: 16 channels x 8 rows, k = the 16
 //    keys): the weights p x value scale x a power of two per value group, in
 //    fp16 hi + lo, go from the score fragments (keys x rows) to the B
@@ -139,7 +138,7 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   // whose four chunks an iteration spilled 8-40 bytes at the cap above: an
   // iteration's copies in flight keep 32-48 KB per SM with 2 blocks, 36 KB
   // with 3 at D64 in two groups, 41 KB with 4 in one.  (2 bits D128's stages,
-  // 53-57 KB a block, allow 2 blocks on an A100, 3 on an H100/H200, 1 on
+  // 53-68 KB a block, allow 2 blocks on an A100, 3 on an H100/H200, 1 on
   // sm_86/89's 100 KB.)
   static constexpr int kMinBlocks = kBits == 2                            ? (kD == 64 && kBg == 1   ? 4
                                                                              : kD == 64 && kBg == 2 ? 3
@@ -368,12 +367,17 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   template <bool kEdge>
   NKV_DEVICE bool chunk(const Stage (&S)[kSub], uint32_t stages, int32_t c0, const QueryLimbs& qf,
                         const float (&qs)[2][kBg], const float (&qdl)[2], Rows& st) const {
-    if constexpr (!kEdge)
-      if (!value_normalizer_holds(S, st)) return false;
+    if constexpr (!kEdge) {
+      const bool holds = value_normalizer_holds(S, st);
+      NKV_EMU_COUNT(decode_steady, lane == 0 && holds);
+      NKV_EMU_COUNT(decode_normalizer, lane == 0 && !holds);
+      if (!holds) return false;
+    }
     const float kNegInf = bits_float(0xff800000u), kNaN = bits_float(0x7fc00000u);
     // Scores (base 2), soft-cap, mask; a visible score that is not finite makes its row NaN.
-    // s[j][i]: chunk j's key 2g + i / 2, row 2t + i % 2; on the edge x log2 e / the row's
-    // normalizer, in a steady iteration not yet (the exponentials' FMA applies it).
+    // s[j][i]: chunk j's key 2g + i / 2, row 2t + i % 2.  (The row's normalizer x log2 e is
+    // applied to each score, not folded into the exponentials' FMA: qdl is not a power of two,
+    // and the largest score's argument must be exactly 0, whatever the scores' size.)
     float s[kSub][4];
     bool bad[2] = {false, false};
     const SoftCap cap(kEdge ? p.softcap * kLog2e : 0.f);  // cap tanh(x / cap) on base-2 scores: the cap x log2 e
@@ -392,8 +396,8 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
         float x = 0.f;
 #pragma unroll
         for (int b = 0; b < kBg; ++b) x = fmaf(kzero[kk][b], qs[r][b], fmaf(c[b][i], kscale[kk][b], x));
+        x *= qdl[r];
         if constexpr (kEdge) {
-          x *= qdl[r];
           if (cap.cap > 0.f) x = cap(x);
           const int32_t kp = c0 + kMmaTile * j + 2 * g + kk;
           const bool vis = kp < sm.key_end[2 * t + r] && kp >= sm.key_first[2 * t + r];
@@ -413,17 +417,15 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
 #pragma unroll
       for (int j = 1; j < kSub; ++j) mx = fmaxf(mx, fmaxf(s[j][r], s[j][r + 2]));
       for (int o = 4; o < kWarp; o *= 2) mx = fmaxf(mx, shfl_xor(mx, o));
-      if constexpr (!kEdge) mx *= qdl[r];  // (> 0: the max of the scaled scores)
       const float m_new = fmaxf(st.m[r], mx);
       // (no visible key yet: every weight 0; a steady iteration's keys are all visible)
       const float mu = kEdge && m_new == kNegInf ? 0.f : m_new;
       alpha[r] = fast_exp2(st.m[r] - mu);
-      const auto weight = [&](float x) { return fast_exp2(kEdge ? x - mu : fmaf(x, qdl[r], -mu)); };
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < kSub; ++j) {
-        pr[j][r] = weight(s[j][r]);
-        pr[j][r + 2] = weight(s[j][r + 2]);
+        pr[j][r] = fast_exp2(s[j][r] - mu);
+        pr[j][r + 2] = fast_exp2(s[j][r + 2] - mu);
         sum += pr[j][r] + pr[j][r + 2];
       }
       if constexpr (kEdge)

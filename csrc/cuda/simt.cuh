@@ -34,6 +34,9 @@ constexpr int64_t kMaxGridY = 65535;       // gridDim.y (and z) limit; gridDim.x
 #define NKV_GRID_CONSTANT __grid_constant__
 // Dynamic shared memory of a kernel, 16-byte aligned.
 #define NKV_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+// Counts a kernel path taken where `cond` holds, under emulation only (simt_emulated.h: the
+// tests assert that the path they mean ran); nothing on a GPU.
+#define NKV_EMU_COUNT(name, cond) ((void)0)
 using Dim3 = dim3;
 
 // Exactly rounded float/double arithmetic: no FMA contraction, so that the

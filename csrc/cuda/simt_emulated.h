@@ -63,6 +63,13 @@ struct Block {
 };
 inline Block* block = nullptr;  // the block running (one at a time)
 
+// Paths the kernels took (NKV_EMU_COUNT), for the tests to assert that the one they mean ran.
+struct Counters {
+  std::atomic<int64_t> decode_steady{0};      // paged_decode.cuh: warp iterations of the steady loop
+  std::atomic<int64_t> decode_normalizer{0};  // ... handed to the edge's copy: their value scales move vup
+};
+inline Counters counters;
+
 inline int lane() { return int(thread_index.x) % 32; }
 inline Warp& warp() { return *block->warps[size_t(thread_index.x / 32)]; }
 inline unsigned char* dynamic_smem() { return reinterpret_cast<unsigned char*>(block->smem.data()); }
@@ -159,6 +166,7 @@ constexpr int64_t kMaxGridY = 65535;
 #define NKV_SYNC() ::nexuskv::cuda::emu::block->bar.arrive_and_wait()
 #define NKV_GRID_CONSTANT
 #define NKV_DYNAMIC_SMEM(name) unsigned char* const name = ::nexuskv::cuda::emu::dynamic_smem()
+#define NKV_EMU_COUNT(name, cond) ((cond) ? void(::nexuskv::cuda::emu::counters.name.fetch_add(1)) : void())
 using Dim3 = dim3;
 
 // (the host compiler is asked for no contraction: -ffp-contract=off)

@@ -45,11 +45,13 @@ struct Case {
   int64_t window = 0;
   float softcap = 0.f;
   bool rotate = true;
-  int tile_rows = 8;    // the row tiles the plan must choose (8: the decode kernel; 0: the SIMT kernel)
-  int exact = 0;        // the format's exact window (the tensor-core kernels do not take one)
-  int corrupt = -1;     // a token of request 0 whose key scale (kv head 0) is set to +inf after the write
-  float q_scale = 1.f;  // the queries' scale (2^118: near the largest bf16, where normalizers must reach)
-  int bad_block = -1;   // a block of request 0 whose table entry is set outside the pool after the write
+  int tile_rows = 8;         // the row tiles the plan must choose (8: the decode kernel; 0: the SIMT kernel)
+  int exact = 0;             // the format's exact window (the tensor-core kernels do not take one)
+  int corrupt = -1;          // a token of request 0 whose key scale (kv head 0) is set to +inf after the write
+  float q_scale = 1.f;       // the queries' scale (2^118: near the largest bf16, where normalizers must reach)
+  int bad_block = -1;        // a block of request 0 whose table entry is set outside the pool after the write
+  float value_growth = 4.f;  // values grow by 2^(value_growth t / T) along a context (the normalizer moves)
+  int min_steady = 0;        // warp iterations the decode kernel's steady loop must complete (emulation's count)
 };
 
 template <typename X>
@@ -84,7 +86,7 @@ void run_case(const Case& c) {
     for (size_t i = 0; i < k.size(); ++i) {
       k[i] = core::from_float<X>(nd(rng));
       // values growing along the context: the decode kernel's value normalizer moves
-      v[i] = core::from_float<X>(nd(rng) * std::exp2(4.f * float(i / size_t(H * D)) / float(T)));
+      v[i] = core::from_float<X>(nd(rng) * std::exp2(c.value_growth * float(i / size_t(H * D)) / float(T)));
       vmax = std::max(vmax, std::fabs(core::to_float(v[i])));
     }
     std::vector<int64_t> slots(static_cast<size_t>(T));
@@ -169,9 +171,14 @@ void run_case(const Case& c) {
     REQUIRE(plan.tile_rows == c.tile_rows);
     INFO("splits " << plan.splits);
     std::vector<uint64_t> scratch(size_t(plan.scratch_bytes / 8 + 32));
+    const int64_t steady = cuda::emu::counters.decode_steady, moved = cuda::emu::counters.decode_normalizer;
     REQUIRE(cuda::launch_paged_attention_mma(p, plan, reinterpret_cast<uint8_t*>(scratch.data()), &status, nullptr) ==
             0);
     REQUIRE(status == 0);
+    // the steady loop ran where the case needs it (a warp's first iteration always moves the normalizer)
+    INFO("steady iterations " << cuda::emu::counters.decode_steady - steady << ", handed to the edge "
+                              << cuda::emu::counters.decode_normalizer - moved);
+    CHECK(cuda::emu::counters.decode_steady - steady >= c.min_steady);
   }
   // Both round to X at the end; the kernels' queries are fp16 hi + lo or, in the decode kernel,
   // 16-bit integers (2^-15 of the row's largest), and their sums in another order:
@@ -221,6 +228,19 @@ TEST_CASE("paged decode kernel (emulated) against the CPU kernel", "[cuda_emulat
   run_case<core::half_t>({2, 64, 32, 16, 2, 8, {300, 70}, {1, 1}, 0, 0.f, true, 8, 0, 299});
   // queries near the largest bf16 (2^118 x N(0, 1)): the softmax one-hot, the queries' normalizer 2^-103
   run_case<core::bf16_t>({4, 128, 64, 16, 2, 4, {300, 70}, {1, 1}, 0, 0.f, true, 8, 0, -1, 0x1p118f});
+}
+
+TEST_CASE("paged decode kernel (emulated): steady iterations that keep the value normalizer", "[cuda_emulated]") {
+  // Values of one size along the context (growing ones move the normalizer in most iterations,
+  // and a warp's first always moves it): the steady loop's own iterations run, counted.
+  // 2 bits D64 in one group, GQA 8, a long request beside a short one
+  run_case<core::bf16_t>({2, 64, 64, 16, 2, 8, {3000, 70}, {1, 1}, 0, 0.f, true, 8, 0, -1, 1.f, -1, 0.f, 16});
+  // 2 bits D128 in two groups, fp16, blocks of 48
+  run_case<core::half_t>({2, 128, 64, 48, 2, 4, {4000, 2000}, {1, 1}, 0, 0.f, true, 8, 0, -1, 1.f, -1, 0.f, 16});
+  // queries near the largest bf16: scores ~2^120, where the largest one's exponential must be exactly 1
+  run_case<core::bf16_t>({4, 128, 64, 16, 2, 4, {3000, 70}, {1, 1}, 0, 0.f, true, 8, 0, -1, 0x1p118f, -1, 0.f, 16});
+  // a key scale of +inf mid-context (token 1700 of 3000): its rows NaN through the steady loop's x * 0
+  run_case<core::half_t>({2, 64, 32, 16, 2, 8, {3000, 70}, {1, 1}, 0, 0.f, true, 8, 0, 1700, 1.f, -1, 0.f, 16});
 }
 
 TEST_CASE("paged decode kernel (emulated): a block id outside the pool poisons its request", "[cuda_emulated]") {
