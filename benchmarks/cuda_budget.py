@@ -46,7 +46,7 @@ end: a few per warp and split, whatever the context; every chunk under a soft-ca
 counts the steady loop: the innermost loop whose HMMAs are a whole number of chunks' (2 D / 16
 each: P . V in hi + lo; its q . K runs on integer MMAs, IMMA, listed apart), which the smallest
 loop holding every HMMA (the outer one, both copies) would count twice.  Below 8 bits its warp
-takes several chunks an iteration (2 at 4 bits, 3 or 4 at 2 bits; the block 64 keys a chunk
+takes several chunks an iteration (2 at 4 bits, 4 at 2 bits; the block 64 keys a chunk
 round): the row gives the loop's count per 64-key tile, the iteration's / its chunks
 (loop_chunks in the JSON).  The count is static: every instruction
 of the loop's blocks once, so inner loops the compiler did not unroll count once (the table lists

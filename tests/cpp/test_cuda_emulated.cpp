@@ -136,17 +136,24 @@ void run_case(const Case& c) {
   p.rotation_signs = c.rotate ? signs.data() : nullptr;
   p.scale = 0.125f, p.window = c.window, p.softcap = c.softcap;
   if (c.exact > 0) p.key = step_k.data(), p.value = step_v.data(), p.key_stride_t = p.value_stride_t = H * D;
+  // The tensor-core kernels, emulated, into `got` (none where the plan takes the SIMT kernel).
+  uint32_t status = 0;
+  const auto run_mma = [&] {
+    p.out = got.data();
+    const cuda::PagedAttentionPlan plan = cuda::paged_mma_plan(p, 4);
+    REQUIRE(plan.mma == (c.tile_rows > 0));
+    if (!plan.mma) return plan;
+    REQUIRE(plan.tile_rows == c.tile_rows);
+    std::vector<uint64_t> scratch(size_t(plan.scratch_bytes / 8 + 32));
+    REQUIRE(cuda::launch_paged_attention_mma(p, plan, reinterpret_cast<uint8_t*>(scratch.data()), &status, nullptr) ==
+            0);
+    return plan;
+  };
   if (c.bad_block >= 0) {
     // The tensor-core kernel reports it and poisons request 0's rows (every kv head reads that
     // block); request 1 is untouched.  (The CPU kernel refuses the table.)
     table[size_t(c.bad_block)] = int32_t(pool.num_blocks);
-    p.out = got.data();
-    const cuda::PagedAttentionPlan plan = cuda::paged_mma_plan(p, 4);
-    REQUIRE((plan.mma && plan.tile_rows == c.tile_rows));
-    std::vector<uint64_t> scratch(size_t(plan.scratch_bytes / 8 + 32));
-    uint32_t status = 0;
-    REQUIRE(cuda::launch_paged_attention_mma(p, plan, reinterpret_cast<uint8_t*>(scratch.data()), &status, nullptr) ==
-            0);
+    REQUIRE(run_mma().mma);
     CHECK((status & cuda::kBadBlock) != 0);
     for (int n = 0; n < N; ++n)
       for (int hq = 0; hq < Hq; ++hq) {
@@ -163,17 +170,10 @@ void run_case(const Case& c) {
       REQUIRE(core::paged_attention_task(
           p, core::PagedTask{r, i, std::min<int64_t>(core::kPagedQueryBlock, c.queries[size_t(r)] - i)}, 0, H));
   // The tensor-core kernels, emulated.
-  p.out = got.data();
-  const cuda::PagedAttentionPlan plan = cuda::paged_mma_plan(p, 4);
-  REQUIRE(plan.mma == (c.tile_rows > 0));
-  uint32_t status = 0;
+  const int64_t steady = cuda::emu::counters.decode_steady, moved = cuda::emu::counters.decode_normalizer;
+  const cuda::PagedAttentionPlan plan = run_mma();
   if (plan.mma) {
-    REQUIRE(plan.tile_rows == c.tile_rows);
     INFO("splits " << plan.splits);
-    std::vector<uint64_t> scratch(size_t(plan.scratch_bytes / 8 + 32));
-    const int64_t steady = cuda::emu::counters.decode_steady, moved = cuda::emu::counters.decode_normalizer;
-    REQUIRE(cuda::launch_paged_attention_mma(p, plan, reinterpret_cast<uint8_t*>(scratch.data()), &status, nullptr) ==
-            0);
     REQUIRE(status == 0);
     // the steady loop ran where the case needs it (a warp's first iteration always moves the normalizer)
     INFO("steady iterations " << cuda::emu::counters.decode_steady - steady << ", handed to the edge "
