@@ -44,8 +44,9 @@ whole (no mask, no soft-cap), nested in the loop over all chunks, whose other br
 masked, capped copy for the edge chunks (a split's first and last, a window's start, the causal
 end: a few per warp and split, whatever the context; every chunk under a soft-cap).  Its row
 counts the steady loop: the innermost loop whose HMMAs are a whole number of chunks' (2 D / 16
-each: P . V in hi + lo; its q . K runs on integer MMAs, IMMA, listed apart), which the smallest
-loop holding every HMMA (the outer one, both copies) would count twice.  Below 8 bits its warp
++ 1 each: P . V in hi + lo and the key zeros' MMA; its q . K runs on integer MMAs, IMMA, listed
+apart), which the smallest loop holding every HMMA (the outer one, both copies) would count
+twice.  Below 8 bits its warp
 takes several chunks an iteration (2 at 4 bits, 4 at 2 bits; the block 64 keys a chunk
 round): the row gives the loop's count per 64-key tile, the iteration's / its chunks
 (loop_chunks in the JSON).  The count is static: every instruction
@@ -332,9 +333,9 @@ def tile_loop(code, mma_per_chunk=None):
 
 def decode_steady_mmas(variant) -> int | None:
     """HMMAs of one steady chunk of the paged decode kernel (paged_decode.cuh, the 8-row
-    variants): P . V per 16 channels in hi + lo (its q . K runs on integer MMAs, IMMA, counted
-    apart); None for the others."""
-    return 2 * variant.head_dim // 16 if variant.kernel == "paged" and variant.rows == 8 else None
+    variants): P . V per 16 channels in hi + lo, and one for the key zeros x the rows' sums of q
+    (its q . K runs on integer MMAs, IMMA, counted apart); None for the others."""
+    return 2 * variant.head_dim // 16 + 1 if variant.kernel == "paged" and variant.rows == 8 else None
 
 
 def division_calls(code, body, blocks) -> int:

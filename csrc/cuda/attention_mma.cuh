@@ -131,6 +131,23 @@ NKV_DEVICE uint32_t codes_half2(uint32_t x, int plane) {
   const int shift = kBits * plane;
   return half2_unbias(and_or(x, (kMask | (kMask << 16)) << shift, 0x64006400u), shift);
 }
+// The same codes in one LOP3, as fp16 subnormals 2^(kBits plane - 24) code:
+// masked in place, the exponent field zero (the codes' bits, 0 .. 7, lie in
+// the significand's 10).  Exact, and a power of two per plane away from the
+// codes: an MMA over one plane's codes computes 2^(kBits plane - 24) x its
+// result (products and sums scale exactly; tensor cores take fp16 subnormal
+// inputs as they are, the fp32 accumulators stay far above their own
+// subnormals), which the caller takes out once at the end.
+template <int kBits>
+NKV_DEVICE uint32_t codes_subnormal_half2(uint32_t x, int plane) {
+  constexpr uint32_t kMask = (1u << kBits) - 1u;
+  return x & ((kMask | (kMask << 16)) << (kBits * plane));
+}
+// 2^(24 - kBits plane): what undoes codes_subnormal_half2's unit.
+template <int kBits>
+NKV_HOST_DEVICE constexpr float subnormal_code_unit_inverse(int plane) {
+  return float(1u << (24 - kBits * plane));
+}
 
 // The A fragment of q . K for the 16 keys of warp `warp` (rows 16 warp + g and
 // + 8 of codes [kMmaTile][kRS], packed code rows in shared memory) at k-step ks

@@ -20,24 +20,29 @@
 //    (their words by ldmatrix, one LOP3 per four codes and a shift), the
 //    queries as 16-bit integers in two byte limbs (s8 hi, u8 lo; the B
 //    fragments held in registers for the whole block), hi x 256 + lo as a
-//    float, then x the key's group scale + its zero x the row's sum of q
-//    over the group;
+//    float, then x the key's group scale; + the keys' zeros x the rows' sums
+//    of q over each group, on one m16n8k8 fp16 / bf16 MMA a chunk (A the
+//    zeros' meta bits as loaded, B each sum in two terms: zero_queries);
 //  - the online softmax on the accumulator fragments: lane (g, t) holds keys
 //    2g, 2g + 1 (stage_row: the MMAs' rows g, g + 8) of rows 2t, 2t + 1, so a
-//    row's max is 3 shuffles over g; base-2 exponentials (log2 e folded into
-//    the queries' normalizer and the cap);
+//    row's max is 3 shuffles over g; base-2 exponentials (log2 e in the
+//    queries, so that the rows' normalizers are powers of two and go into
+//    the exponentials' FMA in steady iterations; the cap x log2 e);
 //  - P . V as O^T = V^T . W^T (m16n8k16: 16 channels x 8 rows, k = the 16
 //    keys): the weights p x value scale x a power of two per value group, in
 //    fp16 hi + lo, go from the score fragments (keys x rows) to the B
 //    fragments (rows x keys) by movmatrix; the A fragments are value codes of
 //    two keys per register, by ldmatrix's transpose (bytes 2g, 2g + 1 of two
-//    key rows in one register), the channels of an m-tile in the order that
-//    gives them (row g <-> byte 2g, row g + 8 <-> byte 2g + 1 of the chunk's
-//    plane), un-permuted when the partial is written;
+//    key rows in one register), masked in place as fp16 subnormals (one LOP3
+//    a register: codes_subnormal_half2: the m-tile's accumulators in units of
+//    2^(bits plane - 24)), the channels of an m-tile in the order that gives
+//    them (row g <-> byte 2g, row g + 8 <-> byte 2g + 1 of the chunk's
+//    plane); both undone when the partial is written;
 //  - the value zeros summed as p x zero per lane, the accumulators rescaled
 //    by the max's change and the value normalizer's (both powers of two or
 //    exponentials, the same for every channel of a row and group), once per
-//    iteration (one max, one normalizer for its 16 kSub keys);
+//    iteration (one max, one normalizer for its 16 kSub keys; whether the
+//    normalizer moves, one vote on the value scales' packed max: VHMNMX);
 //  - the chunks every row sees whole (all but a few per warp and split: the
 //    split's ends, a window's start, the causal end) run a steady loop with
 //    no mask, no soft-cap and no skipped keys; the others, and every chunk
@@ -46,11 +51,12 @@
 // (max, sum, accumulators) merge through shared memory into the split's
 // partial, in paged_mma.cuh's format (paged_mma_merge_kernel runs after).
 //
-// Precision: keys and values exact as codes; queries rounded to 16-bit
-// integers after the row's power-of-two normalization (2^14 <= max |q| <
-// 2^15: at most 2^-15 of the row's largest |q|, 16 times finer than fp16 for
+// Precision: keys and values exact as codes; queries (x log2 e) rounded to
+// 16-bit integers after the row's power-of-two normalization (2^14 <= max |q|
+// < 2^15: at most 2^-15 of the row's largest |q|, 16 times finer than fp16 for
 // the large channels; the 16-row kernel splits them in fp16 hi + lo); q . K
-// exact in int32, then one rounding to float; weights hi + lo (~22 bits;
+// exact in int32, then one rounding to float; the zeros' sums of q in two
+// terms (bf16: 16 bits, fp16: 22); weights hi + lo (~22 bits;
 // one fp16 term, as FlashAttention's P, would err by 2^-11 of p x (value -
 // its zero) per key, coherent over a group's channels, which the output's
 // un-rotation gathers: past the bf16 tolerance's margin, not only fp16's);
@@ -134,15 +140,13 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   // at four groups and at D128 (rows of 128 bytes at 8 bits), which spilled
   // 4-16 bytes at 128 (3 blocks keep ~55 KB in flight at 4 bits D128, ~110
   // KB at 8 bits); 2 (<= 255) at 4 bits D128 in four groups (8 bytes spilled
-  // at 168 on sm_80) and at 2 bits but D64 in one group (4) or two (3),
-  // whose four chunks an iteration spilled 8-40 bytes at the cap above: an
-  // iteration's copies in flight keep 32-48 KB per SM with 2 blocks, 36 KB
-  // with 3 at D64 in two groups, 41 KB with 4 in one.  (2 bits D128's stages,
+  // at 168 on sm_80) and at 2 bits but D64 in one or two groups (3), whose
+  // four chunks an iteration spilled 8-40 bytes at the caps above (D64 in one
+  // group 8 at 128 on sm_90): an iteration's copies in flight keep 32-48 KB
+  // per SM with 2 blocks, 31-36 KB with 3 at D64.  (2 bits D128's stages,
   // 53-68 KB a block, allow 2 blocks on an A100, 3 on an H100/H200, 1 on
   // sm_86/89's 100 KB.)
-  static constexpr int kMinBlocks = kBits == 2                            ? (kD == 64 && kBg == 1   ? 4
-                                                                             : kD == 64 && kBg == 2 ? 3
-                                                                                                    : 2)
+  static constexpr int kMinBlocks = kBits == 2                            ? (kD == 64 && kBg <= 2 ? 3 : 2)
                                     : kBg == 4 && kD == 128 && kBits == 4 ? 2
                                     : kBg == 4 || kD == 128               ? 3
                                                                           : 4;
@@ -250,8 +254,15 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   // The kBg meta values of array arr of the lane's keys 2g (out[0]) and 2g +
   // 1 (out[1]), as floats: one 4-, 8- or 16-byte load.
   NKV_DEVICE void meta_pair(const Stage& S, int arr, float (&out)[2][kBg]) const {
+    uint32_t w[kBg];
+    meta_words(S, arr, w);
+#pragma unroll
+    for (int n = 0; n < 2 * kBg; ++n)
+      out[n / kBg][n % kBg] = meta_bits_float(n % 2 ? w[n / 2] >> 16 : w[n / 2] & 0xffffu);
+  }
+  // The same as loaded: element n (key 2g + n / kBg, group n % kBg) in half n % 2 of word n / 2.
+  NKV_DEVICE void meta_words(const Stage& S, int arr, uint32_t (&w)[kBg]) const {
     const X* e = &S.meta[arr][2 * g * kBg];
-    uint32_t w[kBg];  // element n (key n / kBg, group n % kBg) in half n % 2 of word n / 2
     if constexpr (kBg == 1) {
       w[0] = *reinterpret_cast<const uint32_t*>(e);
     } else if constexpr (kBg == 2) {
@@ -261,9 +272,6 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
       const uint4 v = *reinterpret_cast<const uint4*>(e);
       w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
     }
-#pragma unroll
-    for (int n = 0; n < 2 * kBg; ++n)
-      out[n / kBg][n % kBg] = meta_bits_float(n % 2 ? w[n / 2] >> 16 : w[n / 2] & 0xffffu);
   }
   NKV_DEVICE static float meta_bits_float(uint32_t bits) {
     if constexpr (std::is_same_v<X, core::bf16_t>)
@@ -272,12 +280,16 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
       return half_bits_to_float(uint16_t(bits));
   }
 
+  static constexpr int kScaleWords = kBg == 1 ? 1 : kBg / 2;  // meta words of one key's groups (1: both keys')
   // The state of the lane's two rows (2t + r, r = 0, 1) and of its m-tiles.
   struct Rows {
     float m[2], l[2];  // running max (base 2), this lane's part of the denominator
     float z[2][kBg];   // this lane's part of sum p x value zero per group
     float vup[kBg];    // the value weights' power of two per group (the accumulators' unit)
-    float acc[kMTiles][4];
+    // value_normalizer_holds's limits: per half of meta_words's words (word n % kScaleWords),
+    // X bits of the largest value below 2^15 / vup of the half's group
+    uint32_t vlim[kScaleWords];
+    float acc[kMTiles][4];  // / the group's normalizer, in units of 2^(kBits plane - 24) (codes_subnormal_half2)
   };
 
   // The queries' B fragments of q . K (16-channel units v: channels 16 v + 4t + j in byte j).
@@ -352,6 +364,58 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
       for (int i = 0; i < 4; ++i) c[b][i] = float(ch[b][i] * 256 + cl[b][i]);
   }
 
+  // The keys' zeros x the rows' sums of q per group, summed over the groups, on
+  // one fp16 / bf16 MMA a chunk (m16n8k8: 16 keys x 8 rows, the layout of
+  // key_scores's c), in place of 2 Bg conversions and 4 Bg FFMAs a lane: A
+  // holds the zeros as they lie in the stage (raw meta bits: exact), B the
+  // rows' sums in two terms, hi + lo (B's k slot kBg n + b: term n of the sum
+  // over group b; 0 past 2 kBg), whose products are exact: 16 significant
+  // bits of the sum in bf16 (2^-17 of the zero's part of a score, 2^-2 of
+  // the 16-bit queries' own rounding of it at groups of 16 channels), 22 in
+  // fp16.  fp16's terms are of the sum x 2^-8 (|sum| < 2^15 x 128 channels:
+  // in fp16's range), the result x kZeroUnit = 2^8 (exact).
+  static constexpr float kZeroUnit = std::is_same_v<X, core::bf16_t> ? 1.f : 256.f;
+  // The lane's B fragment: row g, k slots 2t, 2t + 1.
+  NKV_DEVICE uint32_t zero_queries() const {
+    static_assert(2 * kBg <= 8, "two terms of each group's sum in one k = 8 MMA");
+    uint32_t z = 0;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int k = 2 * t + e, n = k / kBg;
+      if (n < 2) {
+        // term n of the sum: what the terms before it left, rounded to X (an exact difference)
+        float rest = sm.qsum[g][k % kBg] / kZeroUnit;
+        if (n == 1) rest -= x_to_float(float_to_x(rest));
+        z |= float_to_x(rest) << (16 * e);
+      }
+    }
+    return z;
+  }
+  NKV_HOST_DEVICE static uint32_t float_to_x(float f) {
+    if constexpr (std::is_same_v<X, core::bf16_t>)
+      return core::float_to_bf16(f);
+    else
+      return core::float_to_half(f);
+  }
+  NKV_HOST_DEVICE static float x_to_float(uint32_t bits) {
+    if constexpr (std::is_same_v<X, core::bf16_t>)
+      return core::bf16_to_float(uint16_t(bits));
+    else
+      return core::half_to_float(uint16_t(bits));
+  }
+  // The A fragment: rows g (key 2g) and g + 8 (key 2g + 1), k slots 2t, 2t +
+  // 1 = the key's zeros of groups 2t % kBg (and + 1), as loaded: one word a
+  // key (one group: its half twice).
+  NKV_DEVICE void zero_fragment(const Stage& S, uint32_t (&a)[2]) const {
+    if constexpr (kBg == 1) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(&S.meta[1][2 * g]);  // keys 2g, 2g + 1
+      a[0] = byte_perm(w, 0u, 0x1010u), a[1] = byte_perm(w, 0u, 0x3232u);
+    } else {
+      const uint32_t* row = reinterpret_cast<const uint32_t*>(&S.meta[1][2 * g * kBg]) + t % (kBg / 2);
+      a[0] = row[0], a[1] = row[kBg / 2];
+    }
+  }
+
   // One iteration of the warp: kSub chunks of 16 keys, at c0 + 64 j, from
   // stages S[j] into the lane's state (one max, one rescale, one normalizer
   // per iteration).  kEdge: an iteration where some row may not see some key
@@ -359,14 +423,14 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   // keys, not copied) or with a soft-cap: masked, capped, the keys it cannot
   // see skipped.  The rest, the steady iterations, see every key on every row
   // (and have no cap): nothing to mask or skip, and a score that is not
-  // finite reaches the denominator as NaN through x * 0 (NaN for +-inf and
-  // NaN, 0 otherwise), the row NaN as on the edge.  A steady iteration also
-  // keeps the value normalizer: it returns false, having changed nothing,
+  // finite reaches the denominator as NaN through its exponential's argument
+  // x 0 (NaN for +-inf and NaN, 0 otherwise), the row NaN as on the edge.  A
+  // steady iteration also keeps the value normalizer: it returns false, having changed nothing,
   // where one of its value scales would move it (value_normalizer_holds),
   // and the edge's copy takes the iteration.
   template <bool kEdge>
-  NKV_DEVICE bool chunk(const Stage (&S)[kSub], uint32_t stages, int32_t c0, const QueryLimbs& qf,
-                        const float (&qs)[2][kBg], const float (&qdl)[2], Rows& st) const {
+  NKV_DEVICE bool chunk(const Stage (&S)[kSub], uint32_t stages, int32_t c0, const QueryLimbs& qf, uint32_t zq,
+                        const float (&qdl)[2], Rows& st) const {
     if constexpr (!kEdge) {
       const bool holds = value_normalizer_holds(S, st);
       NKV_EMU_COUNT(decode_steady, lane == 0 && holds);
@@ -374,10 +438,10 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
       if (!holds) return false;
     }
     const float kNegInf = bits_float(0xff800000u), kNaN = bits_float(0x7fc00000u);
-    // Scores (base 2), soft-cap, mask; a visible score that is not finite makes its row NaN.
-    // s[j][i]: chunk j's key 2g + i / 2, row 2t + i % 2.  (The row's normalizer x log2 e is
-    // applied to each score, not folded into the exponentials' FMA: qdl is not a power of two,
-    // and the largest score's argument must be exactly 0, whatever the scores' size.)
+    // Scores (base 2: log2 e is in the queries), soft-cap, mask; a visible score that is not
+    // finite makes its row NaN.  s[j][i]: chunk j's key 2g + i / 2, row 2t + i % 2, x the row's
+    // normalizer qdl on the edge; in steady iterations qdl, a power of two, goes into the
+    // exponentials' FMA (exact: the largest score's argument is exactly 0, whatever its size).
     float s[kSub][4];
     bool bad[2] = {false, false};
     const SoftCap cap(kEdge ? p.softcap * kLog2e : 0.f);  // cap tanh(x / cap) on base-2 scores: the cap x log2 e
@@ -387,47 +451,59 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
       // S^T = K . Q^T per key group, exact in integers: c[b][i] holds key 2g + i / 2, row 2t + i % 2.
       float c[kBg][4];
       key_scores(stages + uint32_t(j * sizeof(Stage)), qf, c);
-      float kscale[2][kBg], kzero[2][kBg];
+      // + sum over the groups of key zero x the row's sum of q, on one MMA (same layout as c)
+      float zs[4] = {0.f, 0.f, 0.f, 0.f};
+      {
+        uint32_t za[2];
+        zero_fragment(S[j], za);
+        mma_1688<std::is_same_v<X, core::bf16_t>>(zs, za, zq);
+      }
+      float kscale[2][kBg];
       meta_pair(S[j], 0, kscale);
-      meta_pair(S[j], 1, kzero);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int kk = i / 2, r = i % 2;
-        float x = 0.f;
+        float x = zs[i] * kZeroUnit;
 #pragma unroll
-        for (int b = 0; b < kBg; ++b) x = fmaf(kzero[kk][b], qs[r][b], fmaf(c[b][i], kscale[kk][b], x));
-        x *= qdl[r];
+        for (int b = 0; b < kBg; ++b) x = fmaf(c[b][i], kscale[kk][b], x);
         if constexpr (kEdge) {
+          x *= qdl[r];
           if (cap.cap > 0.f) x = cap(x);
           const int32_t kp = c0 + kMmaTile * j + 2 * g + kk;
           const bool vis = kp < sm.key_end[2 * t + r] && kp >= sm.key_first[2 * t + r];
           bad[r] = bad[r] || (vis && non_finite(x));
           s[j][i] = vis ? x : kNegInf;
         } else {
-          nan_if_bad[r] = fmaf(x, 0.f, nan_if_bad[r]);
           s[j][i] = x;
         }
       }
     }
     // The online softmax of the lane's two rows: the max over the kSub x 16 keys (lanes g).
+    // Steady iterations flag a score that is not finite by its exponential's argument, s qdl -
+    // max: NaN or infinite where s qdl is (its row's max then +inf where it is +inf), as on the
+    // edge (and where two scores lie 2^128 apart, beyond fp32's range, where the edge's is not).
     float alpha[2], pr[kSub][4];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
+      const float unit = kEdge ? 1.f : qdl[r];  // s x unit: the base-2 scores
       float mx = fmaxf(s[0][r], s[0][r + 2]);
 #pragma unroll
       for (int j = 1; j < kSub; ++j) mx = fmaxf(mx, fmaxf(s[j][r], s[j][r + 2]));
       for (int o = 4; o < kWarp; o *= 2) mx = fmaxf(mx, shfl_xor(mx, o));
-      const float m_new = fmaxf(st.m[r], mx);
+      const float m_new = fmaxf(st.m[r], mx * unit);
       // (no visible key yet: every weight 0; a steady iteration's keys are all visible)
       const float mu = kEdge && m_new == kNegInf ? 0.f : m_new;
       alpha[r] = fast_exp2(st.m[r] - mu);
       float sum = 0.f;
 #pragma unroll
-      for (int j = 0; j < kSub; ++j) {
-        pr[j][r] = fast_exp2(s[j][r] - mu);
-        pr[j][r + 2] = fast_exp2(s[j][r + 2] - mu);
-        sum += pr[j][r] + pr[j][r + 2];
-      }
+      for (int j = 0; j < kSub; ++j)
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          const float arg = fmaf(s[j][r + 2 * kk], unit, -mu);
+          if constexpr (!kEdge) nan_if_bad[r] = fmaf(arg, 0.f, nan_if_bad[r]);
+          pr[j][r + 2 * kk] = fast_exp2(arg);
+          sum += pr[j][r + 2 * kk];
+        }
       if constexpr (kEdge)
         st.l[r] = bad[r] ? kNaN : st.l[r] * alpha[r] + sum;
       else
@@ -453,19 +529,22 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
     for (int r = 0; r < 2; ++r)
 #pragma unroll
       for (int b = 0; b < kBg; ++b) st.z[r][b] *= alpha[r];
-    // Per chunk: the zeros and acc += V^T W^T.
-    const auto times = [](float w, float x) { return !kEdge || w != 0.f ? w * x : 0.f; };
+    // Per chunk: the zeros and acc += V^T W^T.  (On the edge a weight of 0
+    // skips its key: the meta of masked keys is whatever the stage held.)
+    const auto seen = [](float w, float x) { return !kEdge || w != 0.f ? x : 0.f; };
+    const auto times = [&](float w, float x) { return w * seen(w, x); };
 #pragma unroll
     for (int j = 0; j < kSub; ++j) {
       float vscale[2][kBg], vzero[2][kBg];
       meta_pair(S[j], 2, vscale);
       meta_pair(S[j], 3, vzero);
-      // Zeros: sum p x value zero per row and group (on the edge a weight of 0
-      // skips its key: the meta of masked keys is whatever the stage held).
+      // Zeros: sum p x value zero per row and group.
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
-        for (int b = 0; b < kBg; ++b) st.z[r][b] += times(pr[j][r], vzero[0][b]) + times(pr[j][r + 2], vzero[1][b]);
+        for (int b = 0; b < kBg; ++b)
+          st.z[r][b] = fmaf(pr[j][r + 2], seen(pr[j][r + 2], vzero[1][b]),
+                            fmaf(pr[j][r], seen(pr[j][r], vzero[0][b]), st.z[r][b]));
       // The B fragments of P . V per group: w = p x value scale x vup as fp16 hi
       // + lo in the score layout (key 2g + kk, rows 2t, 2t + 1: one 8x8 matrix
       // per kk), transposed to rows x keys (k slots 2t, 2t + 1 of row g) by movmatrix.
@@ -496,7 +575,7 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
           const int mt = cc * kPlanes + pl, b = 16 * mt / kGroup;
           uint32_t av[4];  // rows g (byte 2g), g + 8 (byte 2g + 1); k slots 2t.. then 2t + 8..
 #pragma unroll
-          for (int i = 0; i < 4; ++i) av[i] = codes_half2<kBits>(pw[i], pl);
+          for (int i = 0; i < 4; ++i) av[i] = codes_subnormal_half2<kBits>(pw[i], pl);
           mma_16816(st.acc[mt], av, bh[b]);
           mma_16816(st.acc[mt], av, bl[b]);
         }
@@ -510,7 +589,10 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
   // visible one may be pages never written, chunks past its last are not
   // copied), kept at the smallest so far: the accumulators are rescaled by
   // `ratio` (a power of two: exact) when an iteration's scales move it.
+  // Scales below 2^-86 constrain nothing (2^100 at most: pow2_normalizer's
+  // cap; the subnormal ones too, whose weights are below fp16's either way).
   NKV_DEVICE void move_value_normalizer(const Stage (&S)[kSub], int32_t c0, Rows& st, float (&ratio)[kBg]) const {
+    constexpr float kMinNormal = 1.17549435e-38f;  // 2^-126
     float mx = 0.f;
 #pragma unroll
     for (int j = 0; j < kSub; ++j)
@@ -520,33 +602,64 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
         if (e < kDecodeChunk * kBg && kp >= sm.first && kp < hi) mx = fmaxf(mx, fabsf(fast_float(S[j].meta[2][e])));
       }
     for (int o = kWarp / 2; o >= kBg; o /= 2) mx = fmaxf(mx, shfl_xor(mx, o));
-    const float up = mx > 0.f ? pow2_normalizer(mx) : kNoNormalizer;  // lane b: group b % kBg's
+    const float up = mx >= kMinNormal ? pow2_normalizer(mx) : kNoNormalizer;  // lane b: group b % kBg's
 #pragma unroll
     for (int b = 0; b < kBg; ++b) {
       const float vup = fminf(st.vup[b], shfl(up, b));
       ratio[b] = vup * pow2_inverse(st.vup[b]);
       st.vup[b] = vup;
     }
+    set_scale_limits(st);
+  }
+  // Rows::vlim from vup: per group, the largest X value v with v x vup < 2^15
+  // (2^15 / vup a power of two, rounded to X and stepped down one unit where
+  // that is not below it: X's largest finite value past X's range, 0 below it).
+  NKV_DEVICE static void set_scale_limits(Rows& st) {
+    uint32_t lim[kBg];
+#pragma unroll
+    for (int b = 0; b < kBg; ++b) {
+      const float f = 32768.f * pow2_inverse(st.vup[b]);  // (+inf for vup = 2^-113: X's largest)
+      const uint32_t bits = float_to_x(f);
+      lim[b] = bits != 0 && x_to_float(bits) >= f ? bits - 1 : bits;
+    }
+#pragma unroll
+    for (int m = 0; m < kScaleWords; ++m) st.vlim[m] = lim[kBg == 1 ? 0 : 2 * m] | lim[kBg == 1 ? 0 : 2 * m + 1] << 16;
   }
   // Whether a steady iteration's value scales (every key visible) leave vup
   // where it is, as move_value_normalizer would: yes unless some |scale| x vup
   // reaches 2^15 (its max's normalizer would be below vup; exact: vup is a
-  // power of two) or the lane's largest |scale| is subnormal (pow2_normalizer
-  // answers 1 for it).  The lanes' keys 2g, 2g + 1 cover the chunk; one vote.
+  // power of two), i.e. some |scale| lies above its group's limit vlim.  On the
+  // scales as loaded, two to a word: the words' running max from the limits
+  // (pair_pick; a NaN scale is passed over, as move_value_normalizer's fmaxf
+  // does) differs from them where one does; fp16 takes |scale| in the max
+  // (VHMNMX's operand modifier), bf16 a running min from -vlim beside it (its
+  // abs would be one more instruction a word).  Sign bits aside: +-0 limits.
+  // The lanes' keys 2g, 2g + 1 cover the chunk; one vote.
   NKV_DEVICE bool value_normalizer_holds(const Stage (&S)[kSub], const Rows& st) const {
-    constexpr float kMinNormal = 1.17549435e-38f;  // 2^-126
-    float mx[kBg] = {};
+    constexpr bool kBf16 = std::is_same_v<X, core::bf16_t>;
+    constexpr uint32_t kSigns = 0x80008000u;
+    uint32_t up[kScaleWords], down[kScaleWords];
+#pragma unroll
+    for (int m = 0; m < kScaleWords; ++m) up[m] = st.vlim[m], down[m] = st.vlim[m] ^ kSigns;
 #pragma unroll
     for (int j = 0; j < kSub; ++j) {
-      float vscale[2][kBg];
-      meta_pair(S[j], 2, vscale);
+      uint32_t w[kBg];
+      meta_words(S[j], 2, w);
 #pragma unroll
-      for (int b = 0; b < kBg; ++b) mx[b] = fmaxf(mx[b], fmaxf(fabsf(vscale[0][b]), fabsf(vscale[1][b])));
+      for (int n = 0; n < kBg; ++n) {
+        const int m = n % kScaleWords;
+        if constexpr (kBf16) {
+          up[m] = pair_pick<true, true>(up[m], w[n]);
+          down[m] = pair_pick<true, false>(down[m], w[n]);
+        } else {
+          up[m] = pair_pick<false, true>(up[m], pair_abs<false>(w[n]));
+        }
+      }
     }
-    bool moves = false;
+    uint32_t moved = 0;
 #pragma unroll
-    for (int b = 0; b < kBg; ++b) moves = moves || mx[b] * st.vup[b] >= 32768.f || (mx[b] > 0.f && mx[b] < kMinNormal);
-    return !any_lane(moves);
+    for (int m = 0; m < kScaleWords; ++m) moved |= (up[m] ^ st.vlim[m]) | (kBf16 ? down[m] ^ st.vlim[m] ^ kSigns : 0u);
+    return !any_lane((moved & ~kSigns) != 0);
   }
 
   // ---- the block -----------------------------------------------------------------------------
@@ -564,7 +677,8 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
       sm.key_first[r] = this->row_first_key(qp);
     }
     NKV_SYNC();
-    this->template fold_queries<kD, kBg, kRows>(sm, kRows);  // (ends with a barrier)
+    // (log2 e in the queries: base-2 scores, the rows' normalizers powers of two; ends with a barrier)
+    this->template fold_queries<kD, kBg, kRows>(sm, kRows, kLog2e);
     copy_plan();
     // The lane's B fragments of q . K: row g's normalized query as a 16-bit
     // integer (2^14 <= max |q| < 2^15: round to nearest, at most 2^-15 of the
@@ -587,18 +701,20 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
       }
     }
     NKV_SYNC();  // every warp has read sm.buf.q before the stages overlay it
-    float qs[2][kBg], qdl[2];
+    const uint32_t zq = zero_queries();
+    float qdl[2];
     Rows st;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = 2 * t + r;
 #pragma unroll
-      for (int b = 0; b < kBg; ++b) qs[r][b] = sm.qsum[row][b], st.z[r][b] = 0.f;
-      qdl[r] = sm.qdown[row] * kLog2e;
+      for (int b = 0; b < kBg; ++b) st.z[r][b] = 0.f;
+      qdl[r] = sm.qdown[row];
       st.m[r] = kNegInf, st.l[r] = 0.f;
     }
 #pragma unroll
     for (int b = 0; b < kBg; ++b) st.vup[b] = kNoNormalizer;
+    set_scale_limits(st);
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -640,7 +756,7 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
         bool steady;
         // the steady loop (benchmarks/cuda_budget.py counts it); it leaves with c0 fetched where
         // c0's value scales move the normalizer (the edge's copy takes that iteration)
-        while ((steady = chunk<false>(sm.buf.stage[warp][sidx], stage_at(sidx), c0, qf, qs, qdl, st))) {
+        while ((steady = chunk<false>(sm.buf.stage[warp][sidx], stage_at(sidx), c0, qf, zq, qdl, st))) {
           done();
           c0 += kStep;
           if (c0 + kSpan > all_hi) break;
@@ -648,7 +764,7 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
         }
         if (steady) continue;
       }
-      chunk<true>(sm.buf.stage[warp][sidx], stage_at(sidx), c0, qf, qs, qdl, st);
+      chunk<true>(sm.buf.stage[warp][sidx], stage_at(sidx), c0, qf, zq, qdl, st);
       done();
       c0 += kStep;
     }
@@ -674,12 +790,14 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
 #pragma unroll
         for (int b = 0; b < kBg; ++b) M.z[warp][2 * t + r][b] = st.z[r][b];
       }
-      // acc[mt][i]: channel 16 mt + 2g + i / 2 (the loads' order), row 2t + i % 2; / the group's normalizer.
+      // acc[mt][i]: channel 16 mt + 2g + i / 2 (the loads' order), row 2t + i % 2; in the codes' unit
+      // (x 2^(24 - kBits plane) first: a finite acc stays finite), then / the group's normalizer.
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
-      const float down = pow2_inverse(st.vup[16 * mt / kGroup]);
+      const float unit = subnormal_code_unit_inverse<kBits>(mt % kPlanes);
+      const float down = pow2_inverse(st.vup[16 * mt / kGroup]);  // (up to 2^113: with unit, 2^137 = inf)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) M.acc[warp][2 * t + i % 2][16 * mt + 2 * g + i / 2] = st.acc[mt][i] * down;
+      for (int i = 0; i < 4; ++i) M.acc[warp][2 * t + i % 2][16 * mt + 2 * g + i / 2] = st.acc[mt][i] * unit * down;
     }
     NKV_SYNC();
     // The partials: the 4 warps merged per row (max, sum, accumulators + zeros).

@@ -224,15 +224,15 @@ struct PagedBlockWork {
     return false;
   }
 
-  // The queries of the block's rows times the scale, rotated when the pages
-  // are, into sm.buf.q; rows without a q head are 0.  Then folded once: each of
-  // the first fold_rows rows normalized by a power of two (2^14 <= max |q| <
-  // 2^15) and split into fp16 hi + lo in the B fragments' order (sm.qfrag),
-  // 1 / normalizer into sm.qdown, the normalized sum of q over each of the kBg
-  // key groups into sm.qsum (0 past fold_rows).  Ends with a barrier.
+  // The queries of the block's rows times the scale (and `factor`: the decode
+  // kernel's log2 e), rotated when the pages are, into sm.buf.q; rows without a q head are 0.  Then folded once: each
+  // of the first fold_rows rows normalized by a power of two (2^14 <= max |q| < 2^15) and split into fp16 hi + lo in
+  // the B fragments' order (sm.qfrag), 1 / normalizer into sm.qdown, the normalized sum of q over each of the kBg key
+  // groups into sm.qsum (0 past fold_rows).  Ends with a barrier.
   template <int kD, int kBg, int kRows, typename Smem>
-  NKV_DEVICE void fold_queries(Smem& sm, int fold_rows) {
+  NKV_DEVICE void fold_queries(Smem& sm, int fold_rows, float factor = 1.f) {
     constexpr int kKSteps = kD / 16, kGroup = kD / kBg;
+    const float scale = p.scale * factor;
     const float* signs = p.rotation_signs;
     if (signs)
       for (int d = int(threadIdx.x); d < kD; d += kMmaThreads)
@@ -243,7 +243,7 @@ struct PagedBlockWork {
       ix.heads.divmod(uint32_t(r), tok, hd);
       float v = 0.f;
       if (r < rows && int(hd) < heads) {
-        v = fast_float(p.q[(token0 + tok) * p.q_stride_t + int64_t(hq0 + int(hd)) * p.q_stride_h + d]) * p.scale;
+        v = fast_float(p.q[(token0 + tok) * p.q_stride_t + int64_t(hq0 + int(hd)) * p.q_stride_h + d]) * scale;
         if (signs) v *= signs[d];
       }
       sm.buf.q[r][d] = v;

@@ -134,6 +134,35 @@ NKV_DEVICE uint32_t half2_unbias(uint32_t h, int shift) {
   asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(h), "r"(down | (down << 16)), "r"(bias | (bias << 16)));
   return r;
 }
+// Elementwise max (kMax) or min of two pairs of 16-bit floats (bf16 if kBf16,
+// else fp16; the lower in bits 0..15), sm_80 and later: a NaN gives the other
+// value, as fmaxf / fminf.  (Chains of them issue as 3-input VHMNMX on sm_90.)
+#define NKV_PAIR_PICK(OP) asm(OP " %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b))
+template <bool kBf16, bool kMax>
+NKV_DEVICE uint32_t pair_pick(uint32_t a, uint32_t b) {
+  uint32_t r;
+  if constexpr (kBf16 && kMax)
+    NKV_PAIR_PICK("max.bf16x2");
+  else if constexpr (kBf16)
+    NKV_PAIR_PICK("min.bf16x2");
+  else if constexpr (kMax)
+    NKV_PAIR_PICK("max.f16x2");
+  else
+    NKV_PAIR_PICK("min.f16x2");
+  return r;
+}
+#undef NKV_PAIR_PICK
+// |x| of a pair of 16-bit floats (the sign bits cleared; fused into a
+// following pair_pick (max) as VHMNMX's operand modifier on sm_90 for fp16).
+template <bool kBf16>
+NKV_DEVICE uint32_t pair_abs(uint32_t a) {
+  uint32_t r;
+  if constexpr (kBf16)
+    asm("abs.bf16x2 %0, %1;\n" : "=r"(r) : "r"(a));
+  else
+    asm("abs.f16x2 %0, %1;\n" : "=r"(r) : "r"(a));
+  return r;
+}
 // D = A . B + D for one m16n8k16 tile: A fp16 16x16 row-major, B fp16 16x8
 // column-major, D float 16x8, in the PTX fragment layout (g = lane / 4,
 // t = lane % 4): a[i] holds A[g + 8 (i % 2)][2t + 8 (i / 2) + {0, 1}];
@@ -146,6 +175,21 @@ NKV_DEVICE void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) 
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+// The same for one m16n8k8 tile (a[i] holds A[g + 8 i][2t + {0, 1}], b holds
+// B[2t + {0, 1}][g]), A and B fp16, or bf16 if kBf16 (sm_80 and later).
+#define NKV_MMA_1688(TYPE)                                                  \
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32." TYPE "." TYPE        \
+               ".f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};\n" \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])             \
+               : "r"(a[0]), "r"(a[1]), "r"(b))
+template <bool kBf16>
+NKV_DEVICE void mma_1688(float d[4], const uint32_t a[2], uint32_t b) {
+  if constexpr (kBf16)
+    NKV_MMA_1688("bf16");
+  else
+    NKV_MMA_1688("f16");
+}
+#undef NKV_MMA_1688
 
 // D = A . B + D for one m16n8k32 tile of 8-bit integers: A u8 16x32
 // row-major, B 32x8 column-major (s8 if kSignedB, else u8), D int32 (exact),

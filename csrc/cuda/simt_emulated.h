@@ -228,24 +228,57 @@ inline uint32_t half2_unbias(uint32_t h, int shift) {
   const float down = std::ldexp(1.f, -shift), bias = -std::ldexp(1.f, 10 - shift);
   return pack_half2(std::fma(emu::half_of(h, 0), down, bias), std::fma(emu::half_of(h, 1), down, bias));
 }
-// d[i] += sum_k A[g + 8 (i / 2)][k] B[k][2t + i % 2] (simt.cuh's layout), in float.
-inline void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
-  const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
-  const int g = emu::lane() / 4, t = emu::lane() % 4;
+// Elementwise max (kMax) or min of two pairs of 16-bit floats (simt.cuh's): a
+// NaN gives the other value; the bits of the operand chosen.
+template <bool kBf16, bool kMax>
+inline uint32_t pair_pick(uint32_t a, uint32_t b) {
+  uint32_t r = 0;
+  for (int j = 0; j < 2; ++j) {
+    const uint16_t x = uint16_t(a >> (16 * j)), y = uint16_t(b >> (16 * j));
+    const float fx = kBf16 ? core::bf16_to_float(x) : core::half_to_float(x);
+    const float fy = kBf16 ? core::bf16_to_float(y) : core::half_to_float(y);
+    const bool take_y = std::isnan(fx) || (!std::isnan(fy) && (kMax ? fy > fx : fy < fx));
+    r |= uint32_t(take_y ? y : x) << (16 * j);
+  }
+  return r;
+}
+template <bool kBf16>
+inline uint32_t pair_abs(uint32_t a) {
+  return a & 0x7fff7fffu;
+}
+// d[i] += sum_k A[g + 8 (i / 2)][k] B[k][2t + i % 2] (simt.cuh's layout), in
+// float, k < kK (16 or 8); A and B fp16 (kBf16: bf16).
+namespace emu {
+template <bool kBf16, int kK = 16>
+inline void mma_16bit(float d[4], const uint32_t* a, const uint32_t* b) {
+  constexpr int kA = kK / 4, kB = kK / 8;  // registers of A and B
+  uint32_t mine[6] = {};
+  for (int i = 0; i < kA; ++i) mine[i] = a[i];
+  for (int i = 0; i < kB; ++i) mine[kA + i] = b[i];
+  const int g = lane() / 4, t = lane() % 4;
+  const auto value = [](uint32_t w, int j) {
+    return kBf16 ? core::bf16_to_float(uint16_t(j ? w >> 16 : w & 0xffffu)) : half_of(w, j);
+  };
   float out[4];
-  emu::exchange(mine, 6, [&](const uint32_t(*word)[6]) {
+  exchange(mine, kA + kB, [&](const uint32_t(*word)[6]) {
     for (int i = 0; i < 4; ++i) {
       const int r = g + 8 * (i / 2), n = 2 * t + i % 2;
       float s = d[i];
-      for (int k = 0; k < 16; ++k) {
-        const float av = emu::half_of(word[4 * (r % 8) + (k % 8) / 2][r / 8 + 2 * (k / 8)], k % 2);
-        const float bv = emu::half_of(word[4 * n + (k % 8) / 2][4 + k / 8], k % 2);
+      for (int k = 0; k < kK; ++k) {
+        const float av = value(word[4 * (r % 8) + (k % 8) / 2][r / 8 + 2 * (k / 8)], k % 2);
+        const float bv = value(word[4 * n + (k % 8) / 2][kA + k / 8], k % 2);
         s += av * bv;
       }
       out[i] = s;
     }
   });
   for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+}  // namespace emu
+inline void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) { emu::mma_16bit<false>(d, a, b); }
+template <bool kBf16>
+inline void mma_1688(float d[4], const uint32_t a[2], uint32_t b) {
+  emu::mma_16bit<kBf16, 8>(d, a, &b);
 }
 // The integer MMAs (simt.cuh's layouts): d[i] += sum_k A[g + 8 (i / 2)][k] B[k][2t + i % 2], exact.
 namespace emu {

@@ -52,6 +52,8 @@ struct Case {
   int bad_block = -1;        // a block of request 0 whose table entry is set outside the pool after the write
   float value_growth = 4.f;  // values grow by 2^(value_growth t / T) along a context (the normalizer moves)
   int min_steady = 0;        // warp iterations the decode kernel's steady loop must complete (emulation's count)
+  bool negative_value_scales = false;  // every value scale negated after the write (both kernels read them so)
+  float key_offset = 0.f;              // keys + U(0, key_offset) per token: zeros far from 0 and apart
 };
 
 template <typename X>
@@ -83,8 +85,11 @@ void run_case(const Case& c) {
     const int T = c.context[size_t(r)];
     for (int b = 0; b < (T + c.P - 1) / c.P; ++b) table[size_t(r * max_blocks + b)] = ids[next++];
     std::vector<X> k(size_t(T * H * D)), v(k.size());
+    std::uniform_real_distribution<float> offset(0.f, c.key_offset);
+    float key_offset = 0.f;
     for (size_t i = 0; i < k.size(); ++i) {
-      k[i] = core::from_float<X>(nd(rng));
+      if (c.key_offset > 0.f && i % size_t(H * D) == 0) key_offset = offset(rng);  // (per token)
+      k[i] = core::from_float<X>(nd(rng) + key_offset);
       // values growing along the context: the decode kernel's value normalizer moves
       v[i] = core::from_float<X>(nd(rng) * std::exp2(c.value_growth * float(i / size_t(H * D)) / float(T)));
       vmax = std::max(vmax, std::fabs(core::to_float(v[i])));
@@ -119,6 +124,24 @@ void run_case(const Case& c) {
     }
     std::copy(k.end() - Q * H * D, k.end(), step_k.begin() + qsl[size_t(r)] * H * D);
     std::copy(v.end() - Q * H * D, v.end(), step_v.begin() + qsl[size_t(r)] * H * D);
+  }
+  if (c.negative_value_scales) {  // values -|scale| code + zero: the decode kernel's normalizer vote sees |scale|
+    const core::PagedOffsets o(l);
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < (c.context[size_t(r)] + c.P - 1) / c.P; ++b)
+        for (int h = 0; h < H; ++h)
+          for (int s = 0; s < c.P; ++s) {
+            uint8_t* head_page =
+                pages.data() + (int64_t(table[size_t(r * max_blocks + b)]) * H + h) * l.head_page_bytes();
+            const core::PagedSlot<X> v = core::paged_slot<X>(o, head_page, s, true);
+            for (int gi = 0; gi < o.groups; ++gi) {
+              v.scale[gi].bits = uint16_t(v.scale[gi].bits ^ 0x8000u);
+              // (the values' new range: the tolerance's scale)
+              const float bound = std::fabs(core::to_float(v.zero[gi])) +
+                                  std::fabs(core::to_float(v.scale[gi])) * float((1 << c.bits) - 1);
+              if (b * c.P + s < c.context[size_t(r)]) vmax = std::max(vmax, bound);
+            }
+          }
   }
   if (c.corrupt >= 0) {  // its scores are not finite: the rows that see it are NaN
     const int64_t slot = int64_t(table[size_t(c.corrupt / c.P)]) * c.P + c.corrupt % c.P;
@@ -241,6 +264,28 @@ TEST_CASE("paged decode kernel (emulated): steady iterations that keep the value
   run_case<core::bf16_t>({4, 128, 64, 16, 2, 4, {3000, 70}, {1, 1}, 0, 0.f, true, 8, 0, -1, 0x1p118f, -1, 0.f, 16});
   // a key scale of +inf mid-context (token 1700 of 3000): its rows NaN through the steady loop's x * 0
   run_case<core::half_t>({2, 64, 32, 16, 2, 8, {3000, 70}, {1, 1}, 0, 0.f, true, 8, 0, 1700, 1.f, -1, 0.f, 16});
+}
+
+TEST_CASE("paged decode kernel (emulated): keys far from zero", "[cuda_emulated]") {
+  // Keys U(0, 100) + N(0, 1), the offset drawn per token, not rotated: the zeros' part of a score,
+  // zero x the row's sum of q over the group (the decode kernel's zeros MMA), is most of it and
+  // differs from key to key; values of one size; four, two and one groups a head.  (A wrong zeros
+  // term fails here; the sums' second term, 2^-9 -> 2^-17 of the zeros' part in bf16, is finer than
+  // this tolerance sees.)
+  run_case<core::bf16_t>(
+      {2, 64, 16, 16, 2, 8, {700, 70}, {1, 1}, 0, 0.f, false, 8, 0, -1, 1.f, -1, 0.f, 0, false, 100.f});
+  run_case<core::half_t>(
+      {4, 128, 64, 16, 2, 4, {700, 70}, {1, 1}, 0, 0.f, false, 8, 0, -1, 1.f, -1, 0.f, 0, false, 100.f});
+  run_case<core::bf16_t>(
+      {8, 64, 64, 16, 2, 1, {700, 70}, {1, 1}, 0, 0.f, false, 8, 0, -1, 1.f, -1, 0.f, 0, false, 100.f});
+}
+
+TEST_CASE("paged decode kernel (emulated): value scales all negative", "[cuda_emulated]") {
+  // Values growing along the context: the vote must see |scale| grow (bf16 by its running min, fp16 by
+  // |.| in its max), or the weights overflow fp16; 2 bits D64 in four, one and two groups a head.
+  run_case<core::bf16_t>({2, 64, 16, 16, 2, 8, {2000, 70}, {1, 1}, 0, 0.f, true, 8, 0, -1, 1.f, -1, 2.f, 4, true});
+  run_case<core::half_t>({2, 64, 64, 16, 2, 8, {2000, 70}, {1, 1}, 0, 0.f, true, 8, 0, -1, 1.f, -1, 2.f, 4, true});
+  run_case<core::bf16_t>({2, 64, 32, 16, 2, 4, {2000, 70}, {1, 1}, 0, 0.f, true, 8, 0, -1, 1.f, -1, 2.f, 4, true});
 }
 
 TEST_CASE("paged decode kernel (emulated): a block id outside the pool poisons its request", "[cuda_emulated]") {

@@ -106,6 +106,7 @@ def decode_kernel(edge_extra=0, steady_extra=0, chunks=1):
         "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]",
         *[
             "IMMA.16832.S8.S8 R4, R12, R16, R4",
+            "HMMA.1688.F32.BF16 R24, R12, R16, RZ",  # the key zeros x the rows' sums of q
             "HMMA.16816.F32.BF16 R8, R12, R16, R8",
             "HMMA.16816.F32.BF16 R8, R12, R16, R8",
         ]
@@ -118,6 +119,7 @@ def decode_kernel(edge_extra=0, steady_extra=0, chunks=1):
         "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]",
         *[
             "IMMA.16832.S8.S8 R4, R12, R16, R4",
+            "HMMA.1688.F32.BF16 R24, R12, R16, RZ",  # the key zeros x the rows' sums of q
             "HMMA.16816.F32.BF16 R8, R12, R16, R8",
             "HMMA.16816.F32.BF16 R8, R12, R16, R8",
         ]
@@ -135,28 +137,28 @@ def resolve(lines):
 
 
 def test_the_decode_kernels_steady_loop_is_the_one_holding_one_chunks_mmas():
-    v = cb.Variant("sm_90", "bf16", 4, 16, "paged", groups=1, rows=8)  # D 16: 2 HMMAs (P . V) per chunk
+    v = cb.Variant("sm_90", "bf16", 4, 16, "paged", groups=1, rows=8)  # D 16: 2 HMMAs (P . V) + 1 per chunk
     cb.analyse(v, cb.parse_sass(listing(resolve(decode_kernel())))["kernel"])
-    assert v.loop_counts["HMMA"] == 2 and v.loop_counts["IMMA"] == 1
-    assert v.loop_instructions == 6  # header .. back edge of the inner loop
+    assert v.loop_counts["HMMA"] == 3 and v.loop_counts["IMMA"] == 1
+    assert v.loop_instructions == 7  # header .. back edge of the inner loop
     # more work in the steady loop counts; more on the edge does not
     w = cb.Variant("sm_90", "bf16", 4, 16, "paged", groups=1, rows=8)
     cb.analyse(w, cb.parse_sass(listing(resolve(decode_kernel(edge_extra=9, steady_extra=5))))["kernel"])
     assert w.loop_instructions == v.loop_instructions + 5
     # a kernel without a loop of exactly one chunk's MMAs is refused, not counted
-    x = cb.Variant("sm_90", "bf16", 4, 32, "paged", groups=1, rows=8)  # D 32: 4 per chunk
-    with pytest.raises(ValueError, match="no innermost loop holds a multiple of 4 HMMAs"):
+    x = cb.Variant("sm_90", "bf16", 4, 32, "paged", groups=1, rows=8)  # D 32: 5 per chunk
+    with pytest.raises(ValueError, match="no innermost loop holds a multiple of 5 HMMAs"):
         cb.analyse(x, cb.parse_sass(listing(resolve(decode_kernel())))["kernel"])
     # two chunks an iteration (32 keys a warp, 128 a block): per 64-key tile, half the loop
     y = cb.Variant("sm_90", "bf16", 4, 16, "paged", groups=1, rows=8)
     cb.analyse(y, cb.parse_sass(listing(resolve(decode_kernel(chunks=2, steady_extra=1))))["kernel"])
-    assert y.loop_chunks == 2 and y.loop_counts["HMMA"] == 4
-    assert y.loop_instructions == 5  # (WARPSYNC, LDGSTS, 2 IMMA, 4 HMMA, FMUL, BRA) / 2
+    assert y.loop_chunks == 2 and y.loop_counts["HMMA"] == 6
+    assert y.loop_instructions == 6  # (WARPSYNC, LDGSTS, 2 IMMA, 6 HMMA, FMUL, BRA) / 2
     # three chunks: a third of the loop, rounded up
     z = cb.Variant("sm_90", "bf16", 2, 16, "paged", groups=1, rows=8)
     cb.analyse(z, cb.parse_sass(listing(resolve(decode_kernel(chunks=3, steady_extra=2))))["kernel"])
-    assert z.loop_chunks == 3 and z.loop_counts["HMMA"] == 6
-    assert z.loop_instructions == 5  # (WARPSYNC, LDGSTS, 3 IMMA, 6 HMMA, 2 FMUL, BRA) / 3 = 14 / 3, up
+    assert z.loop_chunks == 3 and z.loop_counts["HMMA"] == 9
+    assert z.loop_instructions == 6  # (WARPSYNC, LDGSTS, 3 IMMA, 9 HMMA, 2 FMUL, BRA) / 3 = 17 / 3, up
 
 
 def test_refuses_a_loop_without_barrier_or_copy():
