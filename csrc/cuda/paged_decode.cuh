@@ -385,24 +385,14 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
       if (n < 2) {
         // term n of the sum: what the terms before it left, rounded to X (an exact difference)
         float rest = sm.qsum[g][k % kBg] / kZeroUnit;
-        if (n == 1) rest -= x_to_float(float_to_x(rest));
+        if (n == 1) rest -= meta_bits_float(float_to_x(rest));
         z |= float_to_x(rest) << (16 * e);
       }
     }
     return z;
   }
-  NKV_HOST_DEVICE static uint32_t float_to_x(float f) {
-    if constexpr (std::is_same_v<X, core::bf16_t>)
-      return core::float_to_bf16(f);
-    else
-      return core::float_to_half(f);
-  }
-  NKV_HOST_DEVICE static float x_to_float(uint32_t bits) {
-    if constexpr (std::is_same_v<X, core::bf16_t>)
-      return core::bf16_to_float(uint16_t(bits));
-    else
-      return core::half_to_float(uint16_t(bits));
-  }
+  // X's bits nearest f (core::from_float).
+  NKV_HOST_DEVICE static uint32_t float_to_x(float f) { return core::from_float<X>(f).bits; }
   // The A fragment: rows g (key 2g) and g + 8 (key 2g + 1), k slots 2t, 2t +
   // 1 = the key's zeros of groups 2t % kBg (and + 1), as loaded: one word a
   // key (one group: its half twice).
@@ -620,7 +610,7 @@ struct PagedDecodeKernel : PagedBlockWork<X> {
     for (int b = 0; b < kBg; ++b) {
       const float f = 32768.f * pow2_inverse(st.vup[b]);  // (+inf for vup = 2^-113: X's largest)
       const uint32_t bits = float_to_x(f);
-      lim[b] = bits != 0 && x_to_float(bits) >= f ? bits - 1 : bits;
+      lim[b] = bits != 0 && meta_bits_float(bits) >= f ? bits - 1 : bits;
     }
 #pragma unroll
     for (int m = 0; m < kScaleWords; ++m) st.vlim[m] = lim[kBg == 1 ? 0 : 2 * m] | lim[kBg == 1 ? 0 : 2 * m + 1] << 16;

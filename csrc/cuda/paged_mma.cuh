@@ -224,11 +224,13 @@ struct PagedBlockWork {
     return false;
   }
 
-  // The queries of the block's rows times the scale (and `factor`: the decode
-  // kernel's log2 e), rotated when the pages are, into sm.buf.q; rows without a q head are 0.  Then folded once: each
-  // of the first fold_rows rows normalized by a power of two (2^14 <= max |q| < 2^15) and split into fp16 hi + lo in
-  // the B fragments' order (sm.qfrag), 1 / normalizer into sm.qdown, the normalized sum of q over each of the kBg key
-  // groups into sm.qsum (0 past fold_rows).  Ends with a barrier.
+  // The queries of the block's rows times the scale (and `factor`: the
+  // decode kernel's log2 e), rotated when the pages are, into sm.buf.q; rows
+  // without a q head are 0.  Then folded once: each of the first fold_rows
+  // rows normalized by a power of two (2^14 <= max |q| < 2^15) and split into
+  // fp16 hi + lo in the B fragments' order (sm.qfrag), 1 / normalizer into
+  // sm.qdown, the normalized sum of q over each of the kBg key groups into
+  // sm.qsum (0 past fold_rows).  Ends with a barrier.
   template <int kD, int kBg, int kRows, typename Smem>
   NKV_DEVICE void fold_queries(Smem& sm, int fold_rows, float factor = 1.f) {
     constexpr int kKSteps = kD / 16, kGroup = kD / kBg;
