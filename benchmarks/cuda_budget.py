@@ -1,6 +1,8 @@
 """Static byte budget of the CUDA decode kernels (no GPU needed): for every variant of the
 tensor-core attention kernels (attention_mma_kernel<Launch, kBits, kD> in
-csrc/cuda/attention_mma.cuh, the contiguous cache; paged_attention_mma_kernel<X, kBits, kD> in
+csrc/cuda/attention_mma.cuh, the contiguous cache's 16-row kernel, and its decode kernel
+contig_decode_kernel<Launch, kBits, kD, kBg> in csrc/cuda/contig_decode.cuh: the "contiguous/Bg
+g/8r" rows, Bg value groups a token; paged_attention_mma_kernel<X, kBits, kD> in
 csrc/cuda/paged_mma.cuh, vLLM's pages: the "paged" rows, whose tile is 64 keys of the paged
 format, keys and values per token: paged_tile_bytes) it reads, from the objects a CUDA build already compiled
 (build/py by default; nothing is compiled here):
@@ -36,7 +38,8 @@ address range); the tile loop is the smallest loop that contains every HMMA (ten
 instruction of the kernel, since q . K and P . V both run once per tile.  The script checks
 that this loop also holds a barrier (BAR.SYNC; WARPSYNC in the paged decode kernel, whose warps
 each take their own 16-key chunks) and an asynchronous copy (LDGSTS, the next tile's prefetch)
-and fails otherwise.  In that decode kernel (paged_decode.cuh, the "8r" rows) a warp's
+and fails otherwise.  In the decode kernels (paged_decode.cuh and contig_decode.cuh, the "8r"
+rows; decode_warp.cuh) a warp's
 chunk is 16 keys and the block's 4 warps take 64 together, so its loop count per warp and chunk
 is the same unit as the others': instructions per warp per 64-key tile of the block.  Its
 kernel holds an iteration's work twice: the steady loop over the chunks every query row sees
@@ -44,9 +47,10 @@ whole (no mask, no soft-cap), nested in the loop over all chunks, whose other br
 masked, capped copy for the edge chunks (a split's first and last, a window's start, the causal
 end: a few per warp and split, whatever the context; every chunk under a soft-cap).  Its row
 counts the steady loop: the innermost loop whose HMMAs are a whole number of chunks' (2 D / 16
-+ 1 each: P . V in hi + lo and the key zeros' MMA; its q . K runs on integer MMAs, IMMA, listed
-apart), which the smallest loop holding every HMMA (the outer one, both copies) would count
-twice.  Below 8 bits its warp
++ 1 each on pages: P . V in hi + lo and the key zeros' MMA; 2 D / 16 in the contiguous cache,
+whose iteration adds as many for its key group's q . zero; q . K runs on integer MMAs, IMMA,
+listed apart), which the smallest loop holding every HMMA (the outer one, both copies) would
+count twice.  Below 8 bits its warp
 takes several chunks an iteration (2 at 4 bits, 4 at 2 bits; the block 64 keys a chunk
 round): the row gives the loop's count per 64-key tile, the iteration's / its chunks
 (loop_chunks in the JSON).  The count is static: every instruction
@@ -94,6 +98,9 @@ KERNEL = re.compile(r"(?<!paged_)attention_mma_kernel.*?(bf16_t|half_t).*?ELi(\d
 # The paged tensor-core kernel (paged_attention_mma_kernel<X, kBits, kD, kBg, kNT>, csrc/cuda/paged_mma_launch.cuh;
 # kNT: 8-row n-tiles of query rows, 1 for decode steps (paged_decode.cuh), 2 otherwise (paged_mma.cuh)).
 PAGED_KERNEL = re.compile(r"paged_attention_mma_kernelIN\w*?(bf16_t|half_t)ELi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)EEEv")
+# The contiguous cache's decode kernel (contig_decode_kernel<Launch, kBits, kD, kBg>, csrc/cuda/contig_decode.cuh:
+# 8 query rows, kBg value groups per token; keys per channel).
+CONTIG_DECODE_KERNEL = re.compile(r"contig_decode_kernelI\w*?(bf16_t|half_t)\w*?Li(\d+)ELi(\d+)ELi(\d+)EEEv")
 DTYPE = {"bf16_t": "bf16", "half_t": "fp16"}  # the kernels' element type -> the JSON's dtype
 NQ_KERNEL = re.compile(r"(nq_decompress_kernel|nq_pack_kernel)I(\w+?)(?:Li(\d+)E)?EEv")
 DIV64 = "I2F.U64.RP"  # first instruction of the inline 64-bit integer division routine
@@ -109,10 +116,11 @@ def row_bytes(bits: int, d: int) -> int:
     return -(-d // chunk_channels) * chunk_bytes
 
 
-def tile_bytes(bits: int, d: int, meta_bytes: int = 2) -> int:
+def tile_bytes(bits: int, d: int, meta_bytes: int = 2, value_groups: int | None = None) -> int:
     codes = 2 * TILE * row_bytes(bits, d)
     key_meta = 2 * d * meta_bytes  # scale + zero per channel, one 64-token group
-    value_meta = TILE * -(-d // 64) * 2 * meta_bytes  # scale + zero per token and 64-channel group
+    groups = -(-d // 64) if value_groups is None else value_groups  # (default: 64-channel value groups)
+    value_meta = TILE * groups * 2 * meta_bytes  # scale + zero per token and value group
     return codes + key_meta + value_meta
 
 
@@ -331,11 +339,17 @@ def tile_loop(code, mma_per_chunk=None):
     return body, blocks, inner
 
 
-def decode_steady_mmas(variant) -> int | None:
-    """HMMAs of one steady chunk of the paged decode kernel (paged_decode.cuh, the 8-row
-    variants): P . V per 16 channels in hi + lo, and one for the key zeros x the rows' sums of q
-    (its q . K runs on integer MMAs, IMMA, counted apart); None for the others."""
-    return 2 * variant.head_dim // 16 + 1 if variant.kernel == "paged" and variant.rows == 8 else None
+def decode_steady_mmas(variant) -> tuple[int, int] | None:
+    """(HMMAs of one steady chunk, HMMAs of an iteration besides its chunks') of the decode
+    kernels (the 8-row variants; q . K runs on integer MMAs, IMMA, counted apart); None for the
+    others.  A chunk: P . V per 16 channels in hi + lo, and on pages (paged_decode.cuh) one for
+    the key zeros x the rows' sums of q.  The contiguous cache's (contig_decode.cuh) key zeros are
+    one bias per row and key group, its iteration's (one group), on fp16 / bf16 MMAs per 16
+    channels in hi + lo: as many as a chunk's P . V."""
+    if variant.rows != 8:
+        return None
+    pv = 2 * variant.head_dim // 16
+    return (pv + 1, 0) if variant.kernel == "paged" else (pv, pv)
 
 
 def division_calls(code, body, blocks) -> int:
@@ -358,7 +372,7 @@ def division_calls(code, body, blocks) -> int:
 
 
 def analyse(variant: Variant, code) -> None:
-    per_chunk = decode_steady_mmas(variant)
+    per_chunk, per_iteration = decode_steady_mmas(variant) or (None, 0)
     body, blocks, inner = tile_loop(code, per_chunk)
     ops = [code[i][1] for k in sorted(body) for i in range(blocks[k][0], blocks[k][1] + 1)]
     counts = {
@@ -378,7 +392,9 @@ def analyse(variant: Variant, code) -> None:
     variant.sass_instructions = len(code)
     # The decode kernel's warp takes loop_chunks 16-key chunks an iteration (its block 64 x as
     # many keys): per 64-key tile, the loop's instructions / loop_chunks (rounded up).
-    variant.loop_chunks = counts["HMMA"] // per_chunk if per_chunk else 1
+    variant.loop_chunks = (counts["HMMA"] - per_iteration) // per_chunk if per_chunk else 1
+    if variant.loop_chunks < 1:
+        raise ValueError(f"the loop found holds {counts['HMMA']} HMMAs: not one iteration of whole chunks")
     variant.loop_instructions = -(-len(ops) // variant.loop_chunks)
     variant.loop_inner_loops = inner
     variant.loop_counts = counts
@@ -451,7 +467,9 @@ def predict(variant: Variant, batch: int, q_heads: int, kv_heads: int, ctx: int,
     """
     paged = variant.kernel == "paged"  # its splits start at the first key rounded down to 16 (paged_mma.cuh)
     blocks, tiles = grid(batch, q_heads, kv_heads, ctx + (15 if paged else 0), args.sms, variant.blocks_per_sm)
-    launches = LAUNCH_US * (1.5 if paged else 1.0)  # paged: three launches (tiles, split kernel, merge), not two
+    # three launches, not two: paged (tiles, split kernel, merge); the contiguous decode kernel
+    # (its splits, the full-precision split of the sinks and tail, merge)
+    launches = LAUNCH_US * (1.5 if variant.rows == 8 else 1.0)
     hz = args.clock_ghz * 1e9
     issue_us = cdiv(blocks, args.sms) * tiles * variant.loop_instructions / hz * 1e6
     bandwidth = args.fraction * args.hbm_tbps * 1e12
@@ -506,6 +524,8 @@ def main() -> None:
             for fn, code in sass_functions(cuobjdump, obj, arch).items():
                 m, kernel = PAGED_KERNEL.search(fn), "paged"
                 if not m:
+                    m, kernel = CONTIG_DECODE_KERNEL.search(fn), "contiguous-decode"
+                if not m:
                     m, kernel = KERNEL.search(fn), "contiguous"
                 if not m:
                     continue
@@ -526,6 +546,9 @@ def main() -> None:
                 if kernel == "paged":
                     v.groups, v.rows = int(m.group(4)), 8 * int(m.group(5))
                     v.tile_bytes = paged_tile_bytes(bits, d, d // v.groups)
+                elif kernel == "contiguous-decode":
+                    v.kernel, v.groups, v.rows = "contiguous", int(m.group(4)), 8
+                    v.tile_bytes = tile_bytes(bits, d, value_groups=v.groups)
                 else:
                     v.tile_bytes = tile_bytes(bits, d)
                 v.budget = v.tile_bytes / per_sm_bytes_per_cycle
@@ -594,10 +617,9 @@ def main() -> None:
     # The prediction the GPU run will confirm or refute: llama-like decode (32 q / 8 kv heads, D 128).
     predictions = []
     for v in variants:
-        # the contiguous cache, and vLLM's pages in groups of 64 (two per head) in the decode
-        # steps' row tiles of 8 (core::paged_tile_rows: one token a request, GQA 4)
-        decode = v.kernel == "contiguous" or v.rows == 8
-        if v.arch == "sm_90" and v.dtype == "bf16" and v.head_dim == 128 and v.groups in (0, 2) and decode:
+        # the decode kernels (8 rows: one token a request, GQA 4) of the contiguous cache (values in
+        # groups of 64 channels: two per head) and of vLLM's pages in groups of 64
+        if v.arch == "sm_90" and v.dtype == "bf16" and v.head_dim == 128 and v.groups == 2 and v.rows == 8:
             for batch in (1, 64):
                 for ctx in (4096, 32768):
                     predictions.append(predict(v, batch, 32, 8, ctx, args))

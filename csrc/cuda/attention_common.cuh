@@ -55,6 +55,10 @@ NKV_DEVICE BlockSetup block_setup(const Launch& L, int64_t tile_tokens) {
   if (s.len > 0 && s.len < p.q_len) s.bad = true;
   int64_t first = p.window > 0 ? s.len - p.q_len - p.window + 1 : 0;
   first = first > 0 ? first : 0;
+  if (L.fp_split >= 0) {  // a decode launch's full-precision split: the sinks and the tail of every key
+    s.split = L.fp_split, s.lo = first, s.hi = s.len;
+    return s;
+  }
   const int64_t span = core::ceil_div(core::ceil_div(s.len - first, L.splits), tile_tokens) * tile_tokens;
   s.lo = first + s.split * span;
   s.lo = s.lo < s.len ? s.lo : s.len;

@@ -6,6 +6,7 @@
 #include "attention_launch.h"
 #include "attention_mma.cuh"
 #include "attention_simple.cuh"
+#include "contig_decode.cuh"
 
 namespace nexuskv::cuda {
 
@@ -23,6 +24,17 @@ struct SimpleVariant {
 template <typename Params>
 AttentionKernelInfo attention_kernel_info(const AttentionLaunch<Params>& L, KernelChoice choice) {
   AttentionKernelInfo k;
+  if (choice == KernelChoice::kAuto || choice == KernelChoice::kDecode) {
+    // The decode kernel takes the compressed tokens, the tensor-core kernel one split of the sinks and tail.
+    const MmaVariant<AttentionLaunch<Params>> v = decode_variant(L);
+    if (v.kernel != nullptr && mma_variant(L).kernel != nullptr) {
+      k.mma = k.decode = true, k.tile_tokens = kMmaTile * decode_chunks_per_iteration(int(L.p.k.dims.bits));
+      k.blocks_per_sm = blocks_per_sm(v.kernel, kMmaThreads, v.smem);
+      k.fp_splits = L.p.sink.present() || L.p.tail.present() ? 1 : 0;
+      return k;
+    }
+    if (choice == KernelChoice::kDecode) return k;  // (mma false: the caller reports it)
+  }
   if (choice != KernelChoice::kSimple) {
     const MmaVariant<AttentionLaunch<Params>> v = mma_variant(L);
     if (v.kernel != nullptr || choice == KernelChoice::kMma) {
@@ -39,6 +51,16 @@ AttentionKernelInfo attention_kernel_info(const AttentionLaunch<Params>& L, Kern
 
 template <typename Params>
 int launch_attention(const AttentionLaunch<Params>& L, const AttentionKernelInfo& kernel, Stream stream) {
+  if (kernel.decode) {
+    const int64_t compressed = L.splits - kernel.fp_splits;
+    int err = launch_contig_decode(L, compressed, stream);
+    if (err == 0 && kernel.fp_splits > 0) {
+      AttentionLaunch<Params> fp = L;
+      fp.fp_split = compressed;
+      err = launch_attention_mma(fp, Dim3(1, unsigned(L.p.kv_heads * L.row_tiles), unsigned(L.p.batch)), stream);
+    }
+    return err;
+  }
   const Dim3 grid(unsigned(L.splits), unsigned(L.p.kv_heads * L.row_tiles), unsigned(L.p.batch));
   if (kernel.mma) return launch_attention_mma(L, grid, stream);
   const SimpleVariant<Params> v(L);

@@ -20,6 +20,10 @@ template <typename Params>
 struct AttentionLaunch {
   Params p;
   int64_t splits = 1, row_tiles = 1;
+  // >= 0: a launch of the full-precision split of the decode kernel
+  // (contig_decode.cuh): its one split of every (kv head, batch) takes the
+  // sinks and the tail alone, into partial fp_split.
+  int64_t fp_split = -1;
   float* partials = nullptr;  // [B, Hkv, row_tiles, splits, kAttnRows, D + 2]
   uint32_t* status = nullptr;
 
@@ -47,16 +51,22 @@ inline size_t merge_smem_bytes(const MergeArgs& a) {
 template <typename Out>
 int launch_attention_merge(const MergeArgs& a, Out* out, Stream stream);
 
-enum class KernelChoice { kAuto, kSimple, kMma };
+// kAuto: the decode kernel where it takes the problem, else the tensor-core
+// kernel where it does, else the reference kernel; kSimple, kMma, kDecode: that one.
+enum class KernelChoice { kAuto, kSimple, kMma, kDecode };
 
-// The kernel that runs L under choice (the one place that decides: the
-// tensor-core kernel where it takes the problem, unless choice is kSimple;
-// else the reference kernel, unless choice is kMma, where mma is then false),
-// and what sizes its split of the key range (core::plan_splits): how many of
-// its blocks one SM holds (0 when none fits) and its keys per tile.  Host only
-// (no device work, no synchronization); L.splits and L.partials are not read.
+// The kernel that runs L under choice (the one place that decides: see
+// KernelChoice; under kMma or kDecode, mma is false where that kernel does not
+// take the problem), and what sizes its split of the key range
+// (core::plan_splits): how many of its blocks one SM holds (0 when none fits)
+// and its keys per tile.  The decode kernel's splits take the compressed
+// tokens; fp_splits more (one where the problem has sinks or a tail) take the
+// full-precision ones: L.splits counts both.  Host only (no device work, no
+// synchronization); L.splits and L.partials are not read.
 struct AttentionKernelInfo {
-  bool mma = false;  // the tensor-core kernel (else the reference kernel)
+  bool mma = false;     // a tensor-core kernel (else the reference kernel)
+  bool decode = false;  // the decode kernel (contig_decode.cuh)
+  int fp_splits = 0;    // splits beyond the planned ones (the decode kernel's full-precision split)
   int blocks_per_sm = 0;
   int tile_tokens = 1;
   int error = 0;  // a cudaError_t of the set-up (the shared-memory opt-in), 0 if none
@@ -64,9 +74,9 @@ struct AttentionKernelInfo {
 template <typename Params>
 AttentionKernelInfo attention_kernel_info(const AttentionLaunch<Params>& L, KernelChoice choice);
 
-// Launches the split kernel of L that attention_kernel_info chose (kernel.mma)
-// over the grid (splits, kv heads x row tiles, batch) on stream; returns a
-// cudaError_t of the set-up, 0 if none.
+// Launches the split kernel of L that attention_kernel_info chose (kernel.mma,
+// kernel.decode) over the grid (splits, kv heads x row tiles, batch) on
+// stream; returns a cudaError_t of the set-up, 0 if none.
 template <typename Params>
 int launch_attention(const AttentionLaunch<Params>& L, const AttentionKernelInfo& kernel, Stream stream);
 

@@ -326,6 +326,20 @@ struct MmaIndex {
   int32_t key_tokens = 0, value_tokens = 0;  // capacities of K and V (T)
 };
 
+// L's sizes as the tile loops take them (host only).
+template <typename Launch>
+MmaIndex mma_index(const Launch& L) {
+  const auto& kd = L.p.k.dims;
+  const auto& vd = L.p.v.dims;
+  MmaIndex ix;
+  ix.key_group = core::FastDivmod(kd.group_size);
+  ix.value_group = core::FastDivmod(vd.group_size);
+  ix.value_meta = core::FastDivmod(vd.meta_b());
+  ix.key_groups = int32_t(kd.meta_a());
+  ix.key_tokens = int32_t(kd.tokens), ix.value_tokens = int32_t(vd.tokens);
+  return ix;
+}
+
 // The tensor-core kernel's argument: the launch and its index sizes.
 template <typename Launch>
 struct MmaLaunch {
@@ -786,7 +800,7 @@ struct MmaKernel {
     // positions (the host checks that every capacity fits: mma_variant).
     const int64_t lo64 = s.lo - s.sink > 0 ? s.lo - s.sink : 0, hi64 = s.hi - s.sink < s.comp ? s.hi - s.sink : s.comp;
     const int c_lo = int(lo64 < s.comp ? lo64 : s.comp);  // (clamped in 64 bits: sinks and tail may be long)
-    const int c_hi = skip || hi64 < c_lo ? c_lo : int(hi64);
+    const int c_hi = skip || hi64 < c_lo || L.fp_split >= 0 ? c_lo : int(hi64);  // (the fp split: none)
     Meta vm[2 * kVmPerThread];
     if (c_lo < c_hi) prefetch(c_lo, c_hi - c_lo < kMmaTile ? c_hi - c_lo : kMmaTile, 0, vm);
     int st = 0;
@@ -859,6 +873,35 @@ struct MmaVariant {
   size_t smem = 0;
 };
 
+// Whether `kernel` may run with `smem` bytes of shared memory (opted in past
+// the default); on a GPU with less, false, the failed opt-in cleared so that it
+// is not reported as the launch error of the kernel that runs instead.  Host only.
+template <typename Kernel>
+bool smem_fits(Kernel kernel, size_t smem) {
+  if (smem > kDefaultSmem && allow_smem(kernel, smem) != 0) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return true;
+}
+// f.template operator()<kD>() for head_dim D (64 or 128), f<kBg>() for 1, 2 or 4 groups.
+template <typename F>
+void with_head_dim(int64_t D, F&& f) {
+  if (D == 64)
+    f.template operator()<64>();
+  else
+    f.template operator()<128>();
+}
+template <typename F>
+void with_groups(int64_t bg, F&& f) {
+  if (bg == 1)
+    f.template operator()<1>();
+  else if (bg == 2)
+    f.template operator()<2>();
+  else
+    f.template operator()<4>();
+}
+
 template <typename Launch>
 MmaVariant<Launch> mma_variant(const Launch& L) {
   using Params = decltype(Launch::p);
@@ -882,20 +925,12 @@ MmaVariant<Launch> mma_variant(const Launch& L) {
     if (!ok || !fits) return v;
     core::layout::with_bits(kd.bits, [&]<int kBits>() {
       if constexpr (kBits != 3) {
-        auto pick = [&]<int kD>() {
+        with_head_dim(D, [&]<int kD>() {
           const size_t smem = sizeof(typename MmaKernel<Launch, kBits, kD>::Smem);
-          if (smem > kDefaultSmem && allow_smem(attention_mma_kernel<Launch, kBits, kD>, smem) != 0) {
-            // This GPU has less shared memory: the reference kernel runs instead,
-            // and the failed opt-in must not be reported as its launch error.
-            (void)cudaGetLastError();
-            return;
-          }
-          v.kernel = attention_mma_kernel<Launch, kBits, kD>, v.smem = smem;
-        };
-        if (D == 64)
-          pick.template operator()<64>();
-        else
-          pick.template operator()<128>();
+          // (this GPU has less shared memory: the reference kernel runs instead)
+          if (smem_fits(attention_mma_kernel<Launch, kBits, kD>, smem))
+            v.kernel = attention_mma_kernel<Launch, kBits, kD>, v.smem = smem;
+        });
       }
     });
   }
@@ -908,15 +943,7 @@ template <typename Launch>
 int launch_attention_mma(const Launch& L, Dim3 grid, Stream stream) {
   const MmaVariant<Launch> v = mma_variant(L);
   if (v.kernel == nullptr) return int(cudaErrorInvalidDeviceFunction);
-  const auto& kd = L.p.k.dims;
-  const auto& vd = L.p.v.dims;
-  MmaLaunch<Launch> a{L, {}};
-  a.ix.key_group = core::FastDivmod(kd.group_size);
-  a.ix.value_group = core::FastDivmod(vd.group_size);
-  a.ix.value_meta = core::FastDivmod(vd.meta_b());
-  a.ix.key_groups = int32_t(kd.meta_a());
-  a.ix.key_tokens = int32_t(kd.tokens), a.ix.value_tokens = int32_t(vd.tokens);
-  launch(v.kernel, grid, Dim3(kMmaThreads), v.smem, stream, a);
+  launch(v.kernel, grid, Dim3(kMmaThreads), v.smem, stream, MmaLaunch<Launch>{L, mma_index(L)});
   return 0;
 }
 

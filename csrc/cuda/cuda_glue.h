@@ -31,13 +31,16 @@ inline bool value_checks_on() { return cuda_value_checks_requested(); }
 
 // NEXUSKV_CUDA_ATTENTION=simple forces the reference kernels (dgq_fused_attention's
 // and paged_attention's), =mma requires the tensor-core ones (an error if one does
-// not take the problem): the tests compare the two and know which one ran.
+// not take the problem; dgq_fused_attention's 16-row kernel, not its decode kernel),
+// =decode dgq_fused_attention's decode kernel (paged_attention: as mma): the tests
+// compare them and know which one ran.
 inline KernelChoice kernel_choice(const char* op) {
   const char* v = std::getenv("NEXUSKV_CUDA_ATTENTION");
   if (v == nullptr || *v == 0) return KernelChoice::kAuto;
   if (std::strcmp(v, "simple") == 0) return KernelChoice::kSimple;
   if (std::strcmp(v, "mma") == 0) return KernelChoice::kMma;
-  TORCH_CHECK(false, op, ": NEXUSKV_CUDA_ATTENTION must be simple or mma, got '", v, "'");
+  if (std::strcmp(v, "decode") == 0) return KernelChoice::kDecode;
+  TORCH_CHECK(false, op, ": NEXUSKV_CUDA_ATTENTION must be simple, mma or decode, got '", v, "'");
 }
 
 // (c10's stream and guard only: ATen/cuda/CUDAContext.h pulls in cuBLAS and

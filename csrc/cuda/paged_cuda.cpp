@@ -139,8 +139,9 @@ at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& pages, co
     const core::PagedAttention<X> p = make_paged_attention<X>(s, qc, pages, table, lens, qsl, signs, out, kx, vx);
     const cuda::PagedAttentionPlan plan =
         cuda::paged_attention_plan<X>(p, cuda::multiprocessor_count(), choice != cuda::KernelChoice::kSimple);
-    TORCH_CHECK(plan.mma || choice != cuda::KernelChoice::kMma, op,
-                ": NEXUSKV_CUDA_ATTENTION=mma, but the tensor-core kernel does not take this problem (it needs fp16 "
+    TORCH_CHECK(plan.mma || (choice != cuda::KernelChoice::kMma && choice != cuda::KernelChoice::kDecode), op,
+                ": NEXUSKV_CUDA_ATTENTION=mma (or decode), but the tensor-core kernel does not take this problem (it "
+                "needs fp16 "
                 "or bf16, the same 2/4/8 bits for keys and values, head_dim 64 or 128 in 1, 2 or 4 groups of a "
                 "multiple of 16 channels, no outliers, no exact window, 16-byte aligned pages)");
     TORCH_CHECK(!plan.mma || s.pool.kv_heads * plan.head_chunks <= 65535 && plan.tiles < (int64_t(1) << 31), op,

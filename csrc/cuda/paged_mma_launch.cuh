@@ -100,8 +100,8 @@ void (*paged_mma_kernel_of(const core::PagedAttention<X>& p, int tile_rows, size
     const core::PagedLayout& l = p.pool.layout;
     core::layout::with_bits(l.key_bits, [&]<int kBits>() {
       if constexpr (kBits != 3) {
-        auto pick = [&]<int kD>() {
-          auto groups = [&]<int kBg>() {
+        with_head_dim(l.head_dim, [&]<int kD>() {
+          with_groups(paged_mma_groups(l), [&]<int kBg>() {
             auto tiles = [&]<int kNT>() {
               smem = sizeof(typename PagedSplitKernel<X, kBits, kD, kBg, kNT>::type::Smem);
               kernel = paged_attention_mma_kernel<X, kBits, kD, kBg, kNT>;
@@ -110,19 +110,8 @@ void (*paged_mma_kernel_of(const core::PagedAttention<X>& p, int tile_rows, size
               tiles.template operator()<1>();
             else
               tiles.template operator()<2>();
-          };
-          const int bg = paged_mma_groups(l);
-          if (bg == 1)
-            groups.template operator()<1>();
-          else if (bg == 2)
-            groups.template operator()<2>();
-          else
-            groups.template operator()<4>();
-        };
-        if (l.head_dim == 64)
-          pick.template operator()<64>();
-        else
-          pick.template operator()<128>();
+          });
+        });
       }
     });
   }
@@ -139,10 +128,7 @@ PagedAttentionPlan paged_mma_plan(const core::PagedAttention<X>& problem, int mu
   size_t smem = 0;
   auto kernel = paged_mma_kernel_of(p, tile_rows, smem);
   if (kernel == nullptr) return plan;
-  if (smem > kDefaultSmem && allow_smem(kernel, smem) != 0) {
-    (void)cudaGetLastError();  // this GPU has less shared memory: the SIMT kernel runs
-    return plan;
-  }
+  if (!smem_fits(kernel, smem)) return plan;  // this GPU has less shared memory: the SIMT kernel runs
   const core::PagedRowTiles rt = core::paged_row_tiles(p.gqa_group(), tile_rows);
   plan.mma = true;
   plan.tile_rows = tile_rows;

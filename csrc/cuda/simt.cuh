@@ -103,6 +103,14 @@ NKV_DEVICE float shfl(float v, int src) { return __shfl_sync(0xffffffffu, v, src
 // Whether p holds on any lane of the warp (one VOTE).
 NKV_DEVICE bool any_lane(bool p) { return __any_sync(0xffffffffu, p) != 0; }
 
+// max(a, |b|), NaN where either is NaN (FMNMX.NAN; fmaxf passes a NaN over).
+NKV_DEVICE float max_abs_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(r) : "f"(a), "f"(fabsf(b)));
+  return r;
+}
+// x rounded to the nearest integer (ties to even), saturated to int32's range, NaN 0 (F2I).
+NKV_DEVICE int32_t float_to_int_rn(float x) { return __float2int_rn(x); }
 // Bytes of (hi:lo) picked by the selector's nibbles (PRMT).
 NKV_DEVICE uint32_t byte_perm(uint32_t lo, uint32_t hi, uint32_t selector) { return __byte_perm(lo, hi, selector); }
 
@@ -174,6 +182,18 @@ NKV_DEVICE void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) 
       "{%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// The same with A and B fp16, or bf16 if kBf16 (sm_80 and later).
+template <bool kBf16>
+NKV_DEVICE void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+  if constexpr (kBf16)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  else
+    mma_16816(d, a, b);
 }
 // The same for one m16n8k8 tile (a[i] holds A[g + 8 i][2t + {0, 1}], b holds
 // B[2t + {0, 1}][g]), A and B fp16, or bf16 if kBf16 (sm_80 and later).

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -34,6 +35,9 @@ struct alignas(16) uint4 {
 };
 struct alignas(8) uint2 {
   unsigned x, y;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
 };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 using cudaError_t = int;
@@ -213,6 +217,14 @@ int blocks_per_sm(void (*)(Params...), int, size_t) {
   return 4;
 }
 
+inline float max_abs_nan(float a, float b) {
+  return std::isnan(a) || std::isnan(b) ? std::numeric_limits<float>::quiet_NaN() : std::fmax(a, std::fabs(b));
+}
+inline int32_t float_to_int_rn(float x) {
+  if (std::isnan(x)) return 0;
+  const float r = std::nearbyint(x);  // (the default rounding: to nearest, ties to even)
+  return r >= 2147483648.f ? INT32_MAX : r <= -2147483648.f ? INT32_MIN : int32_t(r);
+}
 inline uint32_t byte_perm(uint32_t lo, uint32_t hi, uint32_t selector) {
   const uint64_t x = (uint64_t(hi) << 32) | lo;
   uint32_t r = 0;
@@ -276,6 +288,10 @@ inline void mma_16bit(float d[4], const uint32_t* a, const uint32_t* b) {
 }
 }  // namespace emu
 inline void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) { emu::mma_16bit<false>(d, a, b); }
+template <bool kBf16>
+inline void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+  emu::mma_16bit<kBf16>(d, a, b);
+}
 template <bool kBf16>
 inline void mma_1688(float d[4], const uint32_t a[2], uint32_t b) {
   emu::mma_16bit<kBf16, 8>(d, a, &b);

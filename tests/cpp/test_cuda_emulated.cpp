@@ -3,9 +3,10 @@
 // and decompress against the CPU's, bit for bit; the paged write (NQ compression of every (token, head) row, rotation,
 // scatter into the slots) against the CPU's, byte for byte; the attention's tensor-core kernels (paged_decode.cuh for
 // decode steps, paged_mma.cuh for the rest, paged_mma_launch.cuh's plan, split and merge) and its SIMT kernel against
-// the CPU kernel on the same pages; dgq_fused_attention's kernels (the
-// tensor-core one of attention_mma.cuh and the reference attention_simple.cuh,
-// split and merged) against the CPU kernel on the same compressed cache.
+// the CPU kernel on the same pages; dgq_fused_attention's kernels (the decode
+// kernel of contig_decode.cuh with its full-precision split, the tensor-core one
+// of attention_mma.cuh and the reference attention_simple.cuh, split and merged)
+// against the CPU kernel on the same compressed cache.
 // The kernels' indices, fragment layouts,
 // softmax and merges, checked where no GPU is; not their speed, nor the
 // hardware's own rounding (a GPU run does that: tests/python/test_cuda_paged.py).
@@ -352,12 +353,20 @@ struct XCache {
   core::NQDims d;
   std::vector<uint8_t> codes, idx;
   std::vector<X> scale, zero, val;
-  // (channel 5 x gain: a channel of larger keys)
-  XCache(int64_t BH, int64_t T, int64_t D, int bits, int G, core::GroupAxis axis, float gain, std::mt19937& rng) {
+  // (channel 5 x gain: a channel of larger keys; + U(0, offset) per channel and 64 tokens: channels far
+  // from 0, as the outlier channels of real keys, which per-channel groups of 64 put in their zeros)
+  XCache(int64_t BH, int64_t T, int64_t D, int bits, int G, core::GroupAxis axis, float gain, std::mt19937& rng,
+         float offset = 0.f) {
     d.rows = BH, d.tokens = T, d.head_dim = D, d.bits = bits, d.group_size = G, d.axis = axis, d.num_outliers = 0;
     std::normal_distribution<float> nd(0.f, 1.f);
+    std::uniform_real_distribution<float> ud(0.f, offset);
+    std::vector<float> off(static_cast<size_t>(D), 0.f);
     std::vector<X> x(size_t(BH * T * D));
-    for (size_t i = 0; i < x.size(); ++i) x[i] = core::from_float<X>(nd(rng) * (i % D == 5 ? gain : 1.f));
+    for (size_t i = 0; i < x.size(); ++i) {
+      if (offset > 0.f && i % (64 * D) == 0)
+        for (auto& o : off) o = ud(rng);
+      x[i] = core::from_float<X>(nd(rng) * (i % D == 5 ? gain : 1.f) + off[i % D]);
+    }
     const int64_t groups = BH * d.groups_per_row();
     codes.resize(size_t(BH * T * d.packed_row_bytes()));
     scale.resize(size_t(groups)), zero.resize(size_t(groups));
@@ -380,25 +389,50 @@ struct XCache {
 
 struct AttnCase {
   int bits, D, gqa, q_len;
-  std::vector<int64_t> lens;  // compressed tokens of each sequence (capacity: the largest)
+  std::vector<int64_t> lens;  // compressed tokens of each sequence
   int64_t window = 0;
   float softcap = 0.f;
   bool rotate = true;
-  int64_t splits = 1;
+  int64_t splits = 1;           // (the decode kernel: splits of the compressed tokens, one more for sinks and tail)
+  int64_t capacity = 0;         // the compressed buffers' tokens (0: the largest length)
+  int64_t sinks = 0, tail = 0;  // full-precision tokens before and after the compressed ones (every sequence)
+  int value_group = 64;         // channels per value group
+  int min_steady = 0;           // warp iterations the decode kernel's steady loop must complete
+  int64_t corrupt_group = -1;   // a key group of (batch 0, kv head 0) whose channel 3 scale is +inf (rows NaN)
+  float key_offset = 0.f;       // keys + U(0, key_offset) per channel and 64 tokens (the zeros' part of a score large)
 };
 
 template <typename X>
 void run_attention_case(const AttnCase& c, cuda::KernelChoice choice) {
   const int64_t B = int64_t(c.lens.size()), Hkv = 2, Hq = Hkv * c.gqa, Lq = c.q_len, D = c.D;
-  const int64_t T = *std::max_element(c.lens.begin(), c.lens.end());
+  const int64_t T = c.capacity > 0 ? c.capacity : *std::max_element(c.lens.begin(), c.lens.end());
   std::mt19937 rng(uint32_t(c.bits * 17 + D + c.gqa + Lq));
-  const XCache<X> k(B * Hkv, T, D, c.bits, 64, core::GroupAxis::kTokens, 9.f, rng);
-  const XCache<X> v(B * Hkv, T, D, c.bits, 64, core::GroupAxis::kChannels, 1.f, rng);
+  XCache<X> k(B * Hkv, T, D, c.bits, 64, core::GroupAxis::kTokens, 9.f, rng, c.key_offset);
+  const XCache<X> v(B * Hkv, T, D, c.bits, c.value_group, core::GroupAxis::kChannels, 1.f, rng);
+  if (c.corrupt_group >= 0) k.scale[size_t(c.corrupt_group * D + 3)] = core::from_float<X>(INFINITY);
   std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<X> q(size_t(B * Hq * Lq * D));
   std::vector<float> qf(q.size()), want(q.size()), signs(static_cast<size_t>(D));
   for (size_t i = 0; i < q.size(); ++i) q[i] = core::from_float<X>(nd(rng)), qf[i] = core::to_float(q[i]);
   for (auto& s : signs) s = rng() % 2 ? 1.f : -1.f;
+  // Full-precision sinks and tail [B, Hkv, n, D] (keys with the compressed keys' large channel 5), X and float.
+  struct Dense {
+    std::vector<X> k, v;
+    std::vector<float> kf, vf;
+  };
+  const auto dense = [&](int64_t n) {
+    Dense d;
+    for (int64_t i = 0; i < B * Hkv * n * D; ++i) {
+      d.k.push_back(core::from_float<X>(nd(rng) * (i % D == 5 ? 9.f : 1.f))),
+          d.kf.push_back(core::to_float(d.k.back()));
+      d.v.push_back(core::from_float<X>(nd(rng))), d.vf.push_back(core::to_float(d.v.back()));
+    }
+    return d;
+  };
+  const Dense sink = dense(c.sinks), tail = dense(c.tail);
+  const auto rows = [&]<typename E>(const E* data, int64_t n) {
+    return core::DenseRows<E>{data, Hkv * n * D, n * D, D};
+  };
   const float vmax = 5.f;  // (values ~N(0, 1): |v| < 5)
   // The CPU kernel, float queries.
   core::CpuAttentionParams<X, X> cp;
@@ -406,6 +440,8 @@ void run_attention_case(const AttnCase& c, cuda::KernelChoice choice) {
   cp.q = {qf.data(), Hq * Lq * D, Lq * D, D};
   cp.k = k.view(), cp.v = v.view(), cp.compressed_lens.i64 = c.lens.data(), cp.scale = 0.125f;
   cp.window = c.window, cp.softcap = c.softcap, cp.rotation_signs = c.rotate ? signs.data() : nullptr;
+  if (c.sinks > 0) cp.sink = {rows(sink.kf.data(), c.sinks), rows(sink.vf.data(), c.sinks), c.sinks, {}};
+  if (c.tail > 0) cp.tail = {rows(tail.kf.data(), c.tail), rows(tail.vf.data(), c.tail), c.tail, {}};
   std::vector<float> cpu_partials(size_t(B * Hkv * core::partial_floats(cp)));
   core::attention_tasks(cp, 1, cpu_partials.data(), 0, B * Hkv);
   core::attention_merge(cp, 1, cpu_partials.data(), want.data(), 0, B * Hkv);
@@ -416,27 +452,42 @@ void run_attention_case(const AttnCase& c, cuda::KernelChoice choice) {
   L.p.q = {q.data(), Hq * Lq * D, Lq * D, D};
   L.p.k = k.view(), L.p.v = v.view(), L.p.compressed_lens.i64 = c.lens.data(), L.p.scale = 0.125f;
   L.p.window = c.window, L.p.softcap = c.softcap, L.p.rotation_signs = cp.rotation_signs;
+  if (c.sinks > 0) L.p.sink = {rows(sink.k.data(), c.sinks), rows(sink.v.data(), c.sinks), c.sinks, {}};
+  if (c.tail > 0) L.p.tail = {rows(tail.k.data(), c.tail), rows(tail.v.data(), c.tail), c.tail, {}};
   L.row_tiles = (c.gqa * Lq + cuda::kAttnRows - 1) / cuda::kAttnRows;
-  L.splits = c.splits;
   uint32_t status = 0;
   L.status = &status;
   const cuda::AttentionKernelInfo kernel = cuda::attention_kernel_info(L, choice);
   REQUIRE(kernel.error == 0);
-  REQUIRE(kernel.mma == (choice == cuda::KernelChoice::kMma));
+  REQUIRE(kernel.mma == (choice != cuda::KernelChoice::kSimple));
+  REQUIRE(kernel.decode == (choice == cuda::KernelChoice::kDecode));
+  REQUIRE(kernel.fp_splits == (kernel.decode && c.sinks + c.tail > 0 ? 1 : 0));
+  L.splits = c.splits + kernel.fp_splits;
   std::vector<float> partials(size_t(B * Hkv * L.row_tiles * L.splits * cuda::kAttnRows * (D + 2)));
   L.partials = partials.data();
+  const int64_t steady = cuda::emu::counters.decode_steady;
   REQUIRE(cuda::launch_attention(L, kernel, nullptr) == 0);
+  INFO("steady iterations " << cuda::emu::counters.decode_steady - steady);
+  CHECK(cuda::emu::counters.decode_steady - steady >= (kernel.decode ? c.min_steady : 0));
   std::vector<X> got(q.size());
   const cuda::MergeArgs m{B, Hq, Hkv, Lq, D, L.splits, L.row_tiles, partials.data(), L.p.rotation_signs};
   REQUIRE(cuda::launch_attention_merge<X>(m, got.data(), nullptr) == 0);
   REQUIRE(status == 0);
   const double tol = 1.5 * vmax * ((std::is_same_v<X, core::bf16_t> ? 0x1p-8 : 0x1p-11) + 1e-4);
   double worst = 0;
+  int64_t nan_rows = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     const double a = core::to_float(got[i]);
+    if (std::isnan(want[i])) {  // (a corrupt key group: its rows NaN, as the CPU kernel's)
+      nan_rows += std::isnan(a);
+      continue;
+    }
     REQUIRE(std::isfinite(a));
     worst = std::max(worst, std::fabs(a - double(want[i])));
   }
+  const auto want_nan = std::count_if(want.begin(), want.end(), [](float x) { return std::isnan(x); });
+  CHECK(nan_rows == want_nan);
+  CHECK((want_nan > 0) == (c.corrupt_group >= 0));
   INFO("worst " << worst << ", tolerance " << tol);
   CHECK(worst <= tol);
 }
@@ -444,12 +495,38 @@ void run_attention_case(const AttnCase& c, cuda::KernelChoice choice) {
 }  // namespace
 
 TEST_CASE("dgq_fused_attention's kernels (emulated) against the CPU kernel", "[cuda_emulated]") {
-  for (auto choice : {cuda::KernelChoice::kMma, cuda::KernelChoice::kSimple}) {
-    INFO("tensor cores " << (choice == cuda::KernelChoice::kMma));
-    run_attention_case<core::bf16_t>({4, 128, 4, 1, {200, 77}}, choice);                   // decode, GQA 4
-    run_attention_case<core::half_t>({2, 64, 2, 3, {130, 64}, 40, 0.f, true, 3}, choice);  // 3 queries, window, splits
-    run_attention_case<core::half_t>({8, 128, 1, 5, {96, 70}, 0, 25.f, false}, choice);    // soft-cap, no rotation
+  for (auto choice : {cuda::KernelChoice::kDecode, cuda::KernelChoice::kMma, cuda::KernelChoice::kSimple}) {
+    INFO("kernel choice " << int(choice));
+    // decode, GQA 4; a tail (the decode kernel's full-precision split)
+    run_attention_case<core::bf16_t>({4, 128, 4, 1, {200, 77}, 0, 0.f, true, 1, 256, 0, 37}, choice);
+    // 3 queries, a window, splits, sinks and a tail
+    run_attention_case<core::half_t>({2, 64, 2, 3, {130, 64}, 40, 0.f, true, 3, 192, 4, 20}, choice);
+    // soft-cap, no rotation
+    run_attention_case<core::half_t>({8, 128, 1, 5, {96, 70}, 0, 25.f, false}, choice);
   }
+}
+
+TEST_CASE("dgq_fused_attention's decode kernel (emulated) in every format it takes", "[cuda_emulated]") {
+  constexpr auto kDecode = cuda::KernelChoice::kDecode;
+  // 2 bits, D64 in one value group, GQA 8, long enough for the steady loop (and splits)
+  run_attention_case<core::bf16_t>({2, 64, 8, 1, {1500, 300}, 0, 0.f, true, 2, 1536, 0, 0, 64, 4}, kDecode);
+  // 2 bits, D128 in four value groups (of 32), GQA 4, fp16, a tail
+  run_attention_case<core::half_t>({2, 128, 4, 1, {1024, 640}, 0, 0.f, true, 1, 1024, 0, 16, 32, 4}, kDecode);
+  // 4 bits, D64 in four value groups (of 16), GQA 1, a window
+  run_attention_case<core::bf16_t>({4, 64, 1, 1, {700, 300}, 200, 0.f, true, 1, 704, 0, 5, 16, 2}, kDecode);
+  // 4 bits, D128 in two value groups, GQA 8, no rotation, sinks
+  run_attention_case<core::half_t>({4, 128, 8, 1, {600, 64}, 0, 0.f, false, 1, 640, 3, 0, 64, 2}, kDecode);
+  // 8 bits, D64 in two value groups, GQA 2 x 4 queries, a soft-cap (every iteration the edge's)
+  run_attention_case<core::bf16_t>({8, 64, 2, 4, {400, 33}, 0, 30.f, true, 2, 400, 0, 9, 32}, kDecode);
+  // 8 bits, D128 in one group, GQA 4
+  run_attention_case<core::half_t>({8, 128, 4, 1, {500, 200}, 0, 0.f, true, 1, 512, 0, 0, 128, 4}, kDecode);
+  // a key scale of +inf in group 9 of 24 (a steady iteration's) and in group 0 (an edge's): those rows NaN
+  run_attention_case<core::bf16_t>({2, 64, 8, 1, {1500, 300}, 0, 0.f, true, 1, 1536, 0, 0, 64, 4, 9}, kDecode);
+  run_attention_case<core::half_t>({4, 128, 4, 1, {300, 300}, 0, 0.f, true, 1, 320, 0, 0, 64, 0, 0}, kDecode);
+  // keys N(0, 1) + U(0, 100) per channel and key group, not rotated: q . zero (the zeros' MMA, in two
+  // terms) most of each score, and different in each group
+  run_attention_case<core::bf16_t>({2, 64, 8, 1, {700, 300}, 0, 0.f, false, 1, 704, 0, 0, 64, 0, -1, 100.f}, kDecode);
+  run_attention_case<core::half_t>({4, 128, 4, 1, {700, 300}, 0, 0.f, false, 1, 704, 0, 0, 64, 0, -1, 100.f}, kDecode);
 }
 
 TEST_CASE("nq_compress / nq_decompress kernels (emulated) against the CPU's, bit for bit", "[cuda_emulated]") {

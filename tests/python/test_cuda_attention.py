@@ -1,7 +1,8 @@
 """dgq_fused_attention on CUDA against the float64 reference of test_attention.py and
-against the CPU kernel, for both CUDA kernels: the reference SIMT kernel
-(NEXUSKV_CUDA_ATTENTION=simple) and the tensor-core kernel (=mma, which fails the call
-if it does not take the case, so a passing test proves it ran).  Every bit width,
+against the CPU kernel, for every CUDA kernel: the reference SIMT kernel
+(NEXUSKV_CUDA_ATTENTION=simple), the tensor-core kernel (=mma) and the decode kernel
+(=decode, contig_decode.cuh; each fails the call if it does not take the case, so a
+passing test proves it ran).  Every bit width,
 grouping, dtype, GQA ratio, q_len in {1, 4, 17}, ragged batches, sinks, tail, rotation,
 DGQ keys, windows and soft-caps; outputs into poisoned memory, every element checked,
 every check run twice; no host synchronization, CUDA graph capture, opcheck,
@@ -104,6 +105,29 @@ def mma_takes(case: Case) -> bool:
     )
 
 
+def decode_takes(case: Case) -> bool:
+    """Whether the decode kernel takes the case (contig_decode.cuh's decode_variant)."""
+    bits, kg, _ = case.k_format
+    _, vg, _ = case.v_format
+    D = case.q.shape[-1]
+    sub = {2: 4, 4: 2, 8: 1}.get(bits, 0)  # chunks of 16 keys a warp iteration
+    groups = 1 if vg >= D else (D // vg if D % vg == 0 else 0)
+    rows = case.q.shape[1] // case.k_cache[0].shape[1] * case.q.shape[2]
+    return (
+        mma_takes(case)
+        and case.k_starts is None
+        and sub > 0
+        and kg % (16 * sub) == 0
+        and groups in (1, 2, 4)
+        and (D // groups) % 16 == 0
+        and case.k_cache[3].shape[-1] == 0
+        and case.v_cache[3].shape[-1] == 0
+        and rows <= 8
+        and case.k_cache[0].shape[2] % (16 * sub) == 0
+        and case.v_cache[0].shape[2] % (16 * sub) == 0
+    )
+
+
 def tolerance(dtype) -> float:
     # float32 arithmetic; for 16-bit q the output is rounded to q's dtype (as on the CPU).
     return 1e-4 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
@@ -115,7 +139,7 @@ def check_case(case: Case, **overrides):
     ref = case.reference() if not overrides else None
     cpu = case.run(**overrides)
     tol = tolerance(case.q.dtype)
-    kernels = ["simple"] + (["mma"] if mma_takes(case) else [])
+    kernels = ["simple"] + (["mma"] if mma_takes(case) else []) + (["decode"] if decode_takes(case) else [])
     outs = {}
     for kernel in kernels:
         out = outs[kernel] = run_cuda(case, kernel, **overrides)
@@ -123,6 +147,9 @@ def check_case(case: Case, **overrides):
         if ref is not None:
             assert rel_err(out, ref) <= tol, kernel
         assert rel_err(out, cpu.double()) <= 2 * tol, kernel
+    # (The decode kernel rounds its queries x key scales to 16-bit integers per row and key
+    # group, coarser than the tensor-core kernel's 22 bits: it meets the tolerances above; the
+    # element-by-element gap below is the tensor-core kernel's.)
     if "mma" in outs:
         # Element by element: one unit in the last place of the 16-bit output (rounding
         # boundaries) plus MMA_GAP x the size of the terms the element sums.
@@ -158,6 +185,42 @@ def test_float32_grid_matches_float64_and_cpu(bits, ratio, q_len, tail, rotate, 
 def test_16_bit_grid_both_kernels(dtype, bits, ratio, q_len, tail, rotate, dgq):
     kernels = check_case(grid_case(bits, ratio, q_len, tail, rotate, dgq, longest=200, dtype=dtype))
     assert ("mma" in kernels) == (bits in MMA_BITS)  # the 2/4/8-bit cases do run on the tensor cores
+
+
+# The decode kernel's formats: bits, head_dim, GQA ratio x q_len (<= 8 rows), value group
+# (1, 2 or 4 groups), with a tail, sinks, rotation, a window.
+DECODE_GRID = [
+    (2, 64, 8, 1, 64, 16, 0, True, None),
+    (2, 128, 4, 1, 32, 0, 4, False, None),
+    (4, 64, 1, 1, 16, 9, 0, True, 100),
+    (4, 128, 2, 4, 64, 16, 3, True, None),
+    (8, 64, 4, 2, 32, 0, 0, False, None),
+    (8, 128, 8, 1, 128, 5, 2, True, 60),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits,head_dim,ratio,q_len,v_group,tail,sinks,rotate,window", DECODE_GRID)
+def test_decode_kernel(dtype, bits, head_dim, ratio, q_len, v_group, tail, sinks, rotate, window):
+    case = Case(
+        bits=bits,
+        group=64,
+        ratio=ratio,
+        q_len=q_len,
+        head_dim=head_dim,
+        comp_lens=(320, 77),
+        tail=tail,
+        tail_lens=[tail, tail // 2] if tail else None,
+        sinks=sinks,
+        rotate=rotate,
+        k_outliers=0,
+        v_outliers=0,
+        v_group=v_group,
+        window=window,
+        dtype=dtype,
+        seed=bits * 100 + head_dim + ratio,
+    )
+    assert "decode" in check_case(case)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

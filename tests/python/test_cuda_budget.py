@@ -94,9 +94,18 @@ def test_a_warp_barrier_marks_the_decode_kernels_loop():
     assert v.loop_instructions == 9 and v.loop_counts["BAR"] == 0
 
 
-def decode_kernel(edge_extra=0, steady_extra=0, chunks=1):
+def decode_kernel(edge_extra=0, steady_extra=0, chunks=1, contiguous=False):
     # paged_decode.cuh's shape: an outer loop over the iterations whose edge ones run a masked copy
     # of the iteration's work, and inside it the steady loop over those every row sees whole.
+    # A chunk: q . K (IMMA), the key zeros x the rows' sums of q (paged: HMMA.1688), P . V (2 HMMAs);
+    # contiguous (contig_decode.cuh): the key group's q . zero once an iteration (2 HMMAs), none a chunk.
+    chunk = [
+        "IMMA.16832.S8.S8 R4, R12, R16, R4",
+        *([] if contiguous else ["HMMA.1688.F32.BF16 R24, R12, R16, RZ"]),
+        "HMMA.16816.F32.BF16 R8, R12, R16, R8",
+        "HMMA.16816.F32.BF16 R8, R12, R16, R8",
+    ]
+    group = ["HMMA.16816.F32.BF16 R28, R12, R16, R28"] * 2 if contiguous else []
     return [
         "S2R R0, SR_TID.X",
         "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]",
@@ -104,26 +113,16 @@ def decode_kernel(edge_extra=0, steady_extra=0, chunks=1):
         "@!P0 BRA 0x{edge:03x}",
         "WARPSYNC.ALL",  # 0x40: steady header
         "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]",
-        *[
-            "IMMA.16832.S8.S8 R4, R12, R16, R4",
-            "HMMA.1688.F32.BF16 R24, R12, R16, RZ",  # the key zeros x the rows' sums of q
-            "HMMA.16816.F32.BF16 R8, R12, R16, R8",
-            "HMMA.16816.F32.BF16 R8, R12, R16, R8",
-        ]
-        * chunks,
+        *group,
+        *chunk * chunks,
         *["FMUL R20, R20, R21"] * steady_extra,
         "@P1 BRA 0x040",  # steady back edge
         "BRA 0x{next:03x}",
         # edge: the same work, masked
         "WARPSYNC.ALL",
         "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]",
-        *[
-            "IMMA.16832.S8.S8 R4, R12, R16, R4",
-            "HMMA.1688.F32.BF16 R24, R12, R16, RZ",  # the key zeros x the rows' sums of q
-            "HMMA.16816.F32.BF16 R8, R12, R16, R8",
-            "HMMA.16816.F32.BF16 R8, R12, R16, R8",
-        ]
-        * chunks,
+        *group,
+        *chunk * chunks,
         *["FSEL R22, R22, -INF, P3"] * (4 + edge_extra),
         "@P2 BRA 0x020",  # next: outer back edge
         "EXIT",
@@ -159,6 +158,19 @@ def test_the_decode_kernels_steady_loop_is_the_one_holding_one_chunks_mmas():
     cb.analyse(z, cb.parse_sass(listing(resolve(decode_kernel(chunks=3, steady_extra=2))))["kernel"])
     assert z.loop_chunks == 3 and z.loop_counts["HMMA"] == 9
     assert z.loop_instructions == 6  # (WARPSYNC, LDGSTS, 3 IMMA, 9 HMMA, 2 FMUL, BRA) / 3 = 17 / 3, up
+
+
+def test_the_contiguous_decode_kernels_iteration_holds_one_groups_zero_mmas():
+    # contig_decode.cuh: per chunk P . V (2 HMMAs at D 16) and q . K (IMMA); per iteration as many
+    # HMMAs again for the key group's q . zero
+    v = cb.Variant("sm_90", "bf16", 2, 16, "contiguous", groups=1, rows=8)
+    cb.analyse(v, cb.parse_sass(listing(resolve(decode_kernel(chunks=3, steady_extra=2, contiguous=True))))["kernel"])
+    assert v.loop_counts["HMMA"] == 8 and v.loop_counts["IMMA"] == 3 and v.loop_chunks == 3
+    assert v.loop_instructions == 6  # (WARPSYNC, LDGSTS, 2 + 3 x 3 MMAs, 2 FMUL, BRA) / 3 = 16 / 3, up
+    # counted as the paged kernel's (3 HMMAs a chunk), the same loop would not divide into chunks
+    code = cb.parse_sass(listing(resolve(decode_kernel(chunks=3, contiguous=True))))["kernel"]
+    with pytest.raises(ValueError, match="no innermost loop holds a multiple of 3 HMMAs"):
+        cb.analyse(cb.Variant("sm_90", "bf16", 2, 16, "paged", groups=1, rows=8), code)
 
 
 def test_refuses_a_loop_without_barrier_or_copy():
