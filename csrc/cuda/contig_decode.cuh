@@ -14,11 +14,11 @@
 // lane (g, t) takes row g's channels 16 v + 4t + j (its B fragments' own),
 // q' normalized per row by a power of two times 32767 / 32768 (|q' up| <
 // 32767: round to nearest, the nearest 16-bit integer, no clamp), in the two
-// byte limbs of DecodeWarp::key_scores; the rows' 1 / up and biases go to
-// the lanes that hold their scores by shuffles.  The scores are then the
-// integer MMAs' hi x 256 + lo, times 1 / up, plus the bias (on fp16 / bf16
-// MMAs: fold): exact products, each q' rounded by at most 2^-16 of the row's
-// largest |q'|.  That is coarser than attention_mma.cuh's 22-bit fold where
+// byte limbs of DecodeWarp::key_scores; the rows' 1 / up go to the lanes
+// that hold their scores by shuffles (the biases, on fp16 / bf16 MMAs, land
+// there: fold).  The scores are then the integer MMAs' hi x 256 + lo, times
+// 1 / up, plus the bias: exact products, each q' rounded by at most 2^-16 of
+// the row's largest |q'|.  That is coarser than attention_mma.cuh's 22-bit fold where
 // keys lie far from their group's zeros in every channel at once (a score's
 // rounding grows with its codes: keys offset by ~100 per token, fp16, err by
 // 1.2 x the fp16 tolerance in emulation, where the 16-row kernel stays at 0.2
