@@ -219,10 +219,7 @@ struct ContigDecodeKernel
       int32_t i[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) i[j] = float_to_int_rn(x[v][j] * up);
-      // bytes 0, 1 of i[0..3] -> lo = their bytes 0, hi = their bytes 1
-      const uint32_t t01 = byte_perm(uint32_t(i[0]), uint32_t(i[1]), 0x5140u);
-      const uint32_t t23 = byte_perm(uint32_t(i[2]), uint32_t(i[3]), 0x5140u);
-      qf.lo[v] = byte_perm(t01, t23, 0x5410u), qf.hi[v] = byte_perm(t01, t23, 0x7632u);
+      this->limbs_of(i, qf.hi[v], qf.lo[v]);
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) down[r] = shfl(dn, 4 * (2 * t + r)), bias[r] = zq[r] * zdown[r];

@@ -204,14 +204,12 @@ struct DecodeWarp {
   struct QueryLimbs {
     uint32_t hi[kKSteps], lo[kKSteps];  // (q >> 8) as s8, q & 255 as u8
   };
-  // Limbs of four queries (channels 16 v + 4t + j, j = 0..3) as 16-bit integers x (|x| < 2^15).
-  NKV_DEVICE static void limbs_of(const float (&x)[4], uint32_t& hi, uint32_t& lo) {
-    hi = 0, lo = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t q16 = uint32_t(int32_t(x[j]));
-      hi |= ((q16 >> 8) & 0xffu) << (8 * j), lo |= (q16 & 0xffu) << (8 * j);
-    }
+  // The limbs of four queries (channels 16 v + 4t + j, j = 0..3) given as 16-bit integers i
+  // (-2^15 <= i < 2^15): bytes 0 of i[0..3] -> lo, bytes 1 -> hi (four PRMTs).
+  NKV_DEVICE static void limbs_of(const int32_t (&i)[4], uint32_t& hi, uint32_t& lo) {
+    const uint32_t t01 = byte_perm(uint32_t(i[0]), uint32_t(i[1]), 0x5140u);
+    const uint32_t t23 = byte_perm(uint32_t(i[2]), uint32_t(i[3]), 0x5140u);
+    lo = byte_perm(t01, t23, 0x5410u), hi = byte_perm(t01, t23, 0x7632u);
   }
   // Words of a chunk's code rows by ldmatrix, code chunks cc and cc + 1 (one
   // ldmatrix; cc alone with a single code chunk): w[i][h] of lane (g, t) is

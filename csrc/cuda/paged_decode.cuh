@@ -287,9 +287,10 @@ struct PagedDecodeKernel
       const float up = pow2_inverse(sm.qdown[g]);
 #pragma unroll
       for (int v = 0; v < kKSteps; ++v) {
-        float x[4];
+        int32_t x[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) x[j] = fminf(fmaxf(rintf(sm.buf.q[g][16 * v + 4 * t + j] * up), -32768.f), 32767.f);
+        for (int j = 0; j < 4; ++j)
+          x[j] = int32_t(fminf(fmaxf(rintf(sm.buf.q[g][16 * v + 4 * t + j] * up), -32768.f), 32767.f));
         this->limbs_of(x, qf.hi[v], qf.lo[v]);
       }
     }

@@ -176,25 +176,21 @@ NKV_DEVICE uint32_t pair_abs(uint32_t a) {
 // t = lane % 4): a[i] holds A[g + 8 (i % 2)][2t + 8 (i / 2) + {0, 1}];
 // b[j] holds B[2t + 8 j + {0, 1}][g]; d[i] holds D[g + 8 (i / 2)][2t + i % 2].
 // All 32 lanes call it together.
-NKV_DEVICE void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-// The same with A and B fp16, or bf16 if kBf16 (sm_80 and later).
+#define NKV_MMA_16816(TYPE)                                                             \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE                   \
+               ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n" \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                         \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
+// (A and B bf16 if kBf16: sm_80 and later)
 template <bool kBf16>
 NKV_DEVICE void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
   if constexpr (kBf16)
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    NKV_MMA_16816("bf16");
   else
-    mma_16816(d, a, b);
+    NKV_MMA_16816("f16");
 }
+#undef NKV_MMA_16816
+NKV_DEVICE void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) { mma_16816<false>(d, a, b); }
 // The same for one m16n8k8 tile (a[i] holds A[g + 8 i][2t + {0, 1}], b holds
 // B[2t + {0, 1}][g]), A and B fp16, or bf16 if kBf16 (sm_80 and later).
 #define NKV_MMA_1688(TYPE)                                                  \
