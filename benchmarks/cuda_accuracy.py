@@ -4,8 +4,9 @@ float64 (needs a GPU; the numbers behind the tolerances of tests/python/test_cud
 For every case of the CUDA attention tests that the tensor-core kernel takes (the 2/4/8-bit grid
 of test_attention.py, sinks, windows, head dims 64/128, unaligned key groups, long split
 contexts; bf16 and fp16), the reference SIMT kernel (NEXUSKV_CUDA_ATTENTION=simple) once and
-the tensor-core kernel (=mma) twice.  Per case, in units of the element's magnitude
-mag = sum_j p_j rms(v_j) (Case.reference(value_magnitudes=True)):
+the tensor-core kernel (=mma) twice, and the decode kernel (=decode) where it takes the case
+(with the decode kernel's grid of test_cuda_attention.py).  Per case, in units of the element's
+magnitude mag = sum_j p_j rms(v_j) (Case.reference(value_magnitudes=True)):
 
   gap            max (|simple - mma| - one unit in the last place of the output) / mag
                  (what the test bounds by MMA_GAP)
@@ -15,6 +16,10 @@ mag = sum_j p_j rms(v_j) (Case.reference(value_magnitudes=True)):
   f32gap_simple  max (|simple - f64| - half an ulp of the output) / mag: the arithmetic error
   f32gap_mma     the same for the tensor-core kernel
   rr_row         max (|mma run 1 - run 2| - one ulp) / the row's largest output (RERUN_GAP)
+  f32gap_decode  f32gap for the decode kernel (its queries x key scales rounded to 16-bit
+                 integers: coarser than the tensor-core kernel's 22 bits)
+  rel_decode     |decode - f64| / |f64| (Frobenius), against the tests' bound tolerance(dtype)
+                 (the decode statistics only over the cases the decode kernel takes)
 
     python benchmarks/cuda_accuracy.py --json results/cuda_accuracy.json
 """
@@ -33,14 +38,27 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "python"))
 
-STATS = ("gap", "ulps", "frac", "f32gap_simple", "f32gap_mma", "rr_row", "rr_frac", "rr_ulps")
+STATS = (
+    "gap",
+    "ulps",
+    "frac",
+    "f32gap_simple",
+    "f32gap_mma",
+    "rr_row",
+    "rr_frac",
+    "rr_ulps",
+    "f32gap_decode",
+    "rel_decode",
+)
 
 
 def cases():
     from test_attention import GRID, SINK_GRID, Case, sink_case
-    from test_cuda_attention import MMA_BITS, grid_case
+    from test_cuda_attention import DECODE_GRID, MMA_BITS, decode_case, grid_case
 
     for dtype in (torch.bfloat16, torch.float16):
+        for g in DECODE_GRID:
+            yield f"decode{g}", lambda g=g, dtype=dtype: decode_case(*g, dtype=dtype)
         for g in GRID:
             if g[0] in MMA_BITS:
                 yield f"grid{g}", lambda g=g, dtype=dtype: grid_case(*g, longest=200, dtype=dtype)
@@ -74,7 +92,7 @@ def run(case, kernel: str) -> torch.Tensor:
 
 
 def stats(case, name: str) -> dict:
-    from test_cuda_attention import beyond_one_ulp  # the tests' own measure
+    from test_cuda_attention import beyond_one_ulp, decode_takes, rel_err  # the tests' own measures
 
     ref, mag = case.reference(), case.reference(value_magnitudes=True).clamp_min(1e-300)
     eps = torch.finfo(case.q.dtype).eps
@@ -84,6 +102,7 @@ def stats(case, name: str) -> dict:
         return float(((a - b).abs() / (eps * torch.maximum(a.abs(), b.abs())).clamp_min(1e-300)).max())
 
     row = m1.abs().amax(-1, keepdim=True).clamp_min(1e-300)
+    d = run(case, "decode") if decode_takes(case) else None
     return dict(
         case=name,
         dtype=str(case.q.dtype).replace("torch.", ""),
@@ -95,6 +114,10 @@ def stats(case, name: str) -> dict:
         rr_row=float((beyond_one_ulp(m1, m2, case.q.dtype) / row).max()),
         rr_frac=float((m1 != m2).double().mean()),
         rr_ulps=ulps(m1, m2),
+        f32gap_decode=None
+        if d is None
+        else float((((d - ref).abs() - 0.5 * eps * ref.abs()).clamp_min(0) / mag).max()),
+        rel_decode=None if d is None else float(rel_err(d, ref)),
     )
 
 
@@ -105,7 +128,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("cuda_accuracy: no CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
-    from test_cuda_attention import MMA_GAP, RERUN_GAP, mma_takes  # (imports nexuskv: the operators)
+    from test_cuda_attention import MMA_GAP, RERUN_GAP, mma_takes, tolerance  # (imports nexuskv: the operators)
 
     t0 = time.time()
     rows = []
@@ -118,15 +141,28 @@ def main(argv=None) -> int:
     for dt in ("bfloat16", "float16"):
         r = [x for x in rows if x["dtype"] == dt]
         for k in STATS:
-            worst = max(r, key=lambda x: x[k])
-            print(f"{dt:9} {k:14} {worst[k]:10.3e} {sorted(x[k] for x in r)[len(r) // 2]:10.3e}  {worst['case']}")
-    print(f"test bounds: gap <= MMA_GAP = {MMA_GAP:.3e}, rr_row <= RERUN_GAP = {RERUN_GAP:.3e}")
+            had = [x for x in r if x[k] is not None]  # (the decode statistics: its cases only)
+            if not had:
+                continue
+            worst = max(had, key=lambda x: x[k])
+            print(f"{dt:9} {k:14} {worst[k]:10.3e} {sorted(x[k] for x in had)[len(had) // 2]:10.3e}  {worst['case']}")
+    print(
+        f"test bounds: gap <= MMA_GAP = {MMA_GAP:.3e}, rr_row <= RERUN_GAP = {RERUN_GAP:.3e}, "
+        f"rel_decode <= tolerance(dtype) (bf16 {tolerance(torch.bfloat16):.3e}, fp16 {tolerance(torch.float16):.3e})"
+    )
+    print(f"decode kernel: {sum(x['rel_decode'] is not None for x in rows)} of the {len(rows)} cases")
     info = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(info=info, cases=rows), indent=0))
     print(f"wrote {path}")
-    return 0 if all(x["gap"] <= MMA_GAP and x["rr_row"] <= RERUN_GAP for x in rows) else 1
+    within = all(
+        x["gap"] <= MMA_GAP
+        and x["rr_row"] <= RERUN_GAP
+        and (x["rel_decode"] is None or x["rel_decode"] <= tolerance(getattr(torch, x["dtype"])))
+        for x in rows
+    )
+    return 0 if within else 1
 
 
 if __name__ == "__main__":

@@ -6,21 +6,25 @@ the static count of `cuda_budget.py` (what issue 20's budget is checked with).
 inner loops (the softmax rows) count one trip. Nsight Compute counts what ran. This script
 runs one decode step of each kernel (llama-like: 32 q / 8 kv heads, head_dim 128, bf16,
 groups of 64, one query per sequence; contiguous cache: keys per channel, values per token;
-pages: the vLLM backend's default format, 16-token blocks) at each --bits, with
-NEXUSKV_CUDA_ATTENTION=mma (the call fails where the tensor-core kernel does not take it):
-2 x len(bits) launches of interest. Under ncu it is profiled, and --parse reads ncu's CSV:
+pages: the vLLM backend's default format, 16-token blocks) at each --bits: the contiguous
+cache twice, with NEXUSKV_CUDA_ATTENTION=decode (its decode kernel, contig_decode_kernel: what
+a decode step runs by default) and =mma (the 16-row kernel, attention_mma_kernel, for
+comparison), the pages with =mma (paged_attention_mma_kernel, its decode variant); each call
+fails where the kernel asked for does not take it: 3 x len(bits) launches of interest. Under
+ncu it is profiled, and --parse reads ncu's CSV:
 
     ncu --csv --clock-control none \\
-        --kernel-name regex:attention_mma_kernel \\
+        --kernel-name "regex:attention_mma_kernel|contig_decode_kernel" \\
         --metrics smsp__inst_executed.sum,gpu__time_duration.sum,dram__bytes_read.sum \\
         python benchmarks/cuda_dynamic.py --run > ncu.csv
     python benchmarks/cuda_dynamic.py --parse ncu.csv [--budget benchmarks/cuda_budget.json]
 
 Per launch it prints warp instructions / (64-key tiles x 4 warps) (tiles = batch x kv heads x
 context / 64: every key is in exactly one tile of one split; the merge and the pre-pass are
-other kernels, not counted), the static loop count of the same variant (sm_90, the JSON's),
-their ratio, the launch's time and its DRAM read rate. gpu_check.sh runs both halves when ncu
-is there.
+other kernels, not counted; the decode kernels' warps take 16-key chunks of their own, the
+block's 4 warps 64 keys a round: the same unit), the static loop count of the same variant
+(sm_90, the JSON's), their ratio, the launch's time and its DRAM read rate. gpu_check.sh runs
+both halves when ncu is there.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_budget import DTYPE, KERNEL, PAGED_KERNEL  # noqa: E402  (the same names the static count uses)
+from cuda_budget import CONTIG_DECODE_KERNEL, DTYPE, KERNEL, PAGED_KERNEL  # noqa: E402  (the same names the static count uses)
 
 Q_HEADS, KV_HEADS, HEAD_DIM, GROUP, BLOCK = 32, 8, 128, 64, 16
 WARPS = 4
@@ -42,13 +46,24 @@ WARPS = 4
 
 def run(batch: int, context: int, bits_list: list[int], device: str = "cuda") -> None:
     """One decode step of each tensor-core kernel per width (the launches ncu profiles); on
-    device "cpu" the same calls run the CPU kernels (a check of the calls, no GPU needed)."""
+    device "cpu" the same calls run the CPU kernels (a check of the calls, no GPU needed).
+    NEXUSKV_CUDA_ATTENTION is set per call and restored after."""
+    saved = os.environ.get("NEXUSKV_CUDA_ATTENTION")
+    try:
+        _run(batch, context, bits_list, device)
+    finally:
+        if saved is None:
+            os.environ.pop("NEXUSKV_CUDA_ATTENTION", None)
+        else:
+            os.environ["NEXUSKV_CUDA_ATTENTION"] = saved
+
+
+def _run(batch: int, context: int, bits_list: list[int], device: str) -> None:
     import torch
 
     import nexuskv
     import nexuskv.paged
 
-    os.environ["NEXUSKV_CUDA_ATTENTION"] = "mma"
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
     k = torch.randn(batch, KV_HEADS, context, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
@@ -62,8 +77,10 @@ def run(batch: int, context: int, bits_list: list[int], device: str = "cuda") ->
     for bits in bits_list:
         kc = nexuskv.nq_compress(k, bits, GROUP, -2)
         vc = nexuskv.nq_compress(v, bits, GROUP, -1)
-        out = torch.ops.nexuskv.dgq_fused_attention(q, kc, vc, [bits, GROUP, -2], [bits, GROUP, -1], lens)
-        assert torch.isfinite(out).all(), f"contiguous {bits}-bit: non-finite output"
+        for kernel in ("decode", "mma"):  # the decode kernel, then the 16-row kernel
+            os.environ["NEXUSKV_CUDA_ATTENTION"] = kernel
+            out = torch.ops.nexuskv.dgq_fused_attention(q, kc, vc, [bits, GROUP, -2], [bits, GROUP, -1], lens)
+            assert torch.isfinite(out).all(), f"contiguous {bits}-bit ({kernel}): non-finite output"
         kc = vc = None
         fmt = nexuskv.paged.PagedFormat(key_bits=bits, value_bits=bits, group_size=GROUP)
         pages = torch.empty(
@@ -73,6 +90,7 @@ def run(batch: int, context: int, bits_list: list[int], device: str = "cuda") ->
             nexuskv.paged.write_(
                 pages, k[b].transpose(0, 1).contiguous(), v[b].transpose(0, 1).contiguous(), slots[b].contiguous(), fmt
             )
+        os.environ["NEXUSKV_CUDA_ATTENTION"] = "mma"  # (pages: their tensor-core kernels)
         out = nexuskv.paged.attention(
             q.reshape(batch, Q_HEADS, HEAD_DIM), pages, table, lens, starts, fmt, fmt.signs(HEAD_DIM, device)
         )
@@ -86,17 +104,25 @@ def run(batch: int, context: int, bits_list: list[int], device: str = "cuda") ->
 # The same variants demangled (ncu's default kernel names): c++filt's spelling.
 PAGED_DEMANGLED = re.compile(r"paged_attention_mma_kernel<[\w:]*?(bf16_t|half_t), (\d+), (\d+), (\d+), (\d+)>")
 KERNEL_DEMANGLED = re.compile(r"(?<!paged_)attention_mma_kernel<.*?(bf16_t|half_t).*?>\s*, (\d+), (\d+)>")
+CONTIG_DECODE_DEMANGLED = re.compile(r"contig_decode_kernel<.*?(bf16_t|half_t).*?>\s*, (\d+), (\d+), (\d+)>")
 
 
 def variant(name: str):
     """(kernel, dtype, bits, head_dim, groups, rows) of a tensor-core kernel's name, mangled (the
     regexes cuda_budget.py reads the SASS with) or demangled, as cuda_budget.json names them
-    (dtype "bf16" / "fp16"; rows: the query rows a block holds, 8 kNT for the paged kernel, 16
-    for the contiguous one); None for any other kernel."""
-    for paged, kernel in ((PAGED_KERNEL, KERNEL), (PAGED_DEMANGLED, KERNEL_DEMANGLED)):
+    (dtype "bf16" / "fp16"; groups: value groups a token, 0 for the 16-row kernel; rows: the
+    query rows a block holds, 8 kNT for the paged kernel, 8 for the contiguous cache's decode
+    kernel, 16 for its 16-row kernel); None for any other kernel."""
+    for paged, decode, kernel in (
+        (PAGED_KERNEL, CONTIG_DECODE_KERNEL, KERNEL),
+        (PAGED_DEMANGLED, CONTIG_DECODE_DEMANGLED, KERNEL_DEMANGLED),
+    ):
         m = paged.search(name)
         if m:
             return "paged", DTYPE[m.group(1)], int(m.group(2)), int(m.group(3)), int(m.group(4)), 8 * int(m.group(5))
+        m = decode.search(name)
+        if m:
+            return "contiguous", DTYPE[m.group(1)], int(m.group(2)), int(m.group(3)), int(m.group(4)), 8
         m = kernel.search(name)
         if m:
             return "contiguous", DTYPE[m.group(1)], int(m.group(2)), int(m.group(3)), 0, 16

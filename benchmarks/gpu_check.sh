@@ -269,10 +269,14 @@ except Exception:  # missing or broken: test_attention imports it for its proper
 import nexuskv
 from nexuskv import paged
 from test_attention import Case
-from test_cuda_attention import on_cuda
+from test_cuda_attention import DECODE_GRID, decode_case, decode_takes, on_cuda
 CASES = [Case(dtype=torch.bfloat16, **kw) for kw in (
     dict(), dict(q_len=5, tail=6, sinks=3, rotate=True), dict(dgq=True, q_len=2, ratio=3),
     dict(group=16, v_group=16, comp_lens=(70, 0), window=9, softcap=5.0))]
+# The decode kernel's (contig_decode.cuh): 2 bits D64 GQA 8 with a tail, and 4 bits D128 with
+# sinks and a tail (its full-precision split), GQA 2 x 4 query tokens, values in 2 groups.
+DECODE = [decode_case(*DECODE_GRID[i], dtype=torch.bfloat16) for i in (0, 3)]
+assert all(decode_takes(c) for c in DECODE), "the smoke's decode cases are not the decode kernel's"
 
 
 def paged_case(device):
@@ -295,10 +299,10 @@ def paged_case(device):
 
 
 if sys.argv[1:] == ["--dry"]:
-    for case in CASES:
+    for case in CASES + DECODE:
         case.run()
     assert torch.isfinite(paged_case("cpu")).all()
-    print(f"smoke (dry): imports resolve, {len(CASES)} attention cases and a paged one run on the CPU; "
+    print(f"smoke (dry): imports resolve, {len(CASES + DECODE)} attention cases and a paged one run on the CPU; "
           "no CUDA call made")
     sys.exit(0)
 x = torch.randn(2, 2, 40, 64, device="cuda")
@@ -312,9 +316,12 @@ s = torch.ones(64, device="cuda")
 nexuskv.hadamard_rotate(x, s), nexuskv.hadamard_rotate(x, s, True)
 for kernel in ("simple", "mma"):  # (the paged tensor-core kernel, paged_mma.cuh, with "mma")
     os.environ["NEXUSKV_CUDA_ATTENTION"] = kernel
-    for case in CASES:
+    for case in CASES + DECODE:
         on_cuda(case).run()
     assert torch.isfinite(paged_case("cuda")).all()
+os.environ["NEXUSKV_CUDA_ATTENTION"] = "decode"  # (raises where the decode kernel does not take a case)
+for case in DECODE:
+    on_cuda(case).run()
 torch.cuda.synchronize()
 print("smoke: every kernel ran")
 EOF
@@ -467,7 +474,7 @@ fi
 if [ -n "$NCU" ] && [ "$NCU_S" -gt 0 ]; then
   saved=$FAILED
   step ncu "$NCU_S" "$OUT/bench_cuda.txt" bash -c '"$1" --csv --clock-control none \
-    --kernel-name regex:attention_mma_kernel \
+    --kernel-name "regex:attention_mma_kernel|contig_decode_kernel" \
     --metrics smsp__inst_executed.sum,gpu__time_duration.sum,dram__bytes_read.sum \
     "$2" benchmarks/cuda_dynamic.py --run >/tmp/nexuskv_ncu.csv; rc=$?; cat /tmp/nexuskv_ncu.csv
     [ $rc -eq 0 ] && "$2" benchmarks/cuda_dynamic.py --parse /tmp/nexuskv_ncu.csv' _ "$NCU" "$PY"

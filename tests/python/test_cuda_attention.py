@@ -199,10 +199,10 @@ DECODE_GRID = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("bits,head_dim,ratio,q_len,v_group,tail,sinks,rotate,window", DECODE_GRID)
-def test_decode_kernel(dtype, bits, head_dim, ratio, q_len, v_group, tail, sinks, rotate, window):
-    case = Case(
+def decode_case(bits, head_dim, ratio, q_len, v_group, tail, sinks, rotate, window, dtype) -> Case:
+    """A case of the DECODE_GRID (two sequences of 320 and 77 compressed tokens, keys per
+    channel in groups of 64, no outliers: the cache's default format)."""
+    return Case(
         bits=bits,
         group=64,
         ratio=ratio,
@@ -220,6 +220,13 @@ def test_decode_kernel(dtype, bits, head_dim, ratio, q_len, v_group, tail, sinks
         dtype=dtype,
         seed=bits * 100 + head_dim + ratio,
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grid", DECODE_GRID, ids=str)
+def test_decode_kernel(dtype, grid):
+    case = decode_case(*grid, dtype=dtype)
+    assert decode_takes(case)
     assert "decode" in check_case(case)
 
 

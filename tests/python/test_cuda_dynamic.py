@@ -1,6 +1,7 @@
 """benchmarks/cuda_dynamic.py's reading of Nsight Compute's CSV (no GPU needed): both layouts,
 the kernel variants from their mangled names, the per-tile arithmetic."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,10 @@ PAGED = "_ZN7nexuskv4cuda26paged_attention_mma_kernelINS_4core6bf16_tELi4ELi128E
 CONTIG = (
     "_ZN7nexuskv4cuda20attention_mma_kernelINS0_15AttentionLaunchINS_4core15AttentionParamsINS3_6bf16_tES5_S5_"
     "EEEELi2ELi128EEEvNS0_9MmaLaunchIT_EE"
+)
+DECODE = (
+    "_ZN7nexuskv4cuda20contig_decode_kernelINS0_15AttentionLaunchINS_4core15AttentionParamsINS3_6bf16_tES5_S5_"
+    "EEEELi2ELi128ELi4EEEvNS0_9MmaLaunchIT_EE"
 )
 MERGE = "_ZN7nexuskv4cuda22paged_mma_merge_kernelINS_4core6bf16_tEEEvNS0_12PagedMmaArgsIT_EE"
 HEAD = (
@@ -29,6 +34,7 @@ def details(launch, name, metric, unit, value):
 def test_variants_from_mangled_names():
     assert cd.variant(PAGED) == ("paged", "bf16", 4, 128, 2, 8)
     assert cd.variant(CONTIG) == ("contiguous", "bf16", 2, 128, 0, 16)
+    assert cd.variant(DECODE) == ("contiguous", "bf16", 2, 128, 4, 8)  # the contiguous cache's decode kernel
     assert cd.variant(MERGE) is None  # the merge and the pre-pass are not the tile loop
     # ncu's default names are demangled (c++filt's spelling of the two above)
     paged = "void nexuskv::cuda::paged_attention_mma_kernel<nexuskv::core::bf16_t, 4, 128, 2, 1>(PagedMmaArgs<T1>)"
@@ -36,6 +42,8 @@ def test_variants_from_mangled_names():
     contig = f"void nexuskv::cuda::attention_mma_kernel<nexuskv::cuda::AttentionLaunch<{params} >, 8, 64>(...)"
     assert cd.variant(paged) == ("paged", "bf16", 4, 128, 2, 8)
     assert cd.variant(contig) == ("contiguous", "fp16", 8, 64, 0, 16)
+    decode = f"void nexuskv::cuda::contig_decode_kernel<nexuskv::cuda::AttentionLaunch<{params} >, 4, 128, 2>(...)"
+    assert cd.variant(decode) == ("contiguous", "fp16", 4, 128, 2, 8)
     assert cd.variant("void nexuskv::cuda::paged_mma_merge_kernel<nexuskv::core::bf16_t>(...)") is None
 
 
@@ -81,6 +89,8 @@ def test_raw_layout():
 def test_the_static_counts_are_the_budget_json():
     counts = cd.static_counts(str(Path(cd.__file__).with_name("cuda_budget.json")))
     assert counts[("paged", "bf16", 4, 128, 2, 8)] > 0 and counts[("contiguous", "bf16", 4, 128, 0, 16)] > 0
+    # the decode kernel's variant of the profiled call (values in groups of 64: 2 a token at D 128)
+    assert counts[("contiguous", "bf16", 2, 128, 2, 8)] > 0
     # a launch's row finds its variant's static count there (the names from both sides agree)
     text = "\n".join([HEAD, details(0, PAGED, "smsp__inst_executed.sum", "inst", "128,000")])
     (row,) = cd.parse(text, counts, batch=2, context=128)
@@ -88,7 +98,13 @@ def test_the_static_counts_are_the_budget_json():
     assert row["dynamic_over_static"] == pytest.approx(1000.0 / row["static_loop"])
 
 
-def test_the_profiled_calls_run_on_the_cpu():
+def test_the_profiled_calls_run_on_the_cpu(monkeypatch):
     # The calls ncu profiles on a GPU (both caches, every width), here on the CPU kernels:
     # catches a wrong argument before a lent GPU's minutes do.
+    # The kernel choice it sets per call does not outlive it.
+    monkeypatch.setenv("NEXUSKV_CUDA_ATTENTION", "simple")
     cd.run(batch=2, context=128, bits_list=[2, 4, 8], device="cpu")
+    assert os.environ["NEXUSKV_CUDA_ATTENTION"] == "simple"
+    monkeypatch.delenv("NEXUSKV_CUDA_ATTENTION")
+    cd.run(batch=1, context=64, bits_list=[4], device="cpu")
+    assert "NEXUSKV_CUDA_ATTENTION" not in os.environ
