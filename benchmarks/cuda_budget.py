@@ -59,10 +59,12 @@ how many) and rarely taken paths count fully; it is an estimate of the per-tile 
 trace.
 
 From the counts it predicts one decode step of today's kernel on an H200 (32 q / 8 kv heads,
-D 128, batch 1 and 64, 4K and 32K; predict()): the larger of an issue bound (4 warp-instructions
-per SM-cycle; the busiest SM's blocks x tiles x tile-loop instructions) and the bytes at the
-budget's fraction of HBM, against dense bf16 K/V read at the same fraction: the figures a GPU
-run will confirm or refute.
+D 128, batch 1 and 64, 4K and 32K; and 4 query tokens a request at batch 64, 32K: 16 rows a kv
+head, the contiguous cache's decode kernel in two blocks of 8 against its 16-row kernel;
+predict()): the larger of an issue bound (4 warp-instructions per SM-cycle; the busiest SM's
+blocks x tiles x tile-loop instructions) and the bytes at the budget's fraction of HBM (read
+once per block of a kv head's rows), against dense bf16 K/V read at the same fraction: the
+figures a GPU run will confirm or refute.
 
 The NQ element kernels (nq_decompress_kernel, nq_pack_kernel of csrc/cuda/nq_kernels.cu: one
 thread per element / per packed chunk) are listed too, with the number of 64-bit integer
@@ -446,34 +448,51 @@ def plan_splits(units: int, slots: int, keys: int, tile: int) -> int:
     return best
 
 
-def grid(batch: int, q_heads: int, kv_heads: int, ctx: int, sms: int, blocks_per_sm: int) -> tuple[int, int]:
-    """(blocks, tiles per block) of one decode step (q_len 1).  blocks_per_sm: the variant's,
-    from its registers alone here; the glue asks the CUDA occupancy API, which counts shared
-    memory too (the paged decode kernel's stages fit at least what its registers allow on an
-    H200: 2 blocks at 2 bits but D64 in one or two groups, and at 4 bits D128 in four groups)."""
-    units = batch * kv_heads * cdiv(q_heads // kv_heads, ATTN_ROWS)
+def row_blocks(q_heads: int, kv_heads: int, q_len: int, block_rows: int) -> int:
+    """Blocks of a split per (batch, kv head): one per row tile of ATTN_ROWS query rows, and in
+    the contiguous cache's decode kernel (block_rows 8) two per tile where a kv head has more
+    than 8 rows (decode_row_blocks, csrc/cuda/contig_decode.cuh); each reads the keys and values."""
+    rows = q_heads // kv_heads * q_len
+    return cdiv(rows, ATTN_ROWS) * (ATTN_ROWS // block_rows if rows > block_rows else 1)
+
+
+def grid(
+    batch: int, q_heads: int, kv_heads: int, ctx: int, sms: int, blocks_per_sm: int, q_len: int = 1, block_rows=16
+) -> tuple[int, int]:
+    """(blocks, tiles per block) of one decode step (q_len query tokens a request; block_rows:
+    the variant's rows).  blocks_per_sm: the variant's, from its registers alone here; the glue
+    asks the CUDA occupancy API, which counts shared memory too (the paged decode kernel's
+    stages fit at least what its registers allow on an H200: 2 blocks at 2 bits but D64 in one
+    or two groups, and at 4 bits D128 in four groups)."""
+    units = batch * kv_heads * row_blocks(q_heads, kv_heads, q_len, block_rows)
     splits = plan_splits(units, max(blocks_per_sm, 1) * sms, ctx, TILE)
     return units * splits, cdiv(cdiv(ctx, splits), TILE)
 
 
-def predict(variant: Variant, batch: int, q_heads: int, kv_heads: int, ctx: int, args) -> dict:
-    """Microseconds of one decode step (one layer) of `variant` and of dense bf16 attention.
+def predict(variant: Variant, batch: int, q_heads: int, kv_heads: int, ctx: int, args, q_len: int = 1) -> dict:
+    """Microseconds of one decode step (one layer; q_len query tokens a request) of `variant`
+    and of dense bf16 attention.
 
     Issue bound: an SM issues at most 4 warp-instructions per cycle, so a block (4 warps of
     loop_instructions per tile) costs at least loop_instructions cycles per tile of the SM's
     issue, and the busiest SM holds ceil(blocks / SMs) blocks; bytes bound: every tile's bytes
-    at the budget's fraction of HBM.  Predicted = the larger + two launches.  Dense = the bf16
-    K and V at the same fraction + two launches (FlashAttention / SDPA decode reads them once).
+    at the budget's fraction of HBM, once per block of a (batch, kv head) and split (reads:
+    the blocks of its rows, row_blocks; none from L2, a bound).  Predicted = the larger + two
+    launches.  Dense = the bf16 K and V at the same fraction + two launches (FlashAttention /
+    SDPA decode reads them once).
     """
     paged = variant.kernel == "paged"  # its splits start at the first key rounded down to 16 (paged_mma.cuh)
-    blocks, tiles = grid(batch, q_heads, kv_heads, ctx + (15 if paged else 0), args.sms, variant.blocks_per_sm)
+    blocks, tiles = grid(
+        batch, q_heads, kv_heads, ctx + (15 if paged else 0), args.sms, variant.blocks_per_sm, q_len, variant.rows
+    )
+    reads = row_blocks(q_heads, kv_heads, q_len, variant.rows)
     # three launches, not two: paged (tiles, split kernel, merge); the contiguous decode kernel
     # (its splits, the full-precision split of the sinks and tail, merge)
     launches = LAUNCH_US * (1.5 if variant.rows == 8 else 1.0)
     hz = args.clock_ghz * 1e9
     issue_us = cdiv(blocks, args.sms) * tiles * variant.loop_instructions / hz * 1e6
     bandwidth = args.fraction * args.hbm_tbps * 1e12
-    bytes_us = batch * kv_heads * cdiv(ctx, TILE) * variant.tile_bytes / bandwidth * 1e6
+    bytes_us = reads * batch * kv_heads * cdiv(ctx, TILE) * variant.tile_bytes / bandwidth * 1e6
     dense_us = batch * kv_heads * ctx * variant.head_dim * 2 * 2 / bandwidth * 1e6 + LAUNCH_US
     predicted = max(issue_us, bytes_us) + launches
     return {
@@ -481,6 +500,8 @@ def predict(variant: Variant, batch: int, q_heads: int, kv_heads: int, ctx: int,
         "batch": batch,
         "context": ctx,
         "bits": variant.bits,
+        "q_len": q_len,
+        "rows": variant.rows,
         "blocks": blocks,
         "tiles_per_block": tiles,
         "issue_us": issue_us,
@@ -623,18 +644,24 @@ def main() -> None:
             for batch in (1, 64):
                 for ctx in (4096, 32768):
                     predictions.append(predict(v, batch, 32, 8, ctx, args))
+        # a step of 4 query tokens a request (speculative decoding: 16 rows a kv head): the
+        # contiguous cache's decode kernel (two blocks of 8 rows) against its 16-row kernel
+        if v.arch == "sm_90" and v.dtype == "bf16" and v.head_dim == 128 and v.kernel == "contiguous":
+            if v.groups in (0, 2):
+                predictions.append(predict(v, 64, 32, 8, 32768, args, q_len=4))
     if predictions:
         print(
             "\nPrediction, sm_90 bf16, 32 q / 8 kv heads, D 128, one decode step of one layer (us): "
             f"max(issue bound, bytes at {args.fraction} x {args.hbm_tbps} TB/s) + {LAUNCH_US:.0f} launch"
         )
         print(
-            f"{'kernel':>10} {'batch':>5} {'ctx':>6} {'bits':>4} {'blocks':>6} {'tiles':>5} {'issue':>8} {'bytes':>7} "
-            f"{'predicted':>9} {'dense':>7} {'speed-up':>8}"
+            f"{'kernel':>10} {'rows':>4} {'batch':>5} {'q_len':>5} {'ctx':>6} {'bits':>4} {'blocks':>6} {'tiles':>5} "
+            f"{'issue':>8} {'bytes':>7} {'predicted':>9} {'dense':>7} {'speed-up':>8}"
         )
         for p in predictions:
             print(
-                f"{p['kernel']:>10} {p['batch']:>5} {p['context']:>6} {p['bits']:>4} {p['blocks']:>6} "
+                f"{p['kernel']:>10} {p['rows']:>4} {p['batch']:>5} {p['q_len']:>5} {p['context']:>6} {p['bits']:>4} "
+                f"{p['blocks']:>6} "
                 f"{p['tiles_per_block']:>5} "
                 f"{p['issue_us']:>8.1f} {p['bytes_us']:>7.1f} {p['predicted_us']:>9.1f} {p['dense_bf16_us']:>7.1f} "
                 f"{p['speedup_vs_dense']:>7.2f}x"

@@ -141,9 +141,9 @@ at::Tensor dgq_fused_attention_cuda(const at::Tensor& q_in, at::TensorList k_cac
                   ": NEXUSKV_CUDA_ATTENTION=decode, but the decode kernel does not take this problem (it needs "
                   "keys per channel in groups of a multiple of 64 tokens at 2 bits, 32 at 4, 16 at 8, values per "
                   "token in 1, 2 or 4 groups of a multiple of 16 channels, the same 2/4/8 bits for both, no "
-                  "outliers, head_dim 64 or 128, at most 8 query rows per kv head, fp16 or bf16 queries with "
-                  "metadata of the same dtype, capacities a multiple of those token counts, 16-byte aligned "
-                  "buffers)");
+                  "outliers, head_dim 64 or 128, fp16 or bf16 queries with metadata of the same dtype, "
+                  "capacities a multiple of those token counts, 16-byte aligned buffers, kv_heads x row tiles of 16 "
+                  "query rows x 2 below 65536 where a kv head has more than 8 query rows)");
       TORCH_CHECK(kernel.mma || choice != KernelChoice::kMma, kOp,
                   ": NEXUSKV_CUDA_ATTENTION=mma, but the tensor-core kernel does not take this problem (it needs "
                   "keys per channel with group_size % 16 == 0 or DGQ, values per token with group_size % 16 == 0, "
@@ -152,7 +152,8 @@ at::Tensor dgq_fused_attention_cuda(const at::Tensor& q_in, at::TensorList k_cac
       // Whole waves over the GPU's block slots (split_plan.h); a kernel that
       // reports no occupancy is planned as if one block per SM fit.
       const int64_t slots = std::max(1, kernel.blocks_per_sm) * int64_t(cuda::multiprocessor_count());
-      splits = cached_split_plan(blocks, slots, visible, kernel.tile_tokens).splits + kernel.fp_splits;
+      splits =
+          cached_split_plan(blocks * kernel.row_blocks, slots, visible, kernel.tile_tokens).splits + kernel.fp_splits;
       partials = at::empty({blocks * splits * cuda::kAttnRows * (D + 2)}, q.options().dtype(at::kFloat));
       L.splits = splits;
       L.partials = partials.data_ptr<float>();

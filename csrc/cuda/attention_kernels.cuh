@@ -31,6 +31,7 @@ AttentionKernelInfo attention_kernel_info(const AttentionLaunch<Params>& L, Kern
       k.mma = k.decode = true, k.tile_tokens = kMmaTile * decode_chunks_per_iteration(int(L.p.k.dims.bits));
       k.blocks_per_sm = blocks_per_sm(v.kernel, kMmaThreads, v.smem);
       k.fp_splits = L.p.sink.present() || L.p.tail.present() ? 1 : 0;
+      k.row_blocks = decode_row_blocks(L.p);
       return k;
     }
     if (choice == KernelChoice::kDecode) return k;  // (mma false: the caller reports it)

@@ -59,7 +59,8 @@ enum class KernelChoice { kAuto, kSimple, kMma, kDecode };
 // KernelChoice; under kMma or kDecode, mma is false where that kernel does not
 // take the problem), and what sizes its split of the key range
 // (core::plan_splits): how many of its blocks one SM holds (0 when none fits)
-// and its keys per tile.  The decode kernel's splits take the compressed
+// and its keys per tile, and its blocks per row tile and split (the plan counts
+// them all).  The decode kernel's splits take the compressed
 // tokens; fp_splits more (one where the problem has sinks or a tail) take the
 // full-precision ones: L.splits counts both.  Host only (no device work, no
 // synchronization); L.splits and L.partials are not read.
@@ -67,6 +68,7 @@ struct AttentionKernelInfo {
   bool mma = false;     // a tensor-core kernel (else the reference kernel)
   bool decode = false;  // the decode kernel (contig_decode.cuh)
   int fp_splits = 0;    // splits beyond the planned ones (the decode kernel's full-precision split)
+  int row_blocks = 1;   // blocks per row tile and split (the decode kernel's: one per 8 rows)
   int blocks_per_sm = 0;
   int tile_tokens = 1;
   int error = 0;  // a cudaError_t of the set-up (the shared-memory opt-in), 0 if none

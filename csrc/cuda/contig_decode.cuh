@@ -36,12 +36,16 @@
 // What it takes (decode_variant): fp16 / bf16 queries and meta, keys per
 // channel in NQ groups (no DGQ) of a multiple of 16 kSub tokens, values per
 // token in 1, 2 or 4 groups of a multiple of 16 channels, the same 2/4/8 bits,
-// head_dim 64 or 128, no outliers, at most 8 query rows a kv head (a decode
-// step: GQA x q_len <= 8), capacities a multiple of 16 kSub tokens (an
-// iteration's copies stay in the buffers).  Its blocks take the compressed
-// tokens (splits [0, S)); the sinks and the tail, in full precision, go to one
-// more split, S, run by attention_mma.cuh's kernel (AttentionLaunch::fp_split)
-// before the merge.  Compiles; untested on a GPU (test_cuda_emulated.cpp runs
+// head_dim 64 or 128, no outliers, capacities a multiple of 16 kSub tokens
+// (an iteration's copies stay in the buffers).  A block holds 8 query rows of
+// a kv head (a decode step's GQA x q_len <= 8: one block); more rows take
+// decode_row_blocks blocks per row tile of 16 (attention_common.cuh's unit,
+// which the partials and the merge keep), each reading the keys and values
+// again (from L2 where they run together): per row and key a fifth to a half
+// of the 16-row kernel's instructions, whose 16 rows share one read.  Its blocks take
+// the compressed tokens (splits [0, S)); the sinks and the tail, in full
+// precision, go to one more split, S, run by attention_mma.cuh's kernel
+// (AttentionLaunch::fp_split) before the merge.  Compiles; untested on a GPU (test_cuda_emulated.cpp runs
 // it on the host against the CPU kernel).
 #pragma once
 
@@ -50,6 +54,15 @@
 #include "decode_warp.cuh"
 
 namespace nexuskv::cuda {
+
+// The decode kernel's blocks per row tile (kAttnRows rows of a kv head): one
+// per kDecodeRows of its rows (a tile's second one has none where the last
+// tile holds 8 rows or fewer: it returns at once).
+template <typename Params>
+NKV_HOST_DEVICE int decode_row_blocks(const Params& p) {
+  return p.rows_per_kv_head() > kDecodeRows ? kAttnRows / kDecodeRows : 1;
+}
+static_assert(kAttnRows % kDecodeRows == 0, "a row tile: whole decode blocks");
 
 template <int kD, int kRB, typename X, int kBg, int kSub>
 struct alignas(16) ContigDecodeSmem {
@@ -293,9 +306,14 @@ struct ContigDecodeKernel
 
   NKV_DEVICE void run() {
     const float kNegInf = bits_float(0xff800000u), kNaN = bits_float(0x7fc00000u);
-    const int64_t b = blockIdx.z, h = blockIdx.y, bh = b * p.kv_heads + h;
-    const int rows = int(p.rows_per_kv_head());  // (<= 8: decode_variant)
-    float* const part = L.partials + L.partial_index(b, h, 0, blockIdx.x);
+    // blockIdx.y: (kv head x row tile) x decode_row_blocks + the block's part of the tile; its
+    // rows r0 .. r0 + rows - 1 of the kv head, its partial rows those of the tile from r0 % 16.
+    const int parts = decode_row_blocks(p), tile = int(blockIdx.y) / parts;
+    const int64_t b = blockIdx.z, h = tile / L.row_tiles, rt = tile % L.row_tiles, bh = b * p.kv_heads + h;
+    const int64_t r0 = rt * kAttnRows + int(blockIdx.y) % parts * kRows, left = p.rows_per_kv_head() - r0;
+    if (left <= 0) return;  // (the last tile's second block, past its rows: the merge reads none)
+    const int rows = int(left < kRows ? left : kRows);
+    float* const part = L.partials + L.partial_index(b, h, rt, blockIdx.x) + (r0 % kAttnRows) * (kD + 2);
     // Lengths (as block_setup): out of range, the block's rows are NaN.
     const int64_t comp = p.compressed_len(b), sink = p.sink_len(b), tail = p.tail_len(b);
     const int64_t cap = ix.key_tokens < ix.value_tokens ? ix.key_tokens : ix.value_tokens;
@@ -328,7 +346,7 @@ struct ContigDecodeKernel
     for (int e = int(threadIdx.x); e < kRows * kD; e += kMmaThreads) {
       const int r = e / kD, d = e % kD;
       float v = 0.f;
-      if (r < rows) v = fast_float(p.q_row(b, h, r)[d]) * (signs ? signs[d] : 1.f);
+      if (r < rows) v = fast_float(p.q_row(b, h, r0 + r)[d]) * (signs ? signs[d] : 1.f);
       sm.q[r][d] = v;
     }
     NKV_SYNC();
@@ -339,7 +357,7 @@ struct ContigDecodeKernel
     zero_queries();
     // The rows' visible keys as compressed tokens (rows past `rows`: row 0's).
     if (threadIdx.x < kRows) {
-      const int r = int(threadIdx.x) < rows ? int(threadIdx.x) : 0;
+      const int64_t r = r0 + (int(threadIdx.x) < rows ? int(threadIdx.x) : 0);
       const int64_t qp = len - p.q_len + r % p.q_len - sink;  // the query's position among the compressed tokens
       sm.key_end[threadIdx.x] = int32_t(qp + 1 < hi ? qp + 1 : hi);
       const int64_t kf = p.window > 0 ? qp - p.window + 1 : lo;
@@ -404,7 +422,9 @@ MmaVariant<Launch> decode_variant(const Launch& L) {
     constexpr int64_t kMax = core::kFastDivmodLimit - 4 * kMmaTile, k4G = int64_t(1) << 32;
     const bool fits = kd.tokens + kd.group_size < kMax && vd.tokens < kMax && p.batch * p.kv_heads < kMax &&
                       vd.tokens * bg * int64_t(sizeof(T)) < k4G && kd.meta_a() * D * int64_t(sizeof(T)) < k4G;
-    if (!keys || !values || !buffers || !fits || p.rows_per_kv_head() > kDecodeRows) return v;
+    // (grid.y: kv heads x row tiles x decode_row_blocks, below 2^16)
+    const bool grid = p.kv_heads * L.row_tiles * decode_row_blocks(p) < 65536;
+    if (!keys || !values || !buffers || !fits || !grid) return v;
     core::layout::with_bits(kd.bits, [&]<int kBits>() {
       if constexpr (kBits != 3) {
         with_head_dim(D, [&]<int kD>() {
@@ -428,8 +448,8 @@ template <typename Launch>
 int launch_contig_decode(const Launch& L, int64_t splits, Stream stream) {
   const MmaVariant<Launch> v = decode_variant(L);
   if (v.kernel == nullptr) return int(cudaErrorInvalidDeviceFunction);
-  launch(v.kernel, Dim3(unsigned(splits), unsigned(L.p.kv_heads), unsigned(L.p.batch)), Dim3(kMmaThreads), v.smem,
-         stream, MmaLaunch<Launch>{L, mma_index(L)});
+  const Dim3 grid(unsigned(splits), unsigned(L.p.kv_heads * L.row_tiles * decode_row_blocks(L.p)), unsigned(L.p.batch));
+  launch(v.kernel, grid, Dim3(kMmaThreads), v.smem, stream, MmaLaunch<Launch>{L, mma_index(L)});
   return 0;
 }
 

@@ -520,6 +520,12 @@ TEST_CASE("dgq_fused_attention's decode kernel (emulated) in every format it tak
   run_attention_case<core::bf16_t>({8, 64, 2, 4, {400, 33}, 0, 30.f, true, 2, 400, 0, 9, 32}, kDecode);
   // 8 bits, D128 in one group, GQA 4
   run_attention_case<core::half_t>({8, 128, 4, 1, {500, 200}, 0, 0.f, true, 1, 512, 0, 0, 128, 4}, kDecode);
+  // more than 8 rows a kv head: blocks of 8 rows, two a row tile of 16 (decode_row_blocks):
+  // GQA 8 x 2 queries (16 rows), splits and a tail; GQA 4 x 5 queries (20 rows: a second row
+  // tile whose second block has none), a window and sinks; GQA 12 (12 rows: the second block 4)
+  run_attention_case<core::bf16_t>({4, 128, 8, 2, {600, 200}, 0, 0.f, true, 2, 640, 0, 8, 64, 2}, kDecode);
+  run_attention_case<core::half_t>({2, 64, 4, 5, {700, 300}, 70, 0.f, true, 1, 704, 2, 0, 32}, kDecode);
+  run_attention_case<core::bf16_t>({8, 128, 12, 1, {300, 100}, 0, 0.f, false, 1, 320, 0, 6, 64, 2}, kDecode);
   // a key scale of +inf in group 9 of 24 (a steady iteration's) and in group 0 (an edge's): those rows NaN
   run_attention_case<core::bf16_t>({2, 64, 8, 1, {1500, 300}, 0, 0.f, true, 1, 1536, 0, 0, 64, 4, 9}, kDecode);
   run_attention_case<core::half_t>({4, 128, 4, 1, {300, 300}, 0, 0.f, true, 1, 320, 0, 0, 64, 0, 0}, kDecode);

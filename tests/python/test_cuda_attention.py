@@ -122,7 +122,7 @@ def decode_takes(case: Case) -> bool:
         and (D // groups) % 16 == 0
         and case.k_cache[3].shape[-1] == 0
         and case.v_cache[3].shape[-1] == 0
-        and rows <= 8
+        and case.k_cache[0].shape[1] * 2 * math.ceil(rows / 16) < 65536
         and case.k_cache[0].shape[2] % (16 * sub) == 0
         and case.v_cache[0].shape[2] % (16 * sub) == 0
     )
@@ -187,8 +187,8 @@ def test_16_bit_grid_both_kernels(dtype, bits, ratio, q_len, tail, rotate, dgq):
     assert ("mma" in kernels) == (bits in MMA_BITS)  # the 2/4/8-bit cases do run on the tensor cores
 
 
-# The decode kernel's formats: bits, head_dim, GQA ratio x q_len (<= 8 rows), value group
-# (1, 2 or 4 groups), with a tail, sinks, rotation, a window.
+# The decode kernel's formats: bits, head_dim, GQA ratio x q_len (a block's 8 rows; more in
+# blocks of 8 rows), value group (1, 2 or 4 groups), with a tail, sinks, rotation, a window.
 DECODE_GRID = [
     (2, 64, 8, 1, 64, 16, 0, True, None),
     (2, 128, 4, 1, 32, 0, 4, False, None),
@@ -196,6 +196,9 @@ DECODE_GRID = [
     (4, 128, 2, 4, 64, 16, 3, True, None),
     (8, 64, 4, 2, 32, 0, 0, False, None),
     (8, 128, 8, 1, 128, 5, 2, True, 60),
+    (4, 128, 8, 2, 64, 8, 0, True, None),  # 16 rows: two blocks a row tile
+    (2, 64, 4, 5, 32, 0, 2, True, 70),  # 20 rows: two row tiles, the second's second block empty
+    (8, 128, 12, 1, 64, 6, 0, False, None),  # 12 rows: the second block 4
 ]
 
 

@@ -244,6 +244,17 @@ def test_the_prediction_follows_the_grid_and_the_counts():
     assert p["predicted_us"] == pytest.approx(max(p["issue_us"], p["bytes_us"]) + cb.LAUNCH_US)
     v.loop_instructions = 2000
     assert cb.predict(v, 64, 32, 8, 32768, Args)["issue_us"] == pytest.approx(2 * p["issue_us"])
+    # More query rows: a block of each row tile of 16 (the 16-row kernels), the contiguous decode
+    # kernel two blocks of 8 where a kv head has more than 8; each block reads the cache.
+    assert [cb.row_blocks(32, 8, q, 16) for q in (1, 4, 5)] == [1, 1, 2]
+    assert [cb.row_blocks(32, 8, q, 8) for q in (1, 2, 4, 5)] == [1, 1, 2, 4]
+    v.loop_instructions, v.rows = 1000, 8
+    p4 = cb.predict(v, 64, 32, 8, 32768, Args, q_len=4)
+    assert p4["blocks"] == cb.grid(64, 32, 8, 32768, 132, 3, 4, 8)[0] and p4["rows"] == 8
+    assert cb.grid(64, 32, 8, 32768, 132, 3, 4, 8) == (5120, 103)  # 1024 blocks of 8 rows a split, 5 splits
+    assert p4["bytes_us"] == pytest.approx(2 * p["bytes_us"])  # (no L2 reuse: the bound)
+    v.rows = 16
+    assert cb.predict(v, 64, 32, 8, 32768, Args, q_len=4)["bytes_us"] == pytest.approx(p["bytes_us"])
 
 
 def test_counts_the_loops_calls_into_the_64_bit_division_routine():
