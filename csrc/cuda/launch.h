@@ -178,10 +178,11 @@ constexpr int kPagedHeadsPerBlock = 8;
 struct PagedAttentionPlan {
   bool mma = false;                                              // the tensor-core kernel (else the SIMT one)
   int heads_per_tile = 1, tokens_per_tile = 1, head_chunks = 1;  // a row tile: tokens x q heads
-  int tile_rows = 16;         // query rows a block holds at most: 8 (decode) or 16 (core::paged_tile_rows)
-  int64_t tiles = 0;          // row tiles the grid holds (at least the request's tiles)
-  int64_t splits = 1;         // splits of each row tile's key range
-  int64_t scratch_bytes = 0;  // device scratch the launch needs (uint8)
+  int tile_rows = 16;          // query rows a block holds at most: 8 (decode) or 16 (core::paged_tile_rows)
+  bool singles_apart = false;  // (16-row tiles) the requests of one query token run the 8-row kernel apart
+  int64_t tiles = 0;           // row tiles the grid holds (at least the request's tiles)
+  int64_t splits = 1;          // splits of each row tile's key range
+  int64_t scratch_bytes = 0;   // device scratch the launch needs (uint8)
 };
 // Host only (the shared-memory opt-in, no device work): the tensor-core plan
 // when allow_mma and it takes p, else the SIMT one; multiprocessors sizes the

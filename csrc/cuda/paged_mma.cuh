@@ -12,7 +12,9 @@
 // Decode steps whose GQA group fits 8 rows take row tiles of 8
 // (core::paged_tile_rows) and run paged_decode.cuh's kernel instead, designed
 // for them (each warp its own keys, the softmax in registers); this one holds
-// 16 rows (kNT = 2 n-tiles of 8).
+// 16 rows (kNT = 2 n-tiles of 8).  In a step with longer requests (prefill
+// chunks beside decode steps) the requests of one query token run that kernel
+// too, in a launch of their own (PagedRequests, paged_mma_plan).
 //
 // Keys are quantized per token here (unlike the contiguous cache's per-channel
 // keys), so the keys' scales lie on the M side of S^T = K . Q^T: the B
@@ -55,6 +57,14 @@ namespace nexuskv::cuda {
 static_assert(core::kPagedTileRows == kAttnRows && core::kPagedDecodeTileRows == 8 && core::kPagedKeyTile == kMmaTile,
               "paged_split.h's sizes");
 
+// Which requests a launch's blocks take: all, by row tiles (tile_start); only
+// those of one query token, one block each (blockIdx.x: the request; a block
+// whose request has another count returns); or all but those (tile_start
+// counts no tile for them).  A step with requests of several tokens runs the
+// last two side by side where the GQA group fits 8 rows (paged_mma_plan): its
+// decode requests on the decode kernel's 8 rows, not on half-empty 16-row tiles.
+enum class PagedRequests : int { kAll, kSingleToken, kMultiToken };
+
 // Sizes the kernels index with, computed by the host (32-bit, no division by a
 // run-time size in the tile loop: benchmarks/cuda_budget.py counts it).
 struct PagedMmaIndex {
@@ -65,6 +75,7 @@ struct PagedMmaIndex {
   int64_t meta_array_bytes = 0;  // one [P, Bg] meta array of a head page
   int tokens_per_tile = 1, head_chunks = 1;
   int splits = 1;  // splits of each row tile's key range
+  PagedRequests requests = PagedRequests::kAll;
 };
 
 // One launch: the problem, its index, and the scratch (paged_mma_scratch).
@@ -101,7 +112,8 @@ constexpr int kPagedTilesThreads = 256;
 
 // One block.  query_start_loc must start at 0, not decrease and end within
 // num_tokens (else *bad); tile_start[r] = sum over r' < r of ceil(q_len(r') /
-// tokens per tile), tile_start[num_reqs] the total.
+// tokens per tile) (0 for a request of one token under kMultiToken),
+// tile_start[num_reqs] the total.
 template <typename X>
 NKV_KERNEL void paged_mma_tiles_kernel(const NKV_GRID_CONSTANT PagedMmaArgs<X> a) {
   __shared__ int64_t part[kPagedTilesThreads];
@@ -110,13 +122,15 @@ NKV_KERNEL void paged_mma_tiles_kernel(const NKV_GRID_CONSTANT PagedMmaArgs<X> a
   const int64_t R = a.p.num_reqs, per = (R + kPagedTilesThreads - 1) / kPagedTilesThreads;
   const int64_t tpb = a.ix.tokens_per_tile, r0 = int64_t(threadIdx.x) * per;
   const int64_t r1 = r0 + per < R ? r0 + per : R;
+  const bool multi = a.ix.requests == PagedRequests::kMultiToken;
+  const auto tiles_of = [&](int64_t len) { return multi && len == 1 ? 0 : core::paged_request_tiles(len, int(tpb)); };
   if (threadIdx.x == 0) bad = qsl[0] != 0 || qsl[R] > a.p.num_tokens ? 1u : 0u;
   NKV_SYNC();
   int64_t sum = 0;
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t len = int64_t(qsl[r + 1]) - qsl[r];
     if (len < 0) atomic_or(&bad, 1u);
-    sum += core::paged_request_tiles(len, int(tpb));
+    sum += tiles_of(len);
   }
   part[threadIdx.x] = sum;
   NKV_SYNC();
@@ -135,7 +149,7 @@ NKV_KERNEL void paged_mma_tiles_kernel(const NKV_GRID_CONSTANT PagedMmaArgs<X> a
   int64_t run = part[threadIdx.x];
   for (int64_t r = r0; r < r1; ++r) {
     a.tile_start[r] = int32_t(bad ? 0 : run);
-    run += core::paged_request_tiles(int64_t(qsl[r + 1]) - qsl[r], int(tpb));
+    run += tiles_of(int64_t(qsl[r + 1]) - qsl[r]);
   }
 }
 
@@ -182,11 +196,17 @@ struct PagedBlockWork {
     bad_len = false;
     if (*a.bad) return false;
     const int64_t R = p.num_reqs, x = blockIdx.x;
-    if (x >= a.tile_start[R]) return false;
-    req = core::find_segment(a.tile_start, R, x);  // the last request whose tiles start at or before x
     const int32_t* qsl = p.query_start_loc;
+    int64_t i0 = 0;                                    // the tile's first token in its request
+    if (ix.requests == PagedRequests::kSingleToken) {  // x: the request, if it has one token
+      if (x >= R || qsl[x + 1] - qsl[x] != 1) return false;
+      req = x;
+    } else {
+      if (x >= a.tile_start[R]) return false;
+      req = core::find_segment(a.tile_start, R, x);  // the last request whose tiles start at or before x
+      i0 = (x - a.tile_start[req]) * ix.tokens_per_tile;
+    }
     const int64_t qb = qsl[req], qlen = int64_t(qsl[req + 1]) - qb;
-    const int64_t i0 = (x - a.tile_start[req]) * ix.tokens_per_tile;
     const int64_t ntok = qlen - i0 < ix.tokens_per_tile ? qlen - i0 : ix.tokens_per_tile;
     const int gq = p.gqa_group(), chunk = int(blockIdx.y) % ix.head_chunks;
     h = int(blockIdx.y) / ix.head_chunks;
@@ -202,6 +222,8 @@ struct PagedBlockWork {
     const core::PagedSplitRange range = core::paged_split_range(qlo, qhi, p.window, ix.splits, int(blockIdx.z));
     first = range.first, lo = range.lo, hi = range.hi;
     table = p.block_table + req * p.max_blocks;
+    NKV_EMU_COUNT(paged_single_blocks, threadIdx.x == 0 && ix.requests == PagedRequests::kSingleToken);
+    NKV_EMU_COUNT(paged_tile_blocks, threadIdx.x == 0 && ix.requests != PagedRequests::kSingleToken);
     return true;
   }
 

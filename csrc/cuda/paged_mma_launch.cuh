@@ -136,6 +136,16 @@ PagedAttentionPlan paged_mma_plan(const core::PagedAttention<X>& problem, int mu
   plan.tokens_per_tile = rt.tokens;
   plan.head_chunks = rt.head_chunks;
   plan.tiles = (p.num_tokens + plan.tokens_per_tile - 1) / plan.tokens_per_tile + p.num_reqs;
+  // A step with requests of several tokens (16-row tiles) whose GQA group fits 8 rows: its
+  // requests of one token (decode steps beside prefill chunks) run the decode kernel apart, one
+  // block each, where the 16-row kernel would give each a half-empty tile at 2-4x the decode
+  // kernel's instructions (benchmarks/cuda_budget.py); the longer ones keep 16-row tiles, which
+  // read each page once for 16 rows.
+  size_t smem_single = 0;
+  if (tile_rows == core::kPagedTileRows && p.gqa_group() <= core::kPagedDecodeTileRows) {
+    auto single = paged_mma_kernel_of(p, core::kPagedDecodeTileRows, smem_single);
+    plan.singles_apart = single != nullptr && smem_fits(single, smem_single);
+  }
   // The most keys one tile's rows see: the block table's width (or the window
   // and the tile's tokens), and 15 before the first for the 16-key alignment.
   const int64_t width = p.max_blocks * l.block_size;
@@ -143,7 +153,7 @@ PagedAttentionPlan paged_mma_plan(const core::PagedAttention<X>& problem, int mu
       (p.window > 0 && p.window + plan.tokens_per_tile - 1 < width ? p.window + plan.tokens_per_tile - 1 : width) + 15;
   // Decode (one token per request) has one tile per request.
   const int64_t tiles = p.num_tokens == p.num_reqs ? p.num_reqs : plan.tiles;
-  const int64_t units = tiles * p.pool.kv_heads * plan.head_chunks;
+  const int64_t units = (tiles * plan.head_chunks + (plan.singles_apart ? p.num_reqs : 0)) * p.pool.kv_heads;
   const int per_sm = blocks_per_sm(kernel, kMmaThreads, smem);
   const int64_t slots = int64_t(per_sm > 0 ? per_sm : 1) * (multiprocessors > 0 ? multiprocessors : 1);
   plan.splits = core::plan_splits(units, slots, keys, kMmaTile).splits;
@@ -173,11 +183,24 @@ int launch_paged_attention_mma(const core::PagedAttention<X>& p, const PagedAtte
   a.ix.tokens_per_tile = plan.tokens_per_tile;
   a.ix.head_chunks = plan.head_chunks;
   a.ix.splits = int(plan.splits);
+  a.ix.requests = plan.singles_apart ? PagedRequests::kMultiToken : PagedRequests::kAll;
   a.tile_start = reinterpret_cast<int32_t*>(scratch + s.tile_start);
   a.bad = reinterpret_cast<uint32_t*>(scratch + s.bad);
   a.partials = reinterpret_cast<float*>(scratch + s.partials);
   a.status = status;
   launch(paged_mma_tiles_kernel<X>, Dim3(1), Dim3(kPagedTilesThreads), 0, stream, a);
+  if (plan.singles_apart) {  // the requests of one token: 8-row tiles, a block each (after the pre-pass: *bad)
+    const core::PagedRowTiles rt = core::paged_row_tiles(p.gqa_group(), core::kPagedDecodeTileRows);
+    size_t smem_single = 0;
+    auto single = paged_mma_kernel_of(p, core::kPagedDecodeTileRows, smem_single);
+    if (single == nullptr) return int(cudaErrorInvalidDeviceFunction);
+    PagedMmaArgs<X> d = a;
+    d.ix.heads = core::FastDivmod(rt.heads);
+    d.ix.tokens_per_tile = rt.tokens, d.ix.head_chunks = rt.head_chunks;  // (one chunk: the group fits)
+    d.ix.requests = PagedRequests::kSingleToken;
+    launch(single, Dim3(unsigned(p.num_reqs), unsigned(p.pool.kv_heads * rt.head_chunks), unsigned(plan.splits)),
+           Dim3(kMmaThreads), smem_single, stream, d);
+  }
   launch(kernel, Dim3(unsigned(plan.tiles), unsigned(p.pool.kv_heads * plan.head_chunks), unsigned(plan.splits)),
          Dim3(kMmaThreads), smem, stream, a);
   const size_t merge_smem = size_t(kAttnRows * l.head_dim + kAttnRows * plan.splits) * sizeof(float);

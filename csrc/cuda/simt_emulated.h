@@ -69,8 +69,10 @@ inline Block* block = nullptr;  // the block running (one at a time)
 
 // Paths the kernels took (NKV_EMU_COUNT), for the tests to assert that the one they mean ran.
 struct Counters {
-  std::atomic<int64_t> decode_steady{0};      // paged_decode.cuh: warp iterations of the steady loop
-  std::atomic<int64_t> decode_normalizer{0};  // ... handed to the edge's copy: their value scales move vup
+  std::atomic<int64_t> decode_steady{0};        // paged_decode.cuh: warp iterations of the steady loop
+  std::atomic<int64_t> decode_normalizer{0};    // ... handed to the edge's copy: their value scales move vup
+  std::atomic<int64_t> paged_tile_blocks{0};    // paged kernels' blocks with rows, by row tiles (tile_start)
+  std::atomic<int64_t> paged_single_blocks{0};  // ... one a request of one token (PagedRequests::kSingleToken)
 };
 inline Counters counters;
 

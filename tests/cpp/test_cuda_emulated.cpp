@@ -55,6 +55,7 @@ struct Case {
   int min_steady = 0;        // warp iterations the decode kernel's steady loop must complete (emulation's count)
   bool negative_value_scales = false;  // every value scale negated after the write (both kernels read them so)
   float key_offset = 0.f;              // keys + U(0, key_offset) per token: zeros far from 0 and apart
+  bool singles_apart = false;          // (16-row tiles) the plan runs the one-token requests' 8-row launch
 };
 
 template <typename X>
@@ -168,6 +169,7 @@ void run_case(const Case& c) {
     REQUIRE(plan.mma == (c.tile_rows > 0));
     if (!plan.mma) return plan;
     REQUIRE(plan.tile_rows == c.tile_rows);
+    REQUIRE(plan.singles_apart == c.singles_apart);
     std::vector<uint64_t> scratch(size_t(plan.scratch_bytes / 8 + 32));
     REQUIRE(cuda::launch_paged_attention_mma(p, plan, reinterpret_cast<uint8_t*>(scratch.data()), &status, nullptr) ==
             0);
@@ -195,10 +197,24 @@ void run_case(const Case& c) {
           p, core::PagedTask{r, i, std::min<int64_t>(core::kPagedQueryBlock, c.queries[size_t(r)] - i)}, 0, H));
   // The tensor-core kernels, emulated.
   const int64_t steady = cuda::emu::counters.decode_steady, moved = cuda::emu::counters.decode_normalizer;
+  const int64_t tile_blocks = cuda::emu::counters.paged_tile_blocks;
+  const int64_t single_blocks = cuda::emu::counters.paged_single_blocks;
   const cuda::PagedAttentionPlan plan = run_mma();
   if (plan.mma) {
     INFO("splits " << plan.splits);
     REQUIRE(status == 0);
+    // Each request's rows in the launch meant for it: with singles_apart, a block per request of
+    // one token (kv head, split) in the decode kernel's launch and none of its tiles in the other.
+    int64_t tiles = 0, singles = 0;
+    for (int r = 0; r < R; ++r) {
+      const int q = c.queries[size_t(r)];
+      if (plan.singles_apart && q == 1)
+        ++singles;
+      else
+        tiles += (q + plan.tokens_per_tile - 1) / plan.tokens_per_tile;
+    }
+    CHECK(cuda::emu::counters.paged_single_blocks - single_blocks == singles * H * plan.splits);
+    CHECK(cuda::emu::counters.paged_tile_blocks - tile_blocks == tiles * H * plan.head_chunks * plan.splits);
     // the steady loop ran where the case needs it (a warp's first iteration always moves the normalizer)
     INFO("steady iterations " << cuda::emu::counters.decode_steady - steady << ", handed to the edge "
                               << cuda::emu::counters.decode_normalizer - moved);
@@ -339,9 +355,19 @@ TEST_CASE("paged SIMT kernel with an exact window (emulated) against the CPU ker
 }
 
 TEST_CASE("paged 16-row kernel (emulated) against the CPU kernel", "[cuda_emulated]") {
-  // a prefill chunk beside a decode step: 16-row tiles (paged_mma.cuh)
-  run_case<core::half_t>({4, 128, 32, 16, 2, 4, {50, 30}, {20, 1}, 0, 0.f, true, 16});
-  run_case<core::bf16_t>({2, 64, 64, 16, 1, 16, {64, 9}, {1, 1}, 24, 0.f, true, 16});  // GQA 16
+  // a prefill chunk beside a decode step: 16-row tiles (paged_mma.cuh) for the chunk, the decode
+  // step apart on the decode kernel (paged_decode.cuh)
+  run_case<core::half_t>(
+      {4, 128, 32, 16, 2, 4, {50, 30}, {20, 1}, 0, 0.f, true, 16, 0, -1, 1.f, -1, 4.f, 0, false, 0.f, true});
+  run_case<core::bf16_t>({2, 64, 64, 16, 1, 16, {64, 9}, {1, 1}, 24, 0.f, true, 16});  // GQA 16: all 16-row
+  // decode steps with long contexts beside two chunks (one of them at a window), values of one
+  // size: the decode kernel's steady loop runs (the 16-row kernel has none), and requests of no
+  // token and of two tokens stay with the 16-row kernel
+  run_case<core::bf16_t>(
+      {2,  128, 64, 16,    2,   4,   {3000, 2000, 40, 700, 90, 60}, {1, 1, 24, 0, 9, 2}, 0, 0.f, true, 16, 0, -1, 1.f,
+       -1, 0.f, 16, false, 0.f, true});
+  run_case<core::half_t>(
+      {8, 64, 32, 16, 2, 8, {1500, 64, 33}, {1, 5, 1}, 300, 0.f, false, 16, 0, -1, 1.f, -1, 0.f, 4, false, 0.f, true});
 }
 
 namespace {

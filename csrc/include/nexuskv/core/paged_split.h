@@ -38,8 +38,9 @@ struct PagedRowTiles {
 // a decode step (one token a request, as the host sees it) whose GQA group
 // fits 8 rows takes tiles of 8, whose kernel holds one n-tile of accumulators
 // (fewer registers, more blocks per SM); every other step 16, which read each
-// page once for up to 16 rows.  Any input is right with either: a request's
-// tokens go in as many tiles as they need.
+// page once for up to 16 rows (its requests of one token, where the group fits
+// 8 rows, run the 8-row kernel apart: cuda::paged_mma_plan).  Any input is
+// right with either: a request's tokens go in as many tiles as they need.
 NEXUSKV_HD_INLINE int paged_tile_rows(int64_t num_tokens, int64_t num_reqs, int gqa_group) {
   return num_tokens == num_reqs && gqa_group <= kPagedDecodeTileRows ? kPagedDecodeTileRows : kPagedTileRows;
 }
