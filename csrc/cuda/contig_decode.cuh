@@ -42,11 +42,11 @@
 // decode_row_blocks blocks per row tile of 16 (attention_common.cuh's unit,
 // which the partials and the merge keep), each reading the keys and values
 // again (from L2 where they run together): per row and key a fifth to a half
-// of the 16-row kernel's instructions, whose 16 rows share one read.  Its blocks take
-// the compressed tokens (splits [0, S)); the sinks and the tail, in full
-// precision, go to one more split, S, run by attention_mma.cuh's kernel
-// (AttentionLaunch::fp_split) before the merge.  Compiles; untested on a GPU (test_cuda_emulated.cpp runs
-// it on the host against the CPU kernel).
+// of the 16-row kernel's instructions, whose 16 rows share one read.  Its
+// blocks take the compressed tokens (splits [0, S)); the sinks and the tail,
+// in full precision, go to one more split, S, run by attention_mma.cuh's
+// kernel (AttentionLaunch::fp_split) before the merge.  Compiles; untested on
+// a GPU (test_cuda_emulated.cpp runs it on the host against the CPU kernel).
 #pragma once
 
 #include <cstddef>

@@ -138,9 +138,10 @@ PagedAttentionPlan paged_mma_plan(const core::PagedAttention<X>& problem, int mu
   plan.tiles = (p.num_tokens + plan.tokens_per_tile - 1) / plan.tokens_per_tile + p.num_reqs;
   // A step with requests of several tokens (16-row tiles) whose GQA group fits 8 rows: its
   // requests of one token (decode steps beside prefill chunks) run the decode kernel apart, one
-  // block each, where the 16-row kernel would give each a half-empty tile at 2-4x the decode
+  // block each, where the 16-row kernel would give each a half-empty tile at 3-5x the decode
   // kernel's instructions (benchmarks/cuda_budget.py); the longer ones keep 16-row tiles, which
-  // read each page once for 16 rows.
+  // read each page once for 16 rows.  (The two launches run one after the other on the stream;
+  // the splits are planned for their blocks together.)
   size_t smem_single = 0;
   if (tile_rows == core::kPagedTileRows && p.gqa_group() <= core::kPagedDecodeTileRows) {
     auto single = paged_mma_kernel_of(p, core::kPagedDecodeTileRows, smem_single);
