@@ -223,8 +223,7 @@ def bench_config(timer, batch, ctx, bits_list, bw, gen, paged_rows=None):
 
         ref = deq_sdpa()
         t_deq = timer(deq_sdpa)
-        err = float((out.float() - ref.float()).norm() / ref.float().norm())
-        err_mma = float((out_mma.float() - ref.float()).norm() / ref.float().norm())
+        err, err_mma = (float((o.float() - ref.float()).norm() / ref.float().norm()) for o in (out, out_mma))
         comp_bytes = nbytes(kc) + nbytes(vc) + 2 * nbytes([q])
         rows.append(
             dict(

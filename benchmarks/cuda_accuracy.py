@@ -101,6 +101,9 @@ def stats(case, name: str) -> dict:
     def ulps(a, b):
         return float(((a - b).abs() / (eps * torch.maximum(a.abs(), b.abs())).clamp_min(1e-300)).max())
 
+    def f32gap(x):  # max (|x - f64| - half an ulp of the output) / mag
+        return float((((x - ref).abs() - 0.5 * eps * ref.abs()).clamp_min(0) / mag).max())
+
     row = m1.abs().amax(-1, keepdim=True).clamp_min(1e-300)
     d = run(case, "decode") if decode_takes(case) else None
     return dict(
@@ -109,14 +112,12 @@ def stats(case, name: str) -> dict:
         gap=float((beyond_one_ulp(s, m1, case.q.dtype) / mag).max()),
         ulps=ulps(s, m1),
         frac=float((s != m1).double().mean()),
-        f32gap_simple=float((((s - ref).abs() - 0.5 * eps * ref.abs()).clamp_min(0) / mag).max()),
-        f32gap_mma=float((((m1 - ref).abs() - 0.5 * eps * ref.abs()).clamp_min(0) / mag).max()),
+        f32gap_simple=f32gap(s),
+        f32gap_mma=f32gap(m1),
         rr_row=float((beyond_one_ulp(m1, m2, case.q.dtype) / row).max()),
         rr_frac=float((m1 != m2).double().mean()),
         rr_ulps=ulps(m1, m2),
-        f32gap_decode=None
-        if d is None
-        else float((((d - ref).abs() - 0.5 * eps * ref.abs()).clamp_min(0) / mag).max()),
+        f32gap_decode=None if d is None else f32gap(d),
         rel_decode=None if d is None else float(rel_err(d, ref)),
     )
 
