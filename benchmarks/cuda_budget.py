@@ -2,7 +2,9 @@
 tensor-core attention kernels (attention_mma_kernel<Launch, kBits, kD> in
 csrc/cuda/attention_mma.cuh, the contiguous cache's 16-row kernel, and its decode kernel
 contig_decode_kernel<Launch, kBits, kD, kBg> in csrc/cuda/contig_decode.cuh: the "contiguous/Bg
-g/8r" rows, Bg value groups a token; paged_attention_mma_kernel<X, kBits, kD> in
+g/8r" rows, Bg value groups a token; its keys per token, contig_decode_token_keys_kernel: the
+"contiguous-token-keys" rows, keys in as many groups as the values, whose tile is the paged
+one's bytes: paged_tile_bytes; paged_attention_mma_kernel<X, kBits, kD> in
 csrc/cuda/paged_mma.cuh, vLLM's pages: the "paged" rows, whose tile is 64 keys of the paged
 format, keys and values per token: paged_tile_bytes) it reads, from the objects a CUDA build already compiled
 (build/py by default; nothing is compiled here):
@@ -103,6 +105,11 @@ PAGED_KERNEL = re.compile(r"paged_attention_mma_kernelIN\w*?(bf16_t|half_t)ELi(\
 # The contiguous cache's decode kernel (contig_decode_kernel<Launch, kBits, kD, kBg>, csrc/cuda/contig_decode.cuh:
 # 8 query rows, kBg value groups per token; keys per channel).
 CONTIG_DECODE_KERNEL = re.compile(r"contig_decode_kernelI\w*?(bf16_t|half_t)\w*?Li(\d+)ELi(\d+)ELi(\d+)EEEv")
+# ... and its keys per token (contig_decode_token_keys_kernel<Launch, kBits, kD, kBg>: kBg groups a token, keys
+# and values).
+CONTIG_TOKEN_KEYS_KERNEL = re.compile(
+    r"contig_decode_token_keys_kernelI\w*?(bf16_t|half_t)\w*?Li(\d+)ELi(\d+)ELi(\d+)EEEv"
+)
 DTYPE = {"bf16_t": "bf16", "half_t": "fp16"}  # the kernels' element type -> the JSON's dtype
 NQ_KERNEL = re.compile(r"(nq_decompress_kernel|nq_pack_kernel)I(\w+?)(?:Li(\d+)E)?EEv")
 DIV64 = "I2F.U64.RP"  # first instruction of the inline 64-bit integer division routine
@@ -344,14 +351,15 @@ def tile_loop(code, mma_per_chunk=None):
 def decode_steady_mmas(variant) -> tuple[int, int] | None:
     """(HMMAs of one steady chunk, HMMAs of an iteration besides its chunks') of the decode
     kernels (the 8-row variants; q . K runs on integer MMAs, IMMA, counted apart); None for the
-    others.  A chunk: P . V per 16 channels in hi + lo, and on pages (paged_decode.cuh) one for
-    the key zeros x the rows' sums of q.  The contiguous cache's (contig_decode.cuh) key zeros are
-    one bias per row and key group, its iteration's (one group), on fp16 / bf16 MMAs per 16
-    channels in hi + lo: as many as a chunk's P . V."""
+    others.  A chunk: P . V per 16 channels in hi + lo, and on pages (paged_decode.cuh) and the
+    contiguous cache's keys per token one for the key zeros x the rows' sums of q.  The
+    contiguous cache's keys per channel (contig_decode.cuh) have their zeros as one bias per row
+    and key group, its iteration's (one group), on fp16 / bf16 MMAs per 16 channels in hi + lo:
+    as many as a chunk's P . V."""
     if variant.rows != 8:
         return None
     pv = 2 * variant.head_dim // 16
-    return (pv + 1, 0) if variant.kernel == "paged" else (pv, pv)
+    return (pv, pv) if variant.kernel == "contiguous" else (pv + 1, 0)  # (keys per token: as on pages)
 
 
 def division_calls(code, body, blocks) -> int:
@@ -547,6 +555,8 @@ def main() -> None:
                 if not m:
                     m, kernel = CONTIG_DECODE_KERNEL.search(fn), "contiguous-decode"
                 if not m:
+                    m, kernel = CONTIG_TOKEN_KEYS_KERNEL.search(fn), "contiguous-token-keys"
+                if not m:
                     m, kernel = KERNEL.search(fn), "contiguous"
                 if not m:
                     continue
@@ -570,6 +580,9 @@ def main() -> None:
                 elif kernel == "contiguous-decode":
                     v.kernel, v.groups, v.rows = "contiguous", int(m.group(4)), 8
                     v.tile_bytes = tile_bytes(bits, d, value_groups=v.groups)
+                elif kernel == "contiguous-token-keys":
+                    v.groups, v.rows = int(m.group(4)), 8
+                    v.tile_bytes = paged_tile_bytes(bits, d, d // v.groups)
                 else:
                     v.tile_bytes = tile_bytes(bits, d)
                 v.budget = v.tile_bytes / per_sm_bytes_per_cycle
@@ -603,7 +616,7 @@ def main() -> None:
         "CALL",
         "div64",
     )
-    fmt = "{:10} {:6} {:5} {:>4} {:>4} {:>5} {:>5} {:>6} {:>6} {:>7} {:>10} {:>6} {:>5} {:>5} {:>4} {:>5} {:>4} {:>5}"
+    fmt = "{:27} {:6} {:5} {:>4} {:>4} {:>5} {:>5} {:>6} {:>6} {:>7} {:>10} {:>6} {:>5} {:>5} {:>4} {:>5} {:>4} {:>5}"
     print(fmt.format(*head))
     for v in variants:
         c = v.loop_counts
@@ -655,12 +668,12 @@ def main() -> None:
             f"max(issue bound, bytes at {args.fraction} x {args.hbm_tbps} TB/s) + {LAUNCH_US:.0f} launch"
         )
         print(
-            f"{'kernel':>10} {'rows':>4} {'batch':>5} {'q_len':>5} {'ctx':>6} {'bits':>4} {'blocks':>6} {'tiles':>5} "
+            f"{'kernel':>21} {'rows':>4} {'batch':>5} {'q_len':>5} {'ctx':>6} {'bits':>4} {'blocks':>6} {'tiles':>5} "
             f"{'issue':>8} {'bytes':>7} {'predicted':>9} {'dense':>7} {'speed-up':>8}"
         )
         for p in predictions:
             print(
-                f"{p['kernel']:>10} {p['rows']:>4} {p['batch']:>5} {p['q_len']:>5} {p['context']:>6} {p['bits']:>4} "
+                f"{p['kernel']:>21} {p['rows']:>4} {p['batch']:>5} {p['q_len']:>5} {p['context']:>6} {p['bits']:>4} "
                 f"{p['blocks']:>6} "
                 f"{p['tiles_per_block']:>5} "
                 f"{p['issue_us']:>8.1f} {p['bytes_us']:>7.1f} {p['predicted_us']:>9.1f} {p['dense_bf16_us']:>7.1f} "

@@ -269,14 +269,17 @@ except Exception:  # missing or broken: test_attention imports it for its proper
 import nexuskv
 from nexuskv import paged
 from test_attention import Case
-from test_cuda_attention import DECODE_GRID, decode_case, decode_takes, on_cuda
+from test_cuda_attention import DECODE_GRID, TOKEN_KEYS_DECODE_GRID, decode_case, decode_takes, on_cuda
 CASES = [Case(dtype=torch.bfloat16, **kw) for kw in (
     dict(), dict(q_len=5, tail=6, sinks=3, rotate=True), dict(dgq=True, q_len=2, ratio=3),
     dict(group=16, v_group=16, comp_lens=(70, 0), window=9, softcap=5.0))]
 # The decode kernel's (contig_decode.cuh): 2 bits D64 GQA 8 with a tail, and 4 bits D128 with
 # sinks and a tail (its full-precision split), GQA 2 x 4 query tokens, values in 2 groups.
 DECODE = [decode_case(*DECODE_GRID[i], dtype=torch.bfloat16) for i in (0, 3)]
-assert all(decode_takes(c) for c in DECODE), "the smoke's decode cases are not the decode kernel's"
+# Its keys per token (contig_decode_token_keys_kernel; the tensor-core kernel takes none): 4 bits
+# D128 GQA 8 in two groups, sinks, a tail and a window.
+TOKEN_KEYS = [decode_case(*TOKEN_KEYS_DECODE_GRID[3], dtype=torch.bfloat16, token_keys=True)]
+assert all(decode_takes(c) for c in DECODE + TOKEN_KEYS), "the smoke's decode cases are not the decode kernel's"
 
 
 def paged_case(device):
@@ -299,10 +302,11 @@ def paged_case(device):
 
 
 if sys.argv[1:] == ["--dry"]:
-    for case in CASES + DECODE:
+    for case in CASES + DECODE + TOKEN_KEYS:
         case.run()
     assert torch.isfinite(paged_case("cpu")).all()
-    print(f"smoke (dry): imports resolve, {len(CASES + DECODE)} attention cases and a paged one run on the CPU; "
+    print(f"smoke (dry): imports resolve, {len(CASES + DECODE + TOKEN_KEYS)} attention cases and a paged one run on "
+          "the CPU; "
           "no CUDA call made")
     sys.exit(0)
 x = torch.randn(2, 2, 40, 64, device="cuda")
@@ -316,11 +320,11 @@ s = torch.ones(64, device="cuda")
 nexuskv.hadamard_rotate(x, s), nexuskv.hadamard_rotate(x, s, True)
 for kernel in ("simple", "mma"):  # (the paged tensor-core kernel, paged_mma.cuh, with "mma")
     os.environ["NEXUSKV_CUDA_ATTENTION"] = kernel
-    for case in CASES + DECODE:
+    for case in CASES + DECODE + (TOKEN_KEYS if kernel == "simple" else []):
         on_cuda(case).run()
     assert torch.isfinite(paged_case("cuda")).all()
 os.environ["NEXUSKV_CUDA_ATTENTION"] = "decode"  # (raises where the decode kernel does not take a case)
-for case in DECODE:
+for case in DECODE + TOKEN_KEYS:
     on_cuda(case).run()
 torch.cuda.synchronize()
 print("smoke: every kernel ran")

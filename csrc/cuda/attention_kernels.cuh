@@ -26,8 +26,10 @@ AttentionKernelInfo attention_kernel_info(const AttentionLaunch<Params>& L, Kern
   AttentionKernelInfo k;
   if (choice == KernelChoice::kAuto || choice == KernelChoice::kDecode) {
     // The decode kernel takes the compressed tokens, the tensor-core kernel one split of the sinks and tail.
+    AttentionLaunch<Params> fp = L;
+    fp.fp_split = 0;  // (what the full-precision split's kernel takes)
     const MmaVariant<AttentionLaunch<Params>> v = decode_variant(L);
-    if (v.kernel != nullptr && mma_variant(L).kernel != nullptr) {
+    if (v.kernel != nullptr && mma_variant(fp).kernel != nullptr) {
       k.mma = k.decode = true, k.tile_tokens = kMmaTile * decode_chunks_per_iteration(int(L.p.k.dims.bits));
       k.blocks_per_sm = blocks_per_sm(v.kernel, kMmaThreads, v.smem);
       k.fp_splits = L.p.sink.present() || L.p.tail.present() ? 1 : 0;

@@ -915,9 +915,12 @@ MmaVariant<Launch> mma_variant(const Launch& L) {
     const auto& vd = p.v.dims;
     const int64_t D = p.head_dim;
     auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; };
-    const bool ok = kd.axis == core::GroupAxis::kTokens && (kd.segment_starts || kd.group_size % 16 == 0) &&
-                    vd.axis == core::GroupAxis::kChannels && !vd.segment_starts && vd.group_size % 16 == 0 &&
-                    kd.bits == vd.bits && kd.bits != 3 && (D == 64 || D == 128) && aligned(p.k.codes) &&
+    // (the decode kernel's full-precision split, fp_split >= 0, reads no compressed token: it runs
+    // beside every format the decode kernel takes, keys per token included)
+    const bool formats =
+        L.fp_split >= 0 || (kd.axis == core::GroupAxis::kTokens && (kd.segment_starts || kd.group_size % 16 == 0) &&
+                            vd.axis == core::GroupAxis::kChannels && !vd.segment_starts && vd.group_size % 16 == 0);
+    const bool ok = formats && kd.bits == vd.bits && kd.bits != 3 && (D == 64 || D == 128) && aligned(p.k.codes) &&
                     aligned(p.v.codes) && aligned(p.k.scale) && aligned(p.k.zero);
     // The tile loop's positions and sizes are 32-bit (MmaIndex); far larger caches take the reference kernel.
     constexpr int64_t kMax = core::kFastDivmodLimit - 2 * kMmaTile;

@@ -28,16 +28,25 @@
 // NaN: max_abs_nan), so every score of the group: the row NaN as in the CPU
 // kernel.
 //
+// Keys per token (kTokenKeys: make_cache's key_axis=-1, scaled per token and
+// group of channels, as on pages): contig_decode_token_keys_kernel, the
+// scores of paged_decode.cuh (DecodeWarp::token_keys_iteration: q . code per
+// group on the integer MMAs with the queries' limbs held for the block, x
+// the key's group scale, + the zeros x the rows' sums of q on one MMA a
+// chunk), the copies and the block of this file.
+//
 // Which bytes a block reads: per iteration and warp, the chunks' K and V
 // code rows (one span each: kSub x 16 rows), their value scales and zeros
-// ([16 kSub, Bg] each) and the key group's scale and zero rows ([D] each),
-// all by cp.async into the warp's two stages.
+// ([16 kSub, Bg] each) and the key group's scale and zero rows ([D] each;
+// keys per token: their scales and zeros, [16 kSub, Bg] each), all by
+// cp.async into the warp's two stages.
 //
 // What it takes (decode_variant): fp16 / bf16 queries and meta, keys per
-// channel in NQ groups (no DGQ) of a multiple of 16 kSub tokens, values per
-// token in 1, 2 or 4 groups of a multiple of 16 channels, the same 2/4/8 bits,
-// head_dim 64 or 128, no outliers, capacities a multiple of 16 kSub tokens
-// (an iteration's copies stay in the buffers).  A block holds 8 query rows of
+// channel in NQ groups (no DGQ) of a multiple of 16 kSub tokens or keys per
+// token in as many groups as the values, values per token in 1, 2 or 4
+// groups of a multiple of 16 channels, the same 2/4/8 bits, head_dim 64 or
+// 128, no outliers, capacities a multiple of 16 kSub tokens (an iteration's
+// copies stay in the buffers).  A block holds 8 query rows of
 // a kv head (a decode step's GQA x q_len <= 8: one block); more rows take
 // decode_row_blocks blocks per row tile of 16 (attention_common.cuh's unit,
 // which the partials and the merge keep), each reading the keys and values
@@ -64,44 +73,57 @@ NKV_HOST_DEVICE int decode_row_blocks(const Params& p) {
 }
 static_assert(kAttnRows % kDecodeRows == 0, "a row tile: whole decode blocks");
 
-template <int kD, int kRB, typename X, int kBg, int kSub>
+// What keys per channel keep apart from the stages (keys per token: none).
+template <int kD, typename X>
+struct ContigChannelKeys {
+  X kmeta[kDecodeWarps][2][2][kD];  // per warp and stage: the iteration's key group's scales, zeros
+  // The queries x a power of two per row (1 / it: qzdown) as the zeros' MMA's B fragments: per
+  // k-step and lane (g, t), X {hi, hi, lo, lo} of row g's channels {16 v + 2t, + 1}, {16 v + 2t + 8, + 9}.
+  uint4 qz[kD / 16][kWarp];
+};
+struct ContigTokenKeys {};
+
+template <int kD, int kRB, typename X, int kBg, int kSub, bool kTokenKeys>
 struct alignas(16) ContigDecodeSmem {
   DecodeBuffers<kD, kRB, X, kBg, kSub> buf;
-  X kmeta[kDecodeWarps][2][2][kD];  // per warp and stage: the iteration's key group's scales, zeros
-  float q[kDecodeRows][kD];         // the rows' queries x scale x log2 e (rotated), 0 past the rows
-  // The same x a power of two per row (1 / it: qzdown) as the zeros' MMA's B fragments: per k-step
-  // and lane (g, t), X {hi, hi, lo, lo} of row g's channels {16 v + 2t, + 1}, {16 v + 2t + 8, + 9}.
-  uint4 qz[kD / 16][kWarp];
-  float qzdown[kDecodeRows];
+  std::conditional_t<kTokenKeys, ContigTokenKeys, ContigChannelKeys<kD, X>> keys;
+  float q[kDecodeRows][kD];        // the rows' queries x scale x log2 e (rotated), 0 past the rows
+  float qzdown[kDecodeRows];       // 1 / the row's power of two (2^14 <= max |q| x it < 2^15)
+  float qsum[kDecodeRows][kBg];    // keys per token: the row's sum of q x it over each key group
   int32_t key_first[kDecodeRows];  // the row's visible keys: [key_first, key_end) (compressed tokens)
   int32_t key_end[kDecodeRows];
   int32_t first;  // the block's earliest visible key
   uint32_t flag;
 };
 
-template <typename Launch, int kBits, int kD, int kBg>
+template <typename Launch, int kBits, int kD, int kBg, bool kTokenKeys>
 struct ContigDecodeKernel
     : DecodeWarp<typename decltype(Launch::p)::Element, kBits, kD, kBg, kDecodeChunk,
                  ContigDecodeSmem<kD, int(core::row_bytes(kBits, kD)), typename decltype(Launch::p)::Element, kBg,
-                                  decode_chunks_per_iteration(kBits)>> {
+                                  decode_chunks_per_iteration(kBits), kTokenKeys>> {
   using X = typename decltype(Launch::p)::Element;
-  using Smem = ContigDecodeSmem<kD, int(core::row_bytes(kBits, kD)), X, kBg, decode_chunks_per_iteration(kBits)>;
+  using Smem =
+      ContigDecodeSmem<kD, int(core::row_bytes(kBits, kD)), X, kBg, decode_chunks_per_iteration(kBits), kTokenKeys>;
   using Warp = DecodeWarp<X, kBits, kD, kBg, kDecodeChunk, Smem>;
   using typename Warp::Stage, typename Warp::Rows, typename Warp::QueryLimbs;
-  using Warp::kRB, Warp::kKSteps, Warp::kSub, Warp::kRows, Warp::kStep, Warp::kLog2e, Warp::kRS;
+  using Warp::kRB, Warp::kKSteps, Warp::kSub, Warp::kRows, Warp::kStep, Warp::kLog2e, Warp::kRS, Warp::kGroup;
   using Warp::sm, Warp::warp, Warp::lane, Warp::g, Warp::t, Warp::stage_row, Warp::meta_bits_float;
   static_assert(kSub * kRB == kD, "an iteration's code rows: kD 16-byte pieces a side (kSub kBits = 8)");
-  // Blocks per SM the registers must allow (as paged_decode.cuh's).
-  static constexpr int kMinBlocks = kBits == 2                            ? (kD == 64 && kBg <= 2 ? 3 : 2)
-                                    : kBg == 4 && kD == 128 && kBits == 4 ? 2
-                                    : kBg == 4 || kD == 128               ? 3
-                                                                          : 4;
+  // Blocks per SM the registers must allow (as paged_decode.cuh's; keys per token at 8 bits D128
+  // in four groups 2, which spilled 8 bytes at 3 on sm_90: ~80 KB of copies in flight per SM).
+  static constexpr int kMinBlocks = kBits == 2 ? (kD == 64 && kBg <= 2 ? 3 : 2)
+                                    : kBg == 4 && kD == 128 && (kBits == 4 || kTokenKeys) ? 2
+                                    : kBg == 4 || kD == 128                               ? 3
+                                                                                          : 4;
 
   const Launch& L;
   const decltype(Launch::p)& p;
   const MmaIndex& ix;
   int32_t lo = 0, hi = 0;  // this split's compressed tokens
   float zdown[2];          // qzdown of the lane's score rows 2t, 2t + 1
+  // Keys per token: the lane's limbs of q . K and its B fragment of the zeros' MMA (run).
+  QueryLimbs qf;
+  uint32_t zq = 0;
 
   NKV_DEVICE ContigDecodeKernel(const MmaLaunch<Launch>& args, Smem& smem)
       : Warp(smem), L(args.L), p(args.L.p), ix(args.ix) {}
@@ -113,13 +135,15 @@ struct ContigDecodeKernel
   // row (l + 32 r) / kRowCopies, so that a round's destination lies a
   // compile-time distance from the lane's first (code_shift).  Its meta:
   // the value scales and zeros of its keys (2 kSub Bg pieces each) and the
-  // key group's scale and zero rows (kD / 8 pieces each), piece l + 32 r of
-  // them lane l's (meta_plan).
+  // key group's scale and zero rows (kD / 8 pieces each; keys per token:
+  // the keys' scales and zeros, as the values'), piece l + 32 r of them lane
+  // l's (copy_plan).
   static constexpr int kRowCopies = kRB / 16;
   static constexpr int kCodeRounds = kD / kWarp;
-  static constexpr int kValuePieces = 2 * kSub * kBg;  // of one value meta array
-  static constexpr int kKeyPieces = kD / 8;            // of one key meta row
-  static constexpr int kMetaPieces = 2 * kValuePieces + 2 * kKeyPieces;
+  static constexpr int kTokenArrays = kTokenKeys ? 4 : 2;  // meta arrays per token: the stage's last ones
+  static constexpr int kValuePieces = 2 * kSub * kBg;      // of one such array
+  static constexpr int kKeyPieces = kD / 8;                // of one key meta row (keys per channel)
+  static constexpr int kMetaPieces = kTokenArrays * kValuePieces + (kTokenKeys ? 0 : 2 * kKeyPieces);
   static constexpr int kMetaRounds = (kMetaPieces + kWarp - 1) / kWarp;
   // Shared bytes from a lane's round-0 code piece to its round-r one.
   NKV_HOST_DEVICE static constexpr int code_shift(int r) {
@@ -146,16 +170,19 @@ struct ContigDecodeKernel
     for (int r = 0; r < kMetaRounds; ++r) {
       const int q = lane + kWarp * r;
       meta_on[r] = q < kMetaPieces;
-      meta_key[r] = q >= 2 * kValuePieces;
-      if (!meta_key[r]) {  // value scales (array 2), zeros (3): chunk j's [16, Bg] from its first key
+      meta_key[r] = q >= kTokenArrays * kValuePieces;
+      if (!meta_key[r]) {  // per token: stage array 4 - kTokenArrays + arr, chunk j's [16, Bg] from its first key
         const int arr = q / kValuePieces, qq = q % kValuePieces, j = qq / (2 * kBg);
-        const X* base = arr == 0 ? p.v.scale : p.v.zero;
-        meta_src[r] = reinterpret_cast<const uint8_t*>(base + bh * ix.value_tokens * kBg) + 16 * qq;
+        const int sa = 4 - kTokenArrays + arr;  // key scales (0), zeros (1), value scales (2), zeros (3)
+        const X* base = sa == 0 ? p.k.scale : sa == 1 ? p.k.zero : sa == 2 ? p.v.scale : p.v.zero;
+        const int64_t tokens = sa < 2 ? ix.key_tokens : ix.value_tokens;
+        meta_src[r] = reinterpret_cast<const uint8_t*>(base + bh * tokens * kBg) + 16 * qq;
         meta_step[r] = uint32_t(kBg * sizeof(X));
-        meta_dst[r] = int32_t(j * sizeof(Stage) + offsetof(Stage, meta) + (2 + arr) * sizeof(Stage::meta[0])) +
-                      16 * (qq % (2 * kBg));
+        meta_dst[r] =
+            int32_t(j * sizeof(Stage) + offsetof(Stage, meta) + sa * sizeof(Stage::meta[0])) + 16 * (qq % (2 * kBg));
       } else {  // key group scales (0), zeros (1): [D] each
-        const int qk = meta_on[r] ? q - 2 * kValuePieces : 0, arr = qk / kKeyPieces, off = 16 * (qk % kKeyPieces);
+        const int qk = meta_on[r] ? q - kTokenArrays * kValuePieces : 0, arr = qk / kKeyPieces;
+        const int off = 16 * (qk % kKeyPieces);
         const X* base = arr == 0 ? p.k.scale : p.k.zero;
         meta_src[r] = reinterpret_cast<const uint8_t*>(base + bh * ix.key_groups * kD) + off;
         meta_step[r] = uint32_t(kD * sizeof(X));
@@ -165,7 +192,12 @@ struct ContigDecodeKernel
   }
 
   // Shared address of the warp's key meta of stage sidx.
-  NKV_DEVICE uint32_t kmeta_at(int sidx) const { return shared_address(&sm.kmeta[warp][sidx][0][0]); }
+  NKV_DEVICE uint32_t kmeta_at(int sidx) const {
+    if constexpr (kTokenKeys)
+      return 0u;  // (no key meta row)
+    else
+      return shared_address(&sm.keys.kmeta[warp][sidx][0][0]);
+  }
 
   // Issues the copies of the iteration at key c0 (a multiple of 16 kSub, below
   // hi) into stage sidx at `stage` (one commit group).
@@ -178,7 +210,7 @@ struct ContigDecodeKernel
       cp_async16(at + uint32_t(code_shift(r)), src + 16 * kWarp * r);
       cp_async16(at + uint32_t(code_shift(r)) + kV, src + v_from_k + 16 * kWarp * r);
     }
-    const uint32_t group = ix.key_group.div(uint32_t(c0)), km = kmeta_at(sidx);
+    const uint32_t group = kTokenKeys ? 0u : ix.key_group.div(uint32_t(c0)), km = kmeta_at(sidx);
 #pragma unroll
     for (int r = 0; r < kMetaRounds; ++r)
       if (kMetaPieces % kWarp == 0 || meta_on[r])
@@ -198,8 +230,8 @@ struct ContigDecodeKernel
   // 4 shuffles.
   NKV_DEVICE void fold(int sidx, QueryLimbs& qf, float (&down)[2], float (&bias)[2]) const {
     constexpr float kSafe = 32767.f / 32768.f;  // |q' up| < 2^15 kSafe = 32767: no rounding to 2^15
-    const X* ks = &sm.kmeta[warp][sidx][0][0];
-    const X* kz = &sm.kmeta[warp][sidx][1][0];
+    const X* ks = &sm.keys.kmeta[warp][sidx][0][0];
+    const X* kz = &sm.keys.kmeta[warp][sidx][1][0];
     float x[kKSteps][4], mx = 0.f, zq[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int v = 0; v < kKSteps; ++v) {
@@ -217,7 +249,7 @@ struct ContigDecodeKernel
       const uint32_t z0 = *reinterpret_cast<const uint32_t*>(kz + 16 * v + 2 * t);
       const uint32_t z1 = *reinterpret_cast<const uint32_t*>(kz + 16 * v + 2 * t + 8);
       const uint32_t a[4] = {z0, z0, z1, z1};
-      const uint4 f = sm.qz[v][lane];
+      const uint4 f = sm.keys.qz[v][lane];
       const uint32_t bh[2] = {f.x, f.y}, bl[2] = {f.z, f.w};
       mma_16816<std::is_same_v<X, core::bf16_t>>(zq, a, bh);
       mma_16816<std::is_same_v<X, core::bf16_t>>(zq, a, bl);
@@ -239,12 +271,21 @@ struct ContigDecodeKernel
   }
 
   // One iteration (DecodeWarp::loop): kSub chunks of 16 keys at c0 + 16 j, in
-  // one key group, from stages S[j] (key meta: stage sidx's kmeta).  kEdge:
-  // masked and capped (see paged_decode.cuh's chunk); a steady iteration
-  // returns false, having changed nothing, where a value scale would move
-  // the value normalizer.
+  // one key group, from stages S[j] (key meta: stage sidx's kmeta; keys per
+  // token: DecodeWarp::token_keys_iteration, zdown the rows' 1 /
+  // normalizer).  kEdge: masked and capped (see DecodeWarp::token_keys_iteration);
+  // a steady iteration returns false, having changed nothing, where a value
+  // scale would move the value normalizer.
   template <bool kEdge>
   NKV_DEVICE bool chunk(const Stage (&S)[kSub], uint32_t stages, int sidx, int32_t c0, Rows& st) const {
+    if constexpr (kTokenKeys)
+      return this->template token_keys_iteration<kEdge>(S, stages, c0, hi, qf, zq, zdown, p.softcap, st);
+    else
+      return channel_keys_iteration<kEdge>(S, stages, sidx, c0, st);
+  }
+  template <bool kEdge>
+  NKV_DEVICE bool channel_keys_iteration(const Stage (&S)[kSub], uint32_t stages, int sidx, int32_t c0,
+                                         Rows& st) const {
     if constexpr (!kEdge)
       if (!this->value_normalizer_holds(S, st)) return false;
     QueryLimbs qf;
@@ -269,10 +310,11 @@ struct ContigDecodeKernel
     return true;
   }
 
-  // sm.qz and sm.qzdown from sm.q: thread (row tid / 16, part tid % 16) takes
-  // the row's largest |q| over its kD / 16 channels, then the fragments.  The
-  // normalizer (2^14 <= max |q| up < 2^15) keeps the terms in fp16's range;
-  // bf16 holds 16 significant bits of q, fp16 22.  Ends with a barrier.
+  // sm.qzdown from sm.q: thread (row tid / 16, part tid % 16) takes the row's
+  // largest |q| over its kD / 16 channels; then keys per channel sm.keys.qz
+  // (the normalizer, 2^14 <= max |q| up < 2^15, keeps the terms in fp16's
+  // range; bf16 holds 16 significant bits of q, fp16 22), keys per token
+  // sm.qsum (x the normalizer, a power of two: exact).  Ends with a barrier.
   NKV_DEVICE void zero_queries() {
     constexpr int kParts = kMmaThreads / kRows;  // 16
     const int tid = int(threadIdx.x), r = tid / kParts, part = tid % kParts;
@@ -282,22 +324,31 @@ struct ContigDecodeKernel
     for (int o = 1; o < kParts; o *= 2) mx = fmaxf(mx, shfl_xor(mx, o));
     if (part == 0) sm.qzdown[r] = pow2_inverse(pow2_normalizer(mx));
     NKV_SYNC();
-    for (int e = tid; e < kKSteps * kWarp; e += kMmaThreads) {
-      const int v = e / kWarp, row = e % kWarp / 4, c = 16 * v + 2 * (e % 4);
-      const float up = pow2_inverse(sm.qzdown[row]);
-      uint32_t hi[2], lo[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        uint32_t bits[2][2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const float x = sm.q[row][c + 8 * h + i] * up;
-          bits[0][i] = this->float_to_x(x);
-          bits[1][i] = this->float_to_x(x - meta_bits_float(bits[0][i]));
-        }
-        hi[h] = bits[0][0] | bits[0][1] << 16, lo[h] = bits[1][0] | bits[1][1] << 16;
+    if constexpr (kTokenKeys) {
+      for (int e = tid; e < kRows * kBg; e += kMmaThreads) {
+        const int rr = e / kBg, b = e % kBg;
+        float sum = 0.f;
+        for (int c = b * kGroup; c < (b + 1) * kGroup; ++c) sum += sm.q[rr][c];
+        sm.qsum[rr][b] = sum * pow2_inverse(sm.qzdown[rr]);
       }
-      sm.qz[v][e % kWarp] = make_uint4(hi[0], hi[1], lo[0], lo[1]);
+    } else {
+      for (int e = tid; e < kKSteps * kWarp; e += kMmaThreads) {
+        const int v = e / kWarp, row = e % kWarp / 4, c = 16 * v + 2 * (e % 4);
+        const float up = pow2_inverse(sm.qzdown[row]);
+        uint32_t hi[2], lo[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          uint32_t bits[2][2];
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const float x = sm.q[row][c + 8 * h + i] * up;
+            bits[0][i] = this->float_to_x(x);
+            bits[1][i] = this->float_to_x(x - meta_bits_float(bits[0][i]));
+          }
+          hi[h] = bits[0][0] | bits[0][1] << 16, lo[h] = bits[1][0] | bits[1][1] << 16;
+        }
+        sm.keys.qz[v][e % kWarp] = make_uint4(hi[0], hi[1], lo[0], lo[1]);
+      }
     }
     NKV_SYNC();
   }
@@ -374,6 +425,10 @@ struct ContigDecodeKernel
     copy_plan(bh);
 #pragma unroll
     for (int r = 0; r < 2; ++r) zdown[r] = sm.qzdown[2 * t + r];
+    if constexpr (kTokenKeys) {  // (row g's query as 16-bit integers in two limbs; its zeros' fragment)
+      this->token_query_limbs(&sm.q[g][0], pow2_inverse(sm.qzdown[g]), qf);
+      zq = this->zero_query_fragment();
+    }
     Rows st;
     this->init(st);
     NKV_SYNC();  // sm.first
@@ -384,10 +439,20 @@ struct ContigDecodeKernel
   }
 };
 
+// The kernels, keys per channel and keys per token (two names: the tools that
+// read the SASS and profiles, benchmarks/cuda_budget.py and cuda_dynamic.py,
+// tell them apart by name).
 template <typename Launch, int kBits, int kD, int kBg>
-NKV_KERNEL void __launch_bounds__(kMmaThreads, (ContigDecodeKernel<Launch, kBits, kD, kBg>::kMinBlocks))
+NKV_KERNEL void __launch_bounds__(kMmaThreads, (ContigDecodeKernel<Launch, kBits, kD, kBg, false>::kMinBlocks))
     contig_decode_kernel(const NKV_GRID_CONSTANT MmaLaunch<Launch> a) {
-  using K = ContigDecodeKernel<Launch, kBits, kD, kBg>;
+  using K = ContigDecodeKernel<Launch, kBits, kD, kBg, false>;
+  NKV_DYNAMIC_SMEM(smem);
+  K(a, *reinterpret_cast<typename K::Smem*>(smem)).run();
+}
+template <typename Launch, int kBits, int kD, int kBg>
+NKV_KERNEL void __launch_bounds__(kMmaThreads, (ContigDecodeKernel<Launch, kBits, kD, kBg, true>::kMinBlocks))
+    contig_decode_token_keys_kernel(const NKV_GRID_CONSTANT MmaLaunch<Launch> a) {
+  using K = ContigDecodeKernel<Launch, kBits, kD, kBg, true>;
   NKV_DYNAMIC_SMEM(smem);
   K(a, *reinterpret_cast<typename K::Smem*>(smem)).run();
 }
@@ -409,11 +474,17 @@ MmaVariant<Launch> decode_variant(const Launch& L) {
     if (!(kd.bits == 2 || kd.bits == 4 || kd.bits == 8) || vd.bits != kd.bits || !(D == 64 || D == 128)) return v;
     const int64_t align = kDecodeChunk * decode_chunks_per_iteration(kd.bits);  // an iteration's keys
     auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; };
-    const bool keys = kd.axis == core::GroupAxis::kTokens && kd.segment_starts == nullptr &&
-                      kd.group_size % align == 0 && kd.num_outliers == 0 && kd.tokens % align == 0;
-    const bool values = vd.axis == core::GroupAxis::kChannels && vd.segment_starts == nullptr && vd.num_outliers == 0 &&
-                        (bg == 1 || bg == 2 || bg == 4) && D % (16 * bg) == 0 &&
-                        (bg == 1 ? vd.group_size >= D : vd.group_size * bg == D) && vd.tokens % align == 0;
+    // per token (values; keys with key_axis -1): 1, 2 or 4 groups of a multiple of 16 channels
+    const auto token_groups = [&](const core::NQDims& d) {
+      return d.axis == core::GroupAxis::kChannels && d.segment_starts == nullptr && d.num_outliers == 0 &&
+             (bg == 1 || bg == 2 || bg == 4) && D % (16 * bg) == 0 &&
+             (bg == 1 ? d.group_size >= D : d.group_size * bg == D) && d.tokens % align == 0;
+    };
+    const bool token_keys = kd.axis == core::GroupAxis::kChannels;  // (as many groups as the values)
+    const bool keys = token_keys ? token_groups(kd) && kd.meta_b() == bg
+                                 : kd.axis == core::GroupAxis::kTokens && kd.segment_starts == nullptr &&
+                                       kd.group_size % align == 0 && kd.num_outliers == 0 && kd.tokens % align == 0;
+    const bool values = token_groups(vd);
     const bool buffers = aligned(p.k.codes) && aligned(p.v.codes) && aligned(p.k.scale) && aligned(p.k.zero) &&
                          aligned(p.v.scale) && aligned(p.v.zero);
     // 32-bit key positions (MmaIndex; an iteration's next first key, up to 256 on, included) and
@@ -421,7 +492,7 @@ MmaVariant<Launch> decode_variant(const Launch& L) {
     // attention_mma.cuh's kernel, whose own limits (mma_variant) these imply
     constexpr int64_t kMax = core::kFastDivmodLimit - 4 * kMmaTile, k4G = int64_t(1) << 32;
     const bool fits = kd.tokens + kd.group_size < kMax && vd.tokens < kMax && p.batch * p.kv_heads < kMax &&
-                      vd.tokens * bg * int64_t(sizeof(T)) < k4G && kd.meta_a() * D * int64_t(sizeof(T)) < k4G;
+                      vd.tokens * bg * int64_t(sizeof(T)) < k4G && kd.groups_per_row() * int64_t(sizeof(T)) < k4G;
     // (grid.y: kv heads x row tiles x decode_row_blocks, below 2^16)
     const bool grid = p.kv_heads * L.row_tiles * decode_row_blocks(p) < 65536;
     if (!keys || !values || !buffers || !fits || !grid) return v;
@@ -429,10 +500,15 @@ MmaVariant<Launch> decode_variant(const Launch& L) {
       if constexpr (kBits != 3) {
         with_head_dim(D, [&]<int kD>() {
           with_groups(bg, [&]<int kBg>() {
-            const size_t smem = sizeof(typename ContigDecodeKernel<Launch, kBits, kD, kBg>::Smem);
-            // (this GPU has less shared memory: another kernel runs)
-            if (smem_fits(contig_decode_kernel<Launch, kBits, kD, kBg>, smem))
-              v.kernel = contig_decode_kernel<Launch, kBits, kD, kBg>, v.smem = smem;
+            const auto pick = [&]<bool kTokenKeys>(auto kernel) {
+              const size_t smem = sizeof(typename ContigDecodeKernel<Launch, kBits, kD, kBg, kTokenKeys>::Smem);
+              // (this GPU has less shared memory: another kernel runs)
+              if (smem_fits(kernel, smem)) v.kernel = kernel, v.smem = smem;
+            };
+            if (token_keys)
+              pick.template operator()<true>(contig_decode_token_keys_kernel<Launch, kBits, kD, kBg>);
+            else
+              pick.template operator()<false>(contig_decode_kernel<Launch, kBits, kD, kBg>);
           });
         });
       }

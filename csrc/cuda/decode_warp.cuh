@@ -4,8 +4,10 @@
 // for one tile of up to 8 query rows; the warps merge once at the end.  The
 // two kernels differ in where the chunks come from (the copies) and in how
 // the keys are scaled (per token and channel group on pages, per channel and
-// token group in the contiguous cache): each computes a chunk's scores, and
-// DecodeWarp does the rest of an iteration, which is the same:
+// token group in the contiguous cache, or per token there too): keys per
+// token score the same way on both (token_keys_iteration), keys per channel
+// in contig_decode.cuh, and DecodeWarp does the rest of an iteration, which
+// is the same:
 //  - q . code on integer MMAs (key_scores: m16n8k32, m16n8k16 for groups of 16
 //    channels; 16 keys x 8 rows, exact): the key codes as u8 (their words by
 //    ldmatrix, one LOP3 per four codes and a shift), the queries as 16-bit
@@ -280,6 +282,119 @@ struct DecodeWarp {
     for (int b = 0; b < kKG; ++b)
 #pragma unroll
       for (int i = 0; i < 4; ++i) c[b][i] = float(ch[b][i] * 256 + cl[b][i]);
+  }
+
+  // ---- keys per token ------------------------------------------------------------------------
+  // (vLLM's pages, paged_decode.cuh, and the contiguous cache's keys per
+  // token, contig_decode.cuh: each key's codes scaled per group of kD / kBg
+  // channels, its scales and zeros in the stage's meta arrays 0 and 1 beside
+  // the values'.)  A score is sum_b scale_b (q_b . code_b) + zero_b sum(q_b):
+  // q . code per group on the integer MMAs (key_scores, the queries' limbs
+  // held for the whole block), then x the key's group scale, + the zeros' MMA.
+
+  // The lane's limbs of row g's query q (its kD floats; x up, the row's
+  // power of two: 2^14 <= max |q| up < 2^15): 16-bit integers, round to
+  // nearest, at most 2^-15 of the largest; the clamp only meets +-inf, whose
+  // row the group sums make NaN.
+  NKV_DEVICE void token_query_limbs(const float* q, float up, QueryLimbs& qf) const {
+#pragma unroll
+    for (int v = 0; v < kKSteps; ++v) {
+      int32_t x[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) x[j] = int32_t(fminf(fmaxf(rintf(q[16 * v + 4 * t + j] * up), -32768.f), 32767.f));
+      limbs_of(x, qf.hi[v], qf.lo[v]);
+    }
+  }
+
+  // The keys' zeros x the rows' sums of q per group, summed over the groups, on
+  // one fp16 / bf16 MMA a chunk (m16n8k8: 16 keys x 8 rows, the layout of
+  // key_scores's c), in place of 2 Bg conversions and 4 Bg FFMAs a lane: A
+  // holds the zeros as they lie in the stage (raw meta bits: exact), B the
+  // rows' sums in two terms, hi + lo (B's k slot kBg n + b: term n of the sum
+  // over group b; 0 past 2 kBg), whose products are exact: 16 significant
+  // bits of the sum in bf16 (2^-17 of the zero's part of a score, 2^-2 of
+  // the 16-bit queries' own rounding of it at groups of 16 channels), 22 in
+  // fp16.  fp16's terms are of the sum x 2^-8 (|sum| < 2^15 x 128 channels:
+  // in fp16's range), the result x kZeroUnit = 2^8 (exact).
+  static constexpr float kZeroUnit = std::is_same_v<X, core::bf16_t> ? 1.f : 256.f;
+  // The lane's B fragment: row g, k slots 2t, 2t + 1, from sm.qsum (the rows'
+  // normalized sums of q per key group).
+  NKV_DEVICE uint32_t zero_query_fragment() const {
+    static_assert(2 * kBg <= 8, "two terms of each group's sum in one k = 8 MMA");
+    uint32_t z = 0;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int k = 2 * t + e, n = k / kBg;
+      if (n < 2) {
+        // term n of the sum: what the terms before it left, rounded to X (an exact difference)
+        float rest = sm.qsum[g][k % kBg] / kZeroUnit;
+        if (n == 1) rest -= meta_bits_float(float_to_x(rest));
+        z |= float_to_x(rest) << (16 * e);
+      }
+    }
+    return z;
+  }
+  // The A fragment: rows g (key 2g) and g + 8 (key 2g + 1), k slots 2t, 2t +
+  // 1 = the key's zeros of groups 2t % kBg (and + 1), as loaded: one word a
+  // key (one group: its half twice).
+  NKV_DEVICE void zero_fragment(const Stage& S, uint32_t (&a)[2]) const {
+    if constexpr (kBg == 1) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(&S.meta[1][2 * g]);  // keys 2g, 2g + 1
+      a[0] = byte_perm(w, 0u, 0x1010u), a[1] = byte_perm(w, 0u, 0x3232u);
+    } else {
+      const uint32_t* row = reinterpret_cast<const uint32_t*>(&S.meta[1][2 * g * kBg]) + t % (kBg / 2);
+      a[0] = row[0], a[1] = row[kBg / 2];
+    }
+  }
+
+  // One iteration of keys per token (the kernels' chunk): kSub chunks of 16
+  // keys at c0 + kStride j, from stages S[j], into the lane's state; its
+  // scores, then attend.  qf, zq: the lane's query limbs and zeros' B
+  // fragment; qdl: its rows' 1 / normalizer.  kEdge: an iteration where some
+  // row may not see some key (the split's ends, a row's window or causal end;
+  // a chunk past the split's keys, not copied) or with a soft-cap: masked,
+  // capped.  A steady iteration returns false, having changed nothing, where
+  // one of its value scales would move the value normalizer
+  // (value_normalizer_holds).
+  template <bool kEdge>
+  NKV_DEVICE bool token_keys_iteration(const Stage (&S)[kSub], uint32_t stages, int32_t c0, int32_t hi,
+                                       const QueryLimbs& qf, uint32_t zq, const float (&qdl)[2], float softcap,
+                                       Rows& st) const {
+    if constexpr (!kEdge)
+      if (!value_normalizer_holds(S, st)) return false;
+    // Scores (base 2: log2 e is in the queries), soft-cap, mask; a visible score that is not
+    // finite makes its row NaN.  s[j][i]: chunk j's key 2g + i / 2, row 2t + i % 2, x the row's
+    // normalizer qdl on the edge; in steady iterations qdl, a power of two, goes into the
+    // exponentials' FMA (attend's unit).
+    float s[kSub][4];
+    bool bad[2] = {false, false};
+    const SoftCap cap(kEdge ? softcap * kLog2e : 0.f);  // cap tanh(x / cap) on base-2 scores: the cap x log2 e
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      // S^T = K . Q^T per key group, exact in integers: c[b][i] holds key 2g + i / 2, row 2t + i % 2.
+      float c[kBg][4];
+      key_scores<kBg>(stages + uint32_t(j * sizeof(Stage)), qf, c);
+      // + sum over the groups of key zero x the row's sum of q, on one MMA (same layout as c)
+      float zs[4] = {0.f, 0.f, 0.f, 0.f};
+      {
+        uint32_t za[2];
+        zero_fragment(S[j], za);
+        mma_1688<std::is_same_v<X, core::bf16_t>>(zs, za, zq);
+      }
+      float kscale[2][kBg];
+      meta_pair(S[j], 0, kscale);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int kk = i / 2, r = i % 2;
+        float x = zs[i] * kZeroUnit;
+#pragma unroll
+        for (int b = 0; b < kBg; ++b) x = fmaf(c[b][i], kscale[kk][b], x);
+        s[j][i] = kEdge ? edge_score(x * qdl[r], cap, c0, j, kk, r, bad) : x;
+      }
+    }
+    constexpr float kOne[2] = {1.f, 1.f};
+    attend<kEdge>(S, stages, c0, hi, s, bad, kEdge ? kOne : qdl, st);
+    return true;
   }
 
   // A score of chunk j of the iteration at c0 (key 2g + kk, row 2t + r) on

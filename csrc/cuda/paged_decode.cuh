@@ -171,90 +171,11 @@ struct PagedDecodeKernel
 
   // ---- the chunk -----------------------------------------------------------------------------
 
-  // The keys' zeros x the rows' sums of q per group, summed over the groups, on
-  // one fp16 / bf16 MMA a chunk (m16n8k8: 16 keys x 8 rows, the layout of
-  // key_scores's c), in place of 2 Bg conversions and 4 Bg FFMAs a lane: A
-  // holds the zeros as they lie in the stage (raw meta bits: exact), B the
-  // rows' sums in two terms, hi + lo (B's k slot kBg n + b: term n of the sum
-  // over group b; 0 past 2 kBg), whose products are exact: 16 significant
-  // bits of the sum in bf16 (2^-17 of the zero's part of a score, 2^-2 of
-  // the 16-bit queries' own rounding of it at groups of 16 channels), 22 in
-  // fp16.  fp16's terms are of the sum x 2^-8 (|sum| < 2^15 x 128 channels:
-  // in fp16's range), the result x kZeroUnit = 2^8 (exact).
-  static constexpr float kZeroUnit = std::is_same_v<X, core::bf16_t> ? 1.f : 256.f;
-  // The lane's B fragment: row g, k slots 2t, 2t + 1.
-  NKV_DEVICE uint32_t zero_queries() const {
-    static_assert(2 * kBg <= 8, "two terms of each group's sum in one k = 8 MMA");
-    uint32_t z = 0;
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int k = 2 * t + e, n = k / kBg;
-      if (n < 2) {
-        // term n of the sum: what the terms before it left, rounded to X (an exact difference)
-        float rest = sm.qsum[g][k % kBg] / kZeroUnit;
-        if (n == 1) rest -= meta_bits_float(float_to_x(rest));
-        z |= float_to_x(rest) << (16 * e);
-      }
-    }
-    return z;
-  }
-  // The A fragment: rows g (key 2g) and g + 8 (key 2g + 1), k slots 2t, 2t +
-  // 1 = the key's zeros of groups 2t % kBg (and + 1), as loaded: one word a
-  // key (one group: its half twice).
-  NKV_DEVICE void zero_fragment(const Stage& S, uint32_t (&a)[2]) const {
-    if constexpr (kBg == 1) {
-      const uint32_t w = *reinterpret_cast<const uint32_t*>(&S.meta[1][2 * g]);  // keys 2g, 2g + 1
-      a[0] = byte_perm(w, 0u, 0x1010u), a[1] = byte_perm(w, 0u, 0x3232u);
-    } else {
-      const uint32_t* row = reinterpret_cast<const uint32_t*>(&S.meta[1][2 * g * kBg]) + t % (kBg / 2);
-      a[0] = row[0], a[1] = row[kBg / 2];
-    }
-  }
-
-  // One iteration of the warp (DecodeWarp::loop): kSub chunks of 16 keys,
-  // at c0 + 64 j, from stages S[j] into the lane's state.  Its scores, then
-  // DecodeWarp::attend.  kEdge: an iteration where some row may not see some
-  // key (the split's ends, a row's window or causal end; a chunk past the
-  // split's keys, not copied) or with a soft-cap: masked, capped.  A steady
-  // iteration returns false, having changed nothing, where one of its value
-  // scales would move the value normalizer (value_normalizer_holds).
+  // One iteration of the warp (DecodeWarp::loop): kSub chunks of 16 keys, at
+  // c0 + 64 j, from stages S[j] (DecodeWarp::token_keys_iteration).
   template <bool kEdge>
   NKV_DEVICE bool chunk(const Stage (&S)[kSub], uint32_t stages, int /*sidx*/, int32_t c0, Rows& st) const {
-    if constexpr (!kEdge)
-      if (!this->value_normalizer_holds(S, st)) return false;
-    // Scores (base 2: log2 e is in the queries), soft-cap, mask; a visible score that is not
-    // finite makes its row NaN.  s[j][i]: chunk j's key 2g + i / 2, row 2t + i % 2, x the row's
-    // normalizer qdl on the edge; in steady iterations qdl, a power of two, goes into the
-    // exponentials' FMA (attend's unit).
-    float s[kSub][4];
-    bool bad[2] = {false, false};
-    const SoftCap cap(kEdge ? p.softcap * kLog2e : 0.f);  // cap tanh(x / cap) on base-2 scores: the cap x log2 e
-#pragma unroll
-    for (int j = 0; j < kSub; ++j) {
-      // S^T = K . Q^T per key group, exact in integers: c[b][i] holds key 2g + i / 2, row 2t + i % 2.
-      float c[kBg][4];
-      this->template key_scores<kBg>(stages + uint32_t(j * sizeof(Stage)), qf, c);
-      // + sum over the groups of key zero x the row's sum of q, on one MMA (same layout as c)
-      float zs[4] = {0.f, 0.f, 0.f, 0.f};
-      {
-        uint32_t za[2];
-        zero_fragment(S[j], za);
-        mma_1688<std::is_same_v<X, core::bf16_t>>(zs, za, zq);
-      }
-      float kscale[2][kBg];
-      this->meta_pair(S[j], 0, kscale);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int kk = i / 2, r = i % 2;
-        float x = zs[i] * kZeroUnit;
-#pragma unroll
-        for (int b = 0; b < kBg; ++b) x = fmaf(c[b][i], kscale[kk][b], x);
-        s[j][i] = kEdge ? this->edge_score(x * qdl[r], cap, c0, j, kk, r, bad) : x;
-      }
-    }
-    constexpr float kOne[2] = {1.f, 1.f};
-    this->template attend<kEdge>(S, stages, c0, hi, s, bad, kEdge ? kOne : qdl, st);
-    return true;
+    return this->template token_keys_iteration<kEdge>(S, stages, c0, hi, qf, zq, qdl, p.softcap, st);
   }
 
   // ---- the block -----------------------------------------------------------------------------
@@ -283,19 +204,9 @@ struct PagedDecodeKernel
     // largest; the clamp only meets +-inf, whose row the group sums make
     // NaN), in two byte limbs, hi (s8) and lo (u8), channels 16 v + 4t + j in
     // byte j of unit v; then its rows' group sums and normalizers (x log2 e).
-    {
-      const float up = pow2_inverse(sm.qdown[g]);
-#pragma unroll
-      for (int v = 0; v < kKSteps; ++v) {
-        int32_t x[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          x[j] = int32_t(fminf(fmaxf(rintf(sm.buf.q[g][16 * v + 4 * t + j] * up), -32768.f), 32767.f));
-        this->limbs_of(x, qf.hi[v], qf.lo[v]);
-      }
-    }
+    this->token_query_limbs(&sm.buf.q[g][0], pow2_inverse(sm.qdown[g]), qf);
     NKV_SYNC();  // every warp has read sm.buf.q before the stages overlay it
-    zq = zero_queries();
+    zq = this->zero_query_fragment();
 #pragma unroll
     for (int r = 0; r < 2; ++r) qdl[r] = sm.qdown[2 * t + r];
     Rows st;

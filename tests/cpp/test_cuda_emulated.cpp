@@ -424,8 +424,10 @@ struct AttnCase {
   int64_t sinks = 0, tail = 0;  // full-precision tokens before and after the compressed ones (every sequence)
   int value_group = 64;         // channels per value group
   int min_steady = 0;           // warp iterations the decode kernel's steady loop must complete
-  int64_t corrupt_group = -1;   // a key group of (batch 0, kv head 0) whose channel 3 scale is +inf (rows NaN)
+  int64_t corrupt_group = -1;   // a key group of (batch 0, kv head 0) whose channel 3 scale is +inf (rows NaN;
+                                // keys per token: key corrupt_group's first group)
   float key_offset = 0.f;       // keys + U(0, key_offset) per channel and 64 tokens (the zeros' part of a score large)
+  bool token_keys = false;      // keys per token in groups of value_group channels (make_cache's key_axis -1)
 };
 
 template <typename X>
@@ -433,9 +435,11 @@ void run_attention_case(const AttnCase& c, cuda::KernelChoice choice) {
   const int64_t B = int64_t(c.lens.size()), Hkv = 2, Hq = Hkv * c.gqa, Lq = c.q_len, D = c.D;
   const int64_t T = c.capacity > 0 ? c.capacity : *std::max_element(c.lens.begin(), c.lens.end());
   std::mt19937 rng(uint32_t(c.bits * 17 + D + c.gqa + Lq));
-  XCache<X> k(B * Hkv, T, D, c.bits, 64, core::GroupAxis::kTokens, 9.f, rng, c.key_offset);
+  XCache<X> k(B * Hkv, T, D, c.bits, c.token_keys ? c.value_group : 64,
+              c.token_keys ? core::GroupAxis::kChannels : core::GroupAxis::kTokens, 9.f, rng, c.key_offset);
   const XCache<X> v(B * Hkv, T, D, c.bits, c.value_group, core::GroupAxis::kChannels, 1.f, rng);
-  if (c.corrupt_group >= 0) k.scale[size_t(c.corrupt_group * D + 3)] = core::from_float<X>(INFINITY);
+  if (c.corrupt_group >= 0)
+    k.scale[size_t(c.corrupt_group * k.d.meta_b() + (c.token_keys ? 0 : 3))] = core::from_float<X>(INFINITY);
   std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<X> q(size_t(B * Hq * Lq * D));
   std::vector<float> qf(q.size()), want(q.size()), signs(static_cast<size_t>(D));
@@ -559,6 +563,58 @@ TEST_CASE("dgq_fused_attention's decode kernel (emulated) in every format it tak
   // terms) most of each score, and different in each group
   run_attention_case<core::bf16_t>({2, 64, 8, 1, {700, 300}, 0, 0.f, false, 1, 704, 0, 0, 64, 0, -1, 100.f}, kDecode);
   run_attention_case<core::half_t>({4, 128, 4, 1, {700, 300}, 0, 0.f, false, 1, 704, 0, 0, 64, 0, -1, 100.f}, kDecode);
+}
+
+TEST_CASE("dgq_fused_attention's decode kernel (emulated) on keys per token", "[cuda_emulated]") {
+  // contig_decode_token_keys_kernel: keys scaled per token and group of channels (as the values)
+  constexpr auto kDecode = cuda::KernelChoice::kDecode;
+  const auto tokens = [](AttnCase c) {
+    c.token_keys = true;
+    return c;
+  };
+  // 2 bits, D64 in one group, GQA 8, long enough for the steady loop, splits and a tail
+  run_attention_case<core::bf16_t>(tokens({2, 64, 8, 1, {1500, 300}, 0, 0.f, true, 2, 1536, 0, 20, 64, 4}), kDecode);
+  // 2 bits, D128 in four groups (of 32), GQA 8 x 2 queries (16 rows: two blocks a row tile), fp16
+  run_attention_case<core::half_t>(tokens({2, 128, 8, 2, {1024, 640}, 0, 0.f, true, 1, 1024, 0, 0, 32, 4}), kDecode);
+  // 4 bits, D128 in two groups, GQA 4, not rotated, sinks, a tail and a window (the full-precision split)
+  run_attention_case<core::half_t>(tokens({4, 128, 4, 1, {700, 300}, 200, 0.f, false, 1, 704, 3, 9, 64, 2}), kDecode);
+  // 4 bits, D64 in four groups (of 16), GQA 1
+  run_attention_case<core::bf16_t>(tokens({4, 64, 1, 1, {600, 64}, 0, 0.f, true, 1, 640, 0, 0, 16, 2}), kDecode);
+  // 8 bits, D64 in two groups, GQA 2 x 4 queries, a soft-cap (every iteration the edge's)
+  run_attention_case<core::bf16_t>(tokens({8, 64, 2, 4, {400, 33}, 0, 30.f, true, 2, 400, 0, 9, 32}), kDecode);
+  // 8 bits, D128 in one group, GQA 4, keys far from zero (the zeros' MMA most of each score)
+  run_attention_case<core::half_t>(tokens({8, 128, 4, 1, {500, 200}, 0, 0.f, false, 1, 512, 0, 0, 128, 4, -1, 100.f}),
+                                   kDecode);
+  // a key scale of +inf (key 700 of a steady iteration, key 3 of an edge one): those rows NaN
+  for (int64_t key : {700, 3}) {
+    run_attention_case<core::bf16_t>(tokens({2, 64, 8, 1, {1500, 300}, 0, 0.f, true, 1, 1536, 0, 0, 64, 0, key}),
+                                     kDecode);
+  }
+  // one of them on the reference kernel (the 16-row kernel takes no keys per token)
+  run_attention_case<core::half_t>(tokens({4, 128, 4, 1, {700, 300}, 200, 0.f, false, 1, 704, 3, 9, 64}),
+                                   cuda::KernelChoice::kSimple);
+}
+
+TEST_CASE("dgq_fused_attention's decode kernel takes keys per token in as many groups as the values only",
+          "[cuda_emulated]") {
+  using Params = core::AttentionParams<core::bf16_t, core::bf16_t, core::bf16_t>;
+  std::mt19937 rng(3);
+  const auto info = [&](int key_group, int value_group, cuda::KernelChoice choice) {
+    XCache<core::bf16_t> k(2, 128, 64, 4, key_group, core::GroupAxis::kChannels, 1.f, rng);
+    XCache<core::bf16_t> v(2, 128, 64, 4, value_group, core::GroupAxis::kChannels, 1.f, rng);
+    std::vector<core::bf16_t> q(size_t(2 * 64));
+    std::vector<int64_t> lens = {128};
+    cuda::AttentionLaunch<Params> L;
+    L.p.batch = 1, L.p.q_heads = 2, L.p.kv_heads = 2, L.p.q_len = 1, L.p.head_dim = 64;
+    L.p.q = {q.data(), 64, 64, 64};
+    L.p.k = k.view(), L.p.v = v.view(), L.p.compressed_lens.i64 = lens.data(), L.p.scale = 0.125f;
+    return cuda::attention_kernel_info(L, choice);
+  };
+  CHECK(info(32, 32, cuda::KernelChoice::kDecode).decode);
+  CHECK(info(32, 32, cuda::KernelChoice::kAuto).decode);
+  CHECK(!info(32, 64, cuda::KernelChoice::kDecode).mma);  // (2 key groups, 1 value group: none)
+  const cuda::AttentionKernelInfo other = info(16, 32, cuda::KernelChoice::kAuto);
+  CHECK((!other.decode && !other.mma));  // the reference kernel
 }
 
 TEST_CASE("nq_compress / nq_decompress kernels (emulated) against the CPU's, bit for bit", "[cuda_emulated]") {

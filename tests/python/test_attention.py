@@ -120,6 +120,7 @@ class Case:
         softcap=None,
         q_dtype=None,
         key_scale=1.0,
+        k_axis=KEY_AXIS,
     ):
         g = torch.Generator().manual_seed(seed)
         B = len(comp_lens)
@@ -137,12 +138,12 @@ class Case:
         if rotate:
             k_in, v_in = hadamard_rotate(k_in, self.signs), hadamard_rotate(v_in, self.signs)
         v_bits, v_group = v_bits or bits, v_group or group
-        self.k_format, self.v_format = [bits, group, KEY_AXIS], [v_bits, v_group, v_axis]
+        self.k_format, self.v_format = [bits, group, k_axis], [v_bits, v_group, v_axis]
         if dgq:
             parts = torch.ops.nexuskv.dgq_compress(k_in, bits, group, 16, 2 * group, k_outliers, None)
             self.k_cache, self.k_starts = list(parts), parts[5]
         else:
-            self.k_cache, self.k_starts = list(nexuskv.nq_compress(k_in, bits, group, KEY_AXIS, k_outliers)), None
+            self.k_cache, self.k_starts = list(nexuskv.nq_compress(k_in, bits, group, k_axis, k_outliers)), None
         self.v_cache = list(nexuskv.nq_compress(v_in, v_bits, v_group, v_axis, v_outliers))
         self.k_tail = self.v_tail = self.tail_lens = None
         if tail:

@@ -106,18 +106,34 @@ def mma_takes(case: Case) -> bool:
 
 
 def decode_takes(case: Case) -> bool:
-    """Whether the decode kernel takes the case (contig_decode.cuh's decode_variant)."""
-    bits, kg, _ = case.k_format
-    _, vg, _ = case.v_format
+    """Whether the decode kernel takes the case (contig_decode.cuh's decode_variant): keys
+    per channel (contig_decode_kernel) or per token in as many groups as the values
+    (contig_decode_token_keys_kernel)."""
+    bits, kg, ka = case.k_format
+    vb, vg, va = case.v_format
     D = case.q.shape[-1]
     sub = {2: 4, 4: 2, 8: 1}.get(bits, 0)  # chunks of 16 keys a warp iteration
-    groups = 1 if vg >= D else (D // vg if D % vg == 0 else 0)
+
+    def token_groups(g):  # groups a token of D channels (0: not whole groups)
+        return 1 if g >= D else (D // g if D % g == 0 else 0)
+
+    groups = token_groups(vg)
     rows = case.q.shape[1] // case.k_cache[0].shape[1] * case.q.shape[2]
+    keys = kg % (16 * sub) == 0 if ka == -2 else token_groups(kg) == groups
+    formats = mma_takes(case) or (  # (keys per token: what mma_takes asks of the rest)
+        ka == -1
+        and va == -1
+        and case.q.dtype in (torch.float16, torch.bfloat16)
+        and bits == vb
+        and case.q.shape[-1] in (64, 128)
+        and case.k_cache[1].dtype == case.q.dtype
+        and case.v_cache[1].dtype == case.q.dtype
+    )
     return (
-        mma_takes(case)
+        formats
         and case.k_starts is None
         and sub > 0
-        and kg % (16 * sub) == 0
+        and keys
         and groups in (1, 2, 4)
         and (D // groups) % 16 == 0
         and case.k_cache[3].shape[-1] == 0
@@ -202,12 +218,26 @@ DECODE_GRID = [
 ]
 
 
-def decode_case(bits, head_dim, ratio, q_len, v_group, tail, sinks, rotate, window, dtype) -> Case:
+# Keys per token (make_cache's key_axis -1) in groups of v_group channels, as the values:
+# contig_decode_token_keys_kernel.
+TOKEN_KEYS_DECODE_GRID = [
+    (2, 64, 8, 1, 64, 16, 0, True, None),
+    (2, 128, 4, 4, 32, 0, 4, False, None),  # 16 rows
+    (4, 64, 2, 1, 16, 9, 0, True, 100),
+    (4, 128, 8, 1, 64, 5, 2, False, 60),
+    (8, 64, 1, 4, 32, 0, 0, True, None),
+    (8, 128, 4, 1, 128, 16, 3, True, None),
+]
+
+
+def decode_case(bits, head_dim, ratio, q_len, v_group, tail, sinks, rotate, window, *, dtype, token_keys=False) -> Case:
     """A case of the DECODE_GRID (two sequences of 320 and 77 compressed tokens, keys per
-    channel in groups of 64, no outliers: the cache's default format)."""
+    channel in groups of 64, no outliers: the cache's default format; token_keys: keys per
+    token in groups of v_group channels)."""
     return Case(
         bits=bits,
-        group=64,
+        group=v_group if token_keys else 64,
+        k_axis=-1 if token_keys else -2,
         ratio=ratio,
         q_len=q_len,
         head_dim=head_dim,
@@ -230,6 +260,14 @@ def decode_case(bits, head_dim, ratio, q_len, v_group, tail, sinks, rotate, wind
 def test_decode_kernel(dtype, grid):
     case = decode_case(*grid, dtype=dtype)
     assert decode_takes(case)
+    assert "decode" in check_case(case)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grid", TOKEN_KEYS_DECODE_GRID, ids=str)
+def test_decode_kernel_token_keys(dtype, grid):
+    case = decode_case(*grid, dtype=dtype, token_keys=True)
+    assert decode_takes(case) and not mma_takes(case)
     assert "decode" in check_case(case)
 
 

@@ -284,6 +284,27 @@ def test_counts_the_loops_calls_into_the_64_bit_division_routine():
     assert v.loop_counts["CALL"] == 2 and v.loop_counts["DIV64"] == 1
 
 
+def test_the_contiguous_decode_kernel_of_keys_per_token_counts_as_the_paged_one():
+    # contig_decode_token_keys_kernel: per chunk P . V (2 HMMAs at D 16), the key zeros' MMA and
+    # q . K (IMMA), as paged_decode.cuh (DecodeWarp::token_keys_iteration); none an iteration
+    v = cb.Variant("sm_90", "bf16", 4, 16, "contiguous-token-keys", groups=1, rows=8)
+    cb.analyse(v, cb.parse_sass(listing(resolve(decode_kernel(chunks=2, steady_extra=1))))["kernel"])
+    assert v.loop_chunks == 2 and v.loop_counts["HMMA"] == 6 and v.loop_instructions == 6
+    code = cb.parse_sass(listing(resolve(decode_kernel(chunks=3, contiguous=True))))["kernel"]
+    with pytest.raises(ValueError, match="no innermost loop holds a multiple of 3 HMMAs"):
+        cb.analyse(cb.Variant("sm_90", "bf16", 2, 16, "contiguous-token-keys", groups=1, rows=8), code)
+
+
+def test_the_contiguous_decode_kernel_patterns_tell_the_key_layouts_apart():
+    args = "INS0_15AttentionLaunchINS_4core15AttentionParamsINS3_6bf16_tES5_S5_EEEELi2ELi64ELi4EEEvNS0_9MmaLaunchIT_EE"
+    channel = "_ZN7nexuskv4cuda20contig_decode_kernel" + args
+    token = "_ZN7nexuskv4cuda31contig_decode_token_keys_kernel" + args
+    assert cb.CONTIG_DECODE_KERNEL.search(channel).groups() == ("bf16_t", "2", "64", "4")
+    assert cb.CONTIG_TOKEN_KEYS_KERNEL.search(token).groups() == ("bf16_t", "2", "64", "4")
+    assert cb.CONTIG_DECODE_KERNEL.search(token) is None and cb.CONTIG_TOKEN_KEYS_KERNEL.search(channel) is None
+    assert cb.KERNEL.search(token) is None and cb.PAGED_KERNEL.search(token) is None
+
+
 def test_the_kernel_name_pattern_reads_bits_and_head_dim():
     name = (
         "_ZN7nexuskv4cuda20attention_mma_kernelINS0_15AttentionLaunchINS_4core15AttentionParamsINS3_6bf16_tES5_S5_"
