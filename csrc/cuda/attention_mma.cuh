@@ -52,7 +52,10 @@
 // the caller runs the reference kernel, attention_simple.cuh, which the tests
 // compare it with): keys per channel (NQ with group_size % 16 == 0, or DGQ),
 // values per token with group_size % 16 == 0, the same 2/4/8 bits for both,
-// head_dim 64 or 128, fp16 / bf16 queries and metadata.
+// head_dim 64 or 128, fp16 / bf16 queries and metadata.  As the decode
+// kernel's full-precision split (fp_split >= 0: the sinks and the tail alone,
+// launched only beside contig_decode.cuh's kernel, whose decode_variant took
+// the compressed format) it takes any key and value layout.
 #pragma once
 
 #include "attention_common.cuh"

@@ -2,8 +2,9 @@
 // paged_decode.cuh (decode_warp.cuh: each of a block's 4 warps an attention of
 // its own over its 16-key chunks, the softmax on the accumulator fragments,
 // no block barrier in the loop) on the contiguous cache's compressed tokens,
-// whose keys are scaled per channel over groups of tokens (KIVI's layout)
-// where the pages scale them per token.
+// whose keys are scaled per channel over groups of tokens (KIVI's layout,
+// the cache's default) where the pages scale them per token, or per token
+// too (make_cache's key_axis -1: below).
 //
 // Keys per channel.  A score is sum_c q_c (code_c scale_c + zero_c) over the
 // key group's per-channel scales and zeros: the scales go into the queries
@@ -153,8 +154,9 @@ struct ContigDecodeKernel
   const uint8_t* k_src = nullptr;  // the lane's first code piece of key 0, in the keys' codes
   int64_t v_from_k = 0;            // bytes from there to the same piece in the values' codes
   int32_t code_dst = 0;            // its bytes from the first Stage's start
-  // Per meta round: the source of the piece for key 0 (value meta) or key group 0 (key meta),
-  // the bytes it moves per key or per group, its bytes from the first Stage or the kmeta stage.
+  // Per meta round: the source of the piece for key 0 (meta per token: the values', keys per
+  // token's) or key group 0 (keys per channel's group rows), the bytes it moves per key or per
+  // group, its bytes from the first Stage or the kmeta stage.
   const uint8_t* meta_src[kMetaRounds];
   uint32_t meta_step[kMetaRounds];
   int32_t meta_dst[kMetaRounds];
@@ -170,9 +172,10 @@ struct ContigDecodeKernel
     for (int r = 0; r < kMetaRounds; ++r) {
       const int q = lane + kWarp * r;
       meta_on[r] = q < kMetaPieces;
-      meta_key[r] = q >= kTokenArrays * kValuePieces;
+      meta_key[r] = !kTokenKeys && q >= kTokenArrays * kValuePieces;
       if (!meta_key[r]) {  // per token: stage array 4 - kTokenArrays + arr, chunk j's [16, Bg] from its first key
-        const int arr = q / kValuePieces, qq = q % kValuePieces, j = qq / (2 * kBg);
+        const int qt = meta_on[r] ? q : 0;  // (a round past the pieces: never issued, kept in bounds)
+        const int arr = qt / kValuePieces, qq = qt % kValuePieces, j = qq / (2 * kBg);
         const int sa = 4 - kTokenArrays + arr;  // key scales (0), zeros (1), value scales (2), zeros (3)
         const X* base = sa == 0 ? p.k.scale : sa == 1 ? p.k.zero : sa == 2 ? p.v.scale : p.v.zero;
         const int64_t tokens = sa < 2 ? ix.key_tokens : ix.value_tokens;
@@ -270,10 +273,10 @@ struct ContigDecodeKernel
     for (int r = 0; r < 2; ++r) down[r] = shfl(dn, 4 * (2 * t + r)), bias[r] = zq[r] * zdown[r];
   }
 
-  // One iteration (DecodeWarp::loop): kSub chunks of 16 keys at c0 + 16 j, in
-  // one key group, from stages S[j] (key meta: stage sidx's kmeta; keys per
-  // token: DecodeWarp::token_keys_iteration, zdown the rows' 1 /
-  // normalizer).  kEdge: masked and capped (see DecodeWarp::token_keys_iteration);
+  // One iteration (DecodeWarp::loop): kSub chunks of 16 keys at c0 + 16 j
+  // from stages S[j]; keys per channel: in one key group (key meta: stage
+  // sidx's kmeta); keys per token: DecodeWarp::token_keys_iteration, zdown the
+  // rows' 1 / normalizer.  kEdge: masked and capped (see DecodeWarp::token_keys_iteration);
   // a steady iteration returns false, having changed nothing, where a value
   // scale would move the value normalizer.
   template <bool kEdge>
@@ -475,9 +478,11 @@ MmaVariant<Launch> decode_variant(const Launch& L) {
     const int64_t align = kDecodeChunk * decode_chunks_per_iteration(kd.bits);  // an iteration's keys
     auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; };
     // per token (values; keys with key_axis -1): 1, 2 or 4 groups of a multiple of 16 channels
+    // (group sizes a multiple of 16 even where one group holds every channel: what the
+    // full-precision split's kernel, attention_mma.cuh's, has always been run with)
     const auto token_groups = [&](const core::NQDims& d) {
       return d.axis == core::GroupAxis::kChannels && d.segment_starts == nullptr && d.num_outliers == 0 &&
-             (bg == 1 || bg == 2 || bg == 4) && D % (16 * bg) == 0 &&
+             d.group_size % 16 == 0 && (bg == 1 || bg == 2 || bg == 4) && D % (16 * bg) == 0 &&
              (bg == 1 ? d.group_size >= D : d.group_size * bg == D) && d.tokens % align == 0;
     };
     const bool token_keys = kd.axis == core::GroupAxis::kChannels;  // (as many groups as the values)

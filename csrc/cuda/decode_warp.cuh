@@ -109,7 +109,7 @@ struct DecodeWarp {
   static constexpr int kMTiles = kD / 16;  // P . V m-tiles (16 channels): every one in each warp
   static constexpr int kPlanes = core::layout::kPlanes<kBits>;
   static constexpr int kCodeChunks = kRB / 16;  // 16-byte chunks of a code row (kPlanes m-tiles each)
-  static constexpr int kGroup = kD / kBg;       // channels per value group
+  static constexpr int kGroup = kD / kBg;       // channels per value group (and key group: keys per token)
   static_assert(kGroup % 16 == 0 && kBg * kGroup == kD, "whole groups of 16-channel k-steps");
   static_assert(kCodeChunks * kPlanes == kMTiles, "a chunk's planes are its m-tiles");
   static constexpr int kSub = decode_chunks_per_iteration(kBits);
@@ -352,7 +352,8 @@ struct DecodeWarp {
   // scores, then attend.  qf, zq: the lane's query limbs and zeros' B
   // fragment; qdl: its rows' 1 / normalizer.  kEdge: an iteration where some
   // row may not see some key (the split's ends, a row's window or causal end;
-  // a chunk past the split's keys, not copied) or with a soft-cap: masked,
+  // a chunk past the split's keys: on pages not copied, in the contiguous
+  // cache copied from the capacity past them) or with a soft-cap: masked,
   // capped.  A steady iteration returns false, having changed nothing, where
   // one of its value scales would move the value normalizer
   // (value_normalizer_holds).
@@ -533,7 +534,8 @@ struct DecodeWarp {
   // The value weights' power of two per group, vup: 2^14 <= max |value scale|
   // x vup < 2^15 over the visible keys so far (keys before the block's first
   // visible one, sm.first, may be memory never written; chunks past its last,
-  // hi, are not copied), kept at the smallest so far: the accumulators are
+  // hi, are not copied on pages, the capacity past the keys in the contiguous
+  // cache), kept at the smallest so far: the accumulators are
   // rescaled by `ratio` (a power of two: exact) when an iteration's scales
   // move it.  Scales below 2^-86 constrain nothing (2^100 at most:
   // pow2_normalizer's cap; the subnormal ones too, whose weights are below

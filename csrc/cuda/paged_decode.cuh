@@ -21,7 +21,7 @@
 //    the queries' limbs held in registers for the whole block, then x the
 //    key's group scale; + the keys' zeros x the rows' sums of q over each
 //    group, on one m16n8k8 fp16 / bf16 MMA a chunk (A the zeros' meta bits as
-//    loaded, B each sum in two terms: zero_queries);
+//    loaded, B each sum in two terms: DecodeWarp::zero_query_fragment);
 //  - the rows' normalizers (log2 e in the queries: powers of two) go into the
 //    exponentials' FMA in steady iterations; the rest is DecodeWarp's
 //    (softmax, P . V, value normalizer, steady and edge iterations, merge),

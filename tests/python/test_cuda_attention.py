@@ -123,6 +123,8 @@ def decode_takes(case: Case) -> bool:
     formats = mma_takes(case) or (  # (keys per token: what mma_takes asks of the rest)
         ka == -1
         and va == -1
+        and kg % 16 == 0
+        and vg % 16 == 0
         and case.q.dtype in (torch.float16, torch.bfloat16)
         and bits == vb
         and case.q.shape[-1] in (64, 128)
