@@ -284,6 +284,32 @@ def test_sinks_match_float64_reference(bits, q_len, tail, rotate, dgq):
     assert rel_err(case.run(), case.reference()) <= 1e-4
 
 
+# Keys per token (make_cache's key_axis -1: scaled per token and group of channels, as the
+# values; the CUDA decode kernel's contig_decode_token_keys_kernel), with sinks, ragged tails,
+# outliers and, at 4 bits, a window.
+@pytest.mark.parametrize("bits", (2, 3, 4, 8))
+@pytest.mark.parametrize("k_group,v_group", [(64, 64), (32, 16), (24, 40)])
+def test_keys_per_token_match_float64_reference(bits, k_group, v_group):
+    case = Case(
+        bits=bits,
+        group=k_group,
+        v_group=v_group,
+        k_axis=-1,
+        ratio=3,
+        q_len=4,
+        tail=24,
+        tail_lens=[24, 5, 24],
+        comp_lens=(100, 45, 20),
+        rotate=bits != 3,
+        sinks=4,
+        sink_lens=[4, 2, 4],
+        window=70 if bits == 4 else None,
+        seed=bits * 7 + k_group,
+    )
+    assert case.k_format[2] == -1 and case.k_cache[1].shape[-1] == -(-64 // k_group)  # (scales per token)
+    assert rel_err(case.run(), case.reference()) <= 1e-4
+
+
 # ---- regressions found by the bad-input sweep and fuzzing (issue 8) ----------------------------
 
 
