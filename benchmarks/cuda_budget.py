@@ -83,6 +83,8 @@ routine is a subroutine, so the table counts the tile loop's CALLs whose target 
     python benchmarks/cuda_budget.py --check-spills         # exit 1 on any spill (stack or local)
     python benchmarks/cuda_budget.py --check-loop-division  # exit 1 on a 64-bit division call in a tile loop
     python benchmarks/cuda_budget.py --check-nq-division    # exit 1 on a 64-bit division per NQ element
+    python benchmarks/cuda_budget.py --check-budget         # exit 1 on a decode kernel over its budget
+                                                            # (sm_90; but BUDGET_EXEMPT's)
     python benchmarks/cuda_budget.py --json results/cuda_budget.json
 """
 
@@ -362,6 +364,27 @@ def decode_steady_mmas(variant) -> tuple[int, int] | None:
     return (pv, pv) if variant.kernel == "contiguous" else (pv + 1, 0)  # (keys per token: as on pages)
 
 
+# The decode kernels' variants (kernel, bits, head_dim, groups) that --check-budget does not hold
+# to the budget, and why.  The target (issue 20): every common format of the decode kernels (the
+# 8-row variants: the contiguous cache's keys per channel and per token, vLLM's pages) on sm_90,
+# 2/4/8 bits, D 64/128, bf16/fp16, within its budget.
+BUDGET_EXEMPT = {
+    ("contiguous", 2, 64, 4): "keys per channel, 2 bits, values in groups of 16 channels (as many value meta "
+    "bytes as code bytes): a value group costs a 16-key chunk ~30 instructions (its weights in fp16 hi + lo, "
+    "their transposes, its zeros) and its bytes buy ~19",
+}
+
+
+def over_budget(variants, arch: str = "sm_90") -> tuple[list, list]:
+    """(over, exempt): the decode kernels' variants on arch whose loop is above their budget, apart
+    from those BUDGET_EXEMPT lists, and the exempt ones above it."""
+    over, exempt = [], []
+    for v in variants:
+        if v.arch == arch and v.rows == 8 and v.loop_instructions > v.budget:
+            (exempt if (v.kernel, v.bits, v.head_dim, v.groups) in BUDGET_EXEMPT else over).append(v)
+    return over, exempt
+
+
 def division_calls(code, body, blocks) -> int:
     """CALLs of the loop into a 64-bit integer division routine: the routine's first
     instructions (before any branch or return) hold the I2F.U64.RP that starts it."""
@@ -537,6 +560,11 @@ def main() -> None:
     ap.add_argument(
         "--check-nq-division", action="store_true", help="exit 1 if an NQ element kernel divides in 64 bits"
     )
+    ap.add_argument(
+        "--check-budget",
+        action="store_true",
+        help="exit 1 if a decode kernel variant on sm_90 (8 rows) is over its budget, but for BUDGET_EXEMPT's",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -706,6 +734,22 @@ def main() -> None:
         sys.exit(
             "cuda_budget: 64-bit division calls in the tile loop of "
             + ", ".join(f"{v.kernel} {v.arch} {v.dtype} {v.bits}-bit D{v.head_dim}" for v in looping)
+        )
+
+    def name(v):
+        return f"{v.kernel}/{v.groups}g {v.dtype} {v.bits}-bit D{v.head_dim} ({v.loop_instructions / v.budget:.3f})"
+
+    over, exempt = over_budget(variants)
+    decode = [v for v in variants if v.arch == "sm_90" and v.rows == 8]
+    print(
+        f"\ndecode kernels on sm_90 within their budget: {len(decode) - len(over) - len(exempt)} of {len(decode)}"
+        + "".join(f"\n  exempt: {name(v)}: {BUDGET_EXEMPT[(v.kernel, v.bits, v.head_dim, v.groups)]}" for v in exempt)
+        + "".join(f"\n  OVER: {name(v)}" for v in over)
+    )
+    if args.check_budget and (over or not decode):
+        sys.exit(
+            "cuda_budget: "
+            + ("over the budget: " + ", ".join(name(v) for v in over) if over else "no decode kernel found")
         )
 
 

@@ -213,11 +213,13 @@ NKV_DEVICE void value_codes_fragments(const uint8_t (*codes)[kRS], int g, int t,
 // Every finite set reaches it (e >= -113: the largest floats too); sets below
 // 2^-86 stop at 2^100 (their normalized values below 2^14).
 NKV_DEVICE float pow2_normalizer(float max_abs) {
-  const int e = int((float_bits(max_abs) >> 23) & 0xffu) - 127;  // max_abs in [2^e, 2^(e+1))
-  if (!(max_abs > 0.f) || e > 127 || e < -126) return 1.f;
-  int s = 14 - e;
-  s = s > 100 ? 100 : s;
-  return bits_float(uint32_t(s + 127) << 23);
+  // max_abs in [2^e, 2^(e+1)), e = E - 127 for its exponent field E (1..254: normal), and
+  // 2^min(14 - e, 100) has the field min(268 - E, 227); a select, not a branch (the decode
+  // kernels run it in their loops)
+  const int E = int((float_bits(max_abs) >> 23) & 0xffu);
+  const int field = 268 - E < 227 ? 268 - E : 227;
+  const bool normal = max_abs >= 1.17549435e-38f && max_abs <= 3.40282347e38f;  // (not NaN, > 0)
+  return normal ? bits_float(uint32_t(field) << 23) : 1.f;
 }
 
 // 1 / x for x = pow2_normalizer(...) (a power of two in [2^-100, 2^100]):

@@ -27,7 +27,9 @@
 // whose bias keeps 16 (bf16) or 22 (fp16) bits of q.  A scale that is not
 // finite, or such a query, makes the rows' factor NaN (the fold's max keeps
 // NaN: max_abs_nan), so every score of the group: the row NaN as in the CPU
-// kernel.
+// kernel; a zero that is not finite, the bias.  In steady iterations the
+// integers go to attend as they are, the factor and the bias on the
+// exponentials' FMA (one FMA a key), which checks them once a row.
 //
 // Keys per token (kTokenKeys: make_cache's key_axis=-1, scaled per token and
 // group of channels, as on pages): contig_decode_token_keys_kernel, the
@@ -78,8 +80,9 @@ static_assert(kAttnRows % kDecodeRows == 0, "a row tile: whole decode blocks");
 template <int kD, typename X>
 struct ContigChannelKeys {
   X kmeta[kDecodeWarps][2][2][kD];  // per warp and stage: the iteration's key group's scales, zeros
-  // The queries x a power of two per row (1 / it: qzdown) as the zeros' MMA's B fragments: per
-  // k-step and lane (g, t), X {hi, hi, lo, lo} of row g's channels {16 v + 2t, + 1}, {16 v + 2t + 8, + 9}.
+  // The queries x a power of two per row (1 / it: qzdown) as the zeros' MMAs' B fragments: per
+  // MMA v and lane (g, t), X {hi, hi, lo, lo} of row g's channels {c, c + 1}, {c + 4, c + 5} from
+  // c = 32 (v / 2) + 8t + 2 (v % 2) (fold).
   uint4 qz[kD / 16][kWarp];
 };
 struct ContigTokenKeys {};
@@ -125,6 +128,18 @@ struct ContigDecodeKernel
   // Keys per token: the lane's limbs of q . K and its B fragment of the zeros' MMA (run).
   QueryLimbs qf;
   uint32_t zq = 0;
+  // Keys per channel at 2 bits D64 in 2 or 4 value groups: the lane's queries of row g that fold
+  // scales, channels 16 v + 4t + j (run), held for the block where the budget is the tightest
+  // (elsewhere fold reads them from sm.q: at 4 and 8 bits the registers would spill, in one value
+  // group at 2 bits D64 they would cost a block per SM, at D128 32 registers the budget does not need).
+  static constexpr bool kHoldQueries = !kTokenKeys && kBits == 2 && kD == 64 && kBg >= 2;
+  float qg[kHoldQueries ? kKSteps : 1][4];
+  NKV_DEVICE float row_query(int v, int j) const {
+    if constexpr (kHoldQueries)
+      return qg[v][j];
+    else
+      return sm.q[g][16 * v + 4 * t + j];
+  }
 
   NKV_DEVICE ContigDecodeKernel(const MmaLaunch<Launch>& args, Smem& smem)
       : Warp(smem), L(args.L), p(args.L.p), ix(args.ix) {}
@@ -227,35 +242,43 @@ struct ContigDecodeKernel
   // The key group's fold for the lane's row g (see the top of this file): its
   // B fragments of q . K, and for the lane's score rows 2t + r the factor
   // from the MMAs' integers to scores and the bias (q . zero).  The bias
-  // runs on fp16 / bf16 MMAs (m16n8k16: every row of A the zeros as loaded,
-  // B the rows' queries in two terms, sm.qz; their rows 2t, 2t + 1 land in
-  // the lane's own result), in place of 2 conversions, an FFMA a channel and
-  // 4 shuffles.
+  // runs on fp16 / bf16 MMAs (m16n8k16: A the zeros as loaded, B the rows'
+  // queries in two terms, sm.keys.qz; their rows 2t, 2t + 1 land in the lane's
+  // own result), in place of 2 conversions, an FFMA a channel and 4 shuffles:
+  // one 16-byte load a lane per 32 channels (channels 32 w + 8t .. + 7: the
+  // A registers of rows g and g + 8, k slots 2t, 2t + 1 and 2t + 8, 2t + 9)
+  // feeds two MMAs, whose row g (first) and row g + 8 (second) read channels
+  // 8t + {0, 1, 4, 5} and 8t + {2, 3, 6, 7} (zero_queries lays B out so); each
+  // one's other row is discarded.
   NKV_DEVICE void fold(int sidx, QueryLimbs& qf, float (&down)[2], float (&bias)[2]) const {
     constexpr float kSafe = 32767.f / 32768.f;  // |q' up| < 2^15 kSafe = 32767: no rounding to 2^15
+    // x + 1.5 x 2^23, rounded to float, holds x rounded to the nearest integer (ties to even) in
+    // its low 22 bits for |x| < 2^22: one FFMA in place of a multiply and a conversion (F2I)
+    constexpr float kRound = 12582912.f;
     const X* ks = &sm.keys.kmeta[warp][sidx][0][0];
     const X* kz = &sm.keys.kmeta[warp][sidx][1][0];
-    float x[kKSteps][4], mx = 0.f, zq[4] = {0.f, 0.f, 0.f, 0.f};
+    float x[kKSteps][4], mx = 0.f, za[4] = {0.f, 0.f, 0.f, 0.f}, zb[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int v = 0; v < kKSteps; ++v) {
-      const int c = 16 * v + 4 * t;
-      const float4 q4 = *reinterpret_cast<const float4*>(&sm.q[g][c]);
-      const uint2 sw = *reinterpret_cast<const uint2*>(ks + c);
-      const float q[4] = {q4.x, q4.y, q4.z, q4.w};
+      const uint2 sw = *reinterpret_cast<const uint2*>(ks + 16 * v + 4 * t);
       const uint32_t s[2] = {sw.x, sw.y};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        x[v][j] = q[j] * meta_bits_float(j % 2 ? s[j / 2] >> 16 : s[j / 2] & 0xffffu);
+        x[v][j] = row_query(v, j) * meta_bits_float(j % 2 ? s[j / 2] >> 16 : s[j / 2] & 0xffffu);
         mx = max_abs_nan(mx, x[v][j]);
       }
-      // zeros x queries: A row g, g + 8 both the zeros of channels 16 v + 2t (+1), then + 8
-      const uint32_t z0 = *reinterpret_cast<const uint32_t*>(kz + 16 * v + 2 * t);
-      const uint32_t z1 = *reinterpret_cast<const uint32_t*>(kz + 16 * v + 2 * t + 8);
-      const uint32_t a[4] = {z0, z0, z1, z1};
-      const uint4 f = sm.keys.qz[v][lane];
-      const uint32_t bh[2] = {f.x, f.y}, bl[2] = {f.z, f.w};
-      mma_16816<std::is_same_v<X, core::bf16_t>>(zq, a, bh);
-      mma_16816<std::is_same_v<X, core::bf16_t>>(zq, a, bl);
+    }
+#pragma unroll
+    for (int w = 0; w < kD / 32; ++w) {
+      const uint4 z = *reinterpret_cast<const uint4*>(kz + 32 * w + 8 * t);
+      const uint32_t a[4] = {z.x, z.y, z.z, z.w};
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint4 f = sm.keys.qz[2 * w + half][lane];
+        const uint32_t bh[2] = {f.x, f.y}, bl[2] = {f.z, f.w};
+        mma_16816<std::is_same_v<X, core::bf16_t>>(half ? zb : za, a, bh);
+        mma_16816<std::is_same_v<X, core::bf16_t>>(half ? zb : za, a, bl);
+      }
     }
     // the row's max over its 4 lanes t
 #pragma unroll
@@ -266,11 +289,11 @@ struct ContigDecodeKernel
     for (int v = 0; v < kKSteps; ++v) {
       int32_t i[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) i[j] = float_to_int_rn(x[v][j] * up);
+      for (int j = 0; j < 4; ++j) i[j] = int32_t(core::float_bits(fmaf(x[v][j], up, kRound)));
       this->limbs_of(i, qf.hi[v], qf.lo[v]);
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) down[r] = shfl(dn, 4 * (2 * t + r)), bias[r] = zq[r] * zdown[r];
+    for (int r = 0; r < 2; ++r) down[r] = shfl(dn, 4 * (2 * t + r)), bias[r] = (za[r] + zb[2 + r]) * zdown[r];
   }
 
   // One iteration (DecodeWarp::loop): kSub chunks of 16 keys at c0 + 16 j
@@ -301,15 +324,18 @@ struct ContigDecodeKernel
     for (int j = 0; j < kSub; ++j) {
       float c[1][4];
       this->template key_scores<1>(stages + uint32_t(j * sizeof(Stage)), qf, c);
+      // (steady: the integers as they are, down and bias on attend's FMA)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int kk = i / 2, r = i % 2;
-        const float x = fmaf(c[0][i], down[r], bias[r]);
-        s[j][i] = kEdge ? this->edge_score(x, cap, c0, j, kk, r, bad) : x;
-      }
+      for (int i = 0; i < 4; ++i)
+        s[j][i] =
+            kEdge ? this->edge_score(fmaf(c[0][i], down[i % 2], bias[i % 2]), cap, c0, j, i / 2, i % 2, bad) : c[0][i];
     }
-    constexpr float kOne[2] = {1.f, 1.f};
-    this->template attend<kEdge>(S, stages, c0, hi, s, bad, kOne, st);
+    if constexpr (kEdge) {
+      constexpr float kOne[2] = {1.f, 1.f}, kZero[2] = {0.f, 0.f};
+      this->template attend<true>(S, stages, c0, hi, s, bad, kOne, kZero, st);
+    } else {
+      this->template attend<false, true>(S, stages, c0, hi, s, bad, down, bias, st);
+    }
     return true;
   }
 
@@ -335,8 +361,10 @@ struct ContigDecodeKernel
         sm.qsum[rr][b] = sum * pow2_inverse(sm.qzdown[rr]);
       }
     } else {
+      // (B of fold's bias MMA v: lane (g, t)'s k slots 2t, 2t + 1 and 2t + 8, 2t + 9 are row
+      // g's channels c, c + 1 and c + 4, c + 5 from c = 32 (v / 2) + 8t + 2 (v % 2))
       for (int e = tid; e < kKSteps * kWarp; e += kMmaThreads) {
-        const int v = e / kWarp, row = e % kWarp / 4, c = 16 * v + 2 * (e % 4);
+        const int v = e / kWarp, row = e % kWarp / 4, c = 32 * (v / 2) + 8 * (e % 4) + 2 * (v % 2);
         const float up = pow2_inverse(sm.qzdown[row]);
         uint32_t hi[2], lo[2];
 #pragma unroll
@@ -344,7 +372,7 @@ struct ContigDecodeKernel
           uint32_t bits[2][2];
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
-            const float x = sm.q[row][c + 8 * h + i] * up;
+            const float x = sm.q[row][c + 4 * h + i] * up;
             bits[0][i] = this->float_to_x(x);
             bits[1][i] = this->float_to_x(x - meta_bits_float(bits[0][i]));
           }
@@ -431,6 +459,11 @@ struct ContigDecodeKernel
     if constexpr (kTokenKeys) {  // (row g's query as 16-bit integers in two limbs; its zeros' fragment)
       this->token_query_limbs(&sm.q[g][0], pow2_inverse(sm.qzdown[g]), qf);
       zq = this->zero_query_fragment();
+    } else if constexpr (kHoldQueries) {
+#pragma unroll
+      for (int v = 0; v < kKSteps; ++v)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) qg[v][j] = sm.q[g][16 * v + 4 * t + j];
     }
     Rows st;
     this->init(st);

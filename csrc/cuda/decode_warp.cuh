@@ -206,8 +206,9 @@ struct DecodeWarp {
   struct QueryLimbs {
     uint32_t hi[kKSteps], lo[kKSteps];  // (q >> 8) as s8, q & 255 as u8
   };
-  // The limbs of four queries (channels 16 v + 4t + j, j = 0..3) given as 16-bit integers i
-  // (-2^15 <= i < 2^15): bytes 0 of i[0..3] -> lo, bytes 1 -> hi (four PRMTs).
+  // The limbs of four queries (channels 16 v + 4t + j, j = 0..3) given as 16-bit integers in
+  // the low halves of i (-2^15 <= them < 2^15; the bits above unread): bytes 0 of i[0..3] -> lo,
+  // bytes 1 -> hi (four PRMTs).
   NKV_DEVICE static void limbs_of(const int32_t (&i)[4], uint32_t& hi, uint32_t& lo) {
     const uint32_t t01 = byte_perm(uint32_t(i[0]), uint32_t(i[1]), 0x5140u);
     const uint32_t t23 = byte_perm(uint32_t(i[2]), uint32_t(i[3]), 0x5140u);
@@ -394,7 +395,8 @@ struct DecodeWarp {
       }
     }
     constexpr float kOne[2] = {1.f, 1.f};
-    attend<kEdge>(S, stages, c0, hi, s, bad, kEdge ? kOne : qdl, st);
+    constexpr float kZero[2] = {0.f, 0.f};
+    attend<kEdge>(S, stages, c0, hi, s, bad, kEdge ? kOne : qdl, kZero, st);
     return true;
   }
 
@@ -418,14 +420,17 @@ struct DecodeWarp {
   // the online softmax, the rescale, the zeros and acc += V^T W^T.  In steady
   // iterations (every key visible, no cap) the score of row r is s x unit[r]
   // (the kernel's normalizer on the exponentials' FMA: exact where it is a
-  // power of two, the largest score's argument exactly 0), and a score that
-  // is not finite reaches the denominator as NaN through its exponential's
-  // argument x 0 (NaN for +-inf and NaN, 0 otherwise), the row NaN as on the
-  // edge (and where two scores lie 2^128 apart, beyond fp32's range, where
-  // the edge's is not).  The edge's unit is 1.
-  template <bool kEdge>
+  // power of two, the largest score's argument exactly 0), + shift[r] with
+  // kShift (the contiguous cache's keys per channel: their integers' factor
+  // and bias, so that each score is one FMA, its argument's), and a score
+  // that is not finite reaches the denominator as NaN through its
+  // exponential's argument x 0 (NaN for +-inf and NaN, 0 otherwise), the row
+  // NaN as on the edge (and where two scores lie 2^128 apart, beyond fp32's
+  // range, where the edge's is not).  The edge's unit is 1, its shift 0.
+  template <bool kEdge, bool kShift = false>
   NKV_DEVICE void attend(const Stage (&S)[kSub], uint32_t stages, int32_t c0, int32_t hi, const float (&s)[kSub][4],
-                         const bool (&bad)[2], const float (&unit)[2], Rows& st) const {
+                         const bool (&bad)[2], const float (&unit)[2], const float (&shift)[2], Rows& st) const {
+    static_assert(!(kEdge && kShift), "edge scores come whole");
     const float kNegInf = bits_float(0xff800000u), kNaN = bits_float(0x7fc00000u);
     // The online softmax of the lane's two rows: the max over the kSub x 16 keys (lanes g).
     float alpha[2], pr[kSub][4];
@@ -436,17 +441,22 @@ struct DecodeWarp {
 #pragma unroll
       for (int j = 1; j < kSub; ++j) mx = fmaxf(mx, fmaxf(s[j][r], s[j][r + 2]));
       for (int o = 4; o < kWarp; o *= 2) mx = fmaxf(mx, shfl_xor(mx, o));
-      const float m_new = fmaxf(st.m[r], mx * unit[r]);
+      // (unit > 0 or NaN: the largest s gives the largest score)
+      const float m_new = fmaxf(st.m[r], kShift ? fmaf(mx, unit[r], shift[r]) : mx * unit[r]);
       // (no visible key yet: every weight 0; a steady iteration's keys are all visible)
       const float mu = kEdge && m_new == kNegInf ? 0.f : m_new;
+      const float base = kShift ? shift[r] - mu : -mu;  // each key's argument: s x unit + base
       alpha[r] = fast_exp2(st.m[r] - mu);
+      // (kShift: s finite, so a score is not finite only through the row's unit or base: one
+      // check a row; a score past fp32's range below the largest takes weight 0, as within it)
+      if constexpr (kShift) nan_if_bad[r] = fmaf(base, 0.f, unit[r] * 0.f);
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < kSub; ++j)
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
-          const float arg = fmaf(s[j][r + 2 * kk], unit[r], -mu);
-          if constexpr (!kEdge) nan_if_bad[r] = fmaf(arg, 0.f, nan_if_bad[r]);
+          const float arg = fmaf(s[j][r + 2 * kk], unit[r], base);
+          if constexpr (!kEdge && !kShift) nan_if_bad[r] = fmaf(arg, 0.f, nan_if_bad[r]);
           pr[j][r + 2 * kk] = fast_exp2(arg);
           sum += pr[j][r + 2 * kk];
         }

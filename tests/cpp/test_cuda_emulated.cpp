@@ -428,6 +428,8 @@ struct AttnCase {
                                 // keys per token: key corrupt_group's first group)
   float key_offset = 0.f;       // keys + U(0, key_offset) per channel and 64 tokens (the zeros' part of a score large)
   bool token_keys = false;      // keys per token in groups of value_group channels (make_cache's key_axis -1)
+  bool corrupt_zero = false;    // the corrupt group's channel 3 zero -inf in place of its scale +inf (keys per
+                                // channel: scores of +-inf by the query's sign, no NaN product on the way)
 };
 
 template <typename X>
@@ -438,8 +440,13 @@ void run_attention_case(const AttnCase& c, cuda::KernelChoice choice) {
   XCache<X> k(B * Hkv, T, D, c.bits, c.token_keys ? c.value_group : 64,
               c.token_keys ? core::GroupAxis::kChannels : core::GroupAxis::kTokens, 9.f, rng, c.key_offset);
   const XCache<X> v(B * Hkv, T, D, c.bits, c.value_group, core::GroupAxis::kChannels, 1.f, rng);
-  if (c.corrupt_group >= 0)
-    k.scale[size_t(c.corrupt_group * k.d.meta_b() + (c.token_keys ? 0 : 3))] = core::from_float<X>(INFINITY);
+  if (c.corrupt_group >= 0) {
+    const size_t at = size_t(c.corrupt_group * k.d.meta_b() + (c.token_keys ? 0 : 3));
+    if (c.corrupt_zero)
+      k.zero[at] = core::from_float<X>(-INFINITY);
+    else
+      k.scale[at] = core::from_float<X>(INFINITY);
+  }
   std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<X> q(size_t(B * Hq * Lq * D));
   std::vector<float> qf(q.size()), want(q.size()), signs(static_cast<size_t>(D));
@@ -556,9 +563,16 @@ TEST_CASE("dgq_fused_attention's decode kernel (emulated) in every format it tak
   run_attention_case<core::bf16_t>({4, 128, 8, 2, {600, 200}, 0, 0.f, true, 2, 640, 0, 8, 64, 2}, kDecode);
   run_attention_case<core::half_t>({2, 64, 4, 5, {700, 300}, 70, 0.f, true, 1, 704, 2, 0, 32}, kDecode);
   run_attention_case<core::bf16_t>({8, 128, 12, 1, {300, 100}, 0, 0.f, false, 1, 320, 0, 6, 64, 2}, kDecode);
+  // 2 bits, D64 in two and four value groups (of 32, 16: the queries held in registers), steady loops
+  run_attention_case<core::bf16_t>({2, 64, 8, 1, {1500, 300}, 0, 0.f, true, 2, 1536, 0, 0, 32, 4}, kDecode);
+  run_attention_case<core::half_t>({2, 64, 4, 1, {1100, 300}, 0, 0.f, false, 1, 1152, 0, 7, 16, 4}, kDecode);
   // a key scale of +inf in group 9 of 24 (a steady iteration's) and in group 0 (an edge's): those rows NaN
   run_attention_case<core::bf16_t>({2, 64, 8, 1, {1500, 300}, 0, 0.f, true, 1, 1536, 0, 0, 64, 4, 9}, kDecode);
   run_attention_case<core::half_t>({4, 128, 4, 1, {300, 300}, 0, 0.f, true, 1, 320, 0, 0, 64, 0, 0}, kDecode);
+  // a key zero of -inf in group 9 (a steady iteration after finite ones): the bias -inf in the rows
+  // whose query is positive there, every weight of the iteration 0 but for attend's check a row
+  run_attention_case<core::bf16_t>({2, 64, 8, 1, {1500, 300}, 0, 0.f, true, 1, 1536, 0, 0, 32, 4, 9, 0.f, false, true},
+                                   kDecode);
   // keys N(0, 1) + U(0, 100) per channel and key group, not rotated: q . zero (the zeros' MMA, in two
   // terms) most of each score, and different in each group
   run_attention_case<core::bf16_t>({2, 64, 8, 1, {700, 300}, 0, 0.f, false, 1, 704, 0, 0, 64, 0, -1, 100.f}, kDecode);

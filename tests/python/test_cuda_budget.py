@@ -318,3 +318,23 @@ def test_the_paged_kernel_pattern_reads_bits_head_dim_and_groups():
     assert cb.PAGED_KERNEL.search(name).groups() == ("bf16_t", "4", "128", "2", "1")
     assert cb.KERNEL.search(name) is None  # not counted twice, as a contiguous variant
     assert cb.paged_tile_bytes(4, 128, 64) == 2 * 64 * 64 + 64 * 2 * 4 * 2  # codes + 4 meta per token and group
+
+
+def test_the_budget_gate_holds_every_decode_variant_on_sm_90_but_the_exempt():
+    def variant(kernel, bits, d, groups, loop, rows=8, arch="sm_90"):
+        v = cb.Variant(arch, "bf16", bits, d, kernel, groups=groups, rows=rows, loop_instructions=loop)
+        v.budget = 200.0
+        return v
+
+    within = variant("contiguous", 2, 64, 2, 199)
+    exempt = variant("contiguous", 2, 64, 4, 260)
+    assert ("contiguous", 2, 64, 4) in cb.BUDGET_EXEMPT
+    over_paged = variant("paged", 2, 64, 4, 201)
+    others = [
+        variant("contiguous", 2, 64, 0, 2000, rows=16),  # the 16-row kernel: a report, not held
+        variant("contiguous", 2, 64, 2, 300, arch="sm_80"),  # sm_80: a report
+    ]
+    over, ex = cb.over_budget([within, exempt, over_paged, *others])
+    assert over == [over_paged] and ex == [exempt]
+    # exactly at the budget is within it
+    assert cb.over_budget([variant("contiguous-token-keys", 4, 128, 2, 200)]) == ([], [])
