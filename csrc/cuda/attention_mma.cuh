@@ -209,7 +209,7 @@ NKV_DEVICE void value_codes_fragments(const uint8_t (*codes)[kRS], int g, int t,
 }
 
 // Exponent e with 2^14 <= |x| 2^e < 2^15 for the largest |x| of a set (max
-// finite, > 0), as the float 2^e; 1 for 0 or non-finite (NaN stays NaN).
+// finite, > 0), as the float 2^e; 1 for 0, subnormal or non-finite (NaN too).
 // Every finite set reaches it (e >= -113: the largest floats too); sets below
 // 2^-86 stop at 2^100 (their normalized values below 2^14).
 NKV_DEVICE float pow2_normalizer(float max_abs) {
@@ -222,7 +222,7 @@ NKV_DEVICE float pow2_normalizer(float max_abs) {
   return normal ? bits_float(uint32_t(field) << 23) : 1.f;
 }
 
-// 1 / x for x = pow2_normalizer(...) (a power of two in [2^-100, 2^100]):
+// 1 / x for x = pow2_normalizer(...) (a power of two in [2^-113, 2^100]):
 // exact, without the division routine.
 NKV_DEVICE float pow2_inverse(float x) { return bits_float((254u << 23) - float_bits(x)); }
 

@@ -420,13 +420,19 @@ struct DecodeWarp {
   // the online softmax, the rescale, the zeros and acc += V^T W^T.  In steady
   // iterations (every key visible, no cap) the score of row r is s x unit[r]
   // (the kernel's normalizer on the exponentials' FMA: exact where it is a
-  // power of two, the largest score's argument exactly 0), + shift[r] with
-  // kShift (the contiguous cache's keys per channel: their integers' factor
-  // and bias, so that each score is one FMA, its argument's), and a score
-  // that is not finite reaches the denominator as NaN through its
-  // exponential's argument x 0 (NaN for +-inf and NaN, 0 otherwise), the row
-  // NaN as on the edge (and where two scores lie 2^128 apart, beyond fp32's
-  // range, where the edge's is not).  The edge's unit is 1, its shift 0.
+  // power of two, the largest score's argument exactly 0), and a score that
+  // is not finite reaches the denominator as NaN through its exponential's
+  // argument x 0 (NaN for +-inf and NaN, 0 otherwise), the row NaN as on the
+  // edge (and where two scores lie 2^128 apart, beyond fp32's range, where
+  // the edge's is not).  With kShift (the contiguous cache's keys per
+  // channel: s their integers, unit and shift the row's factor and bias, so
+  // that each score is one FMA, its argument's) the score is s x unit +
+  // shift, and since s is finite the check is once a row, on unit and
+  // shift - max: the row NaN where the factor, the bias or the largest score
+  // is not finite, as on the edge; a score that would overflow to -inf below a
+  // finite largest one takes weight 0 here (the edge's and the CPU kernel's
+  // row is NaN: scores past fp32's range, |q' code| ~ 1e36 a channel).  The
+  // edge's unit is 1, its shift 0.
   template <bool kEdge, bool kShift = false>
   NKV_DEVICE void attend(const Stage (&S)[kSub], uint32_t stages, int32_t c0, int32_t hi, const float (&s)[kSub][4],
                          const bool (&bad)[2], const float (&unit)[2], const float (&shift)[2], Rows& st) const {
@@ -448,7 +454,7 @@ struct DecodeWarp {
       const float base = kShift ? shift[r] - mu : -mu;  // each key's argument: s x unit + base
       alpha[r] = fast_exp2(st.m[r] - mu);
       // (kShift: s finite, so a score is not finite only through the row's unit or base: one
-      // check a row; a score past fp32's range below the largest takes weight 0, as within it)
+      // check a row; a score past fp32's range below the largest takes weight 0: see above)
       if constexpr (kShift) nan_if_bad[r] = fmaf(base, 0.f, unit[r] * 0.f);
       float sum = 0.f;
 #pragma unroll
