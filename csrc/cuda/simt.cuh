@@ -109,8 +109,6 @@ NKV_DEVICE float max_abs_nan(float a, float b) {
   asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(r) : "f"(a), "f"(fabsf(b)));
   return r;
 }
-// x rounded to the nearest integer (ties to even), saturated to int32's range, NaN 0 (F2I).
-NKV_DEVICE int32_t float_to_int_rn(float x) { return __float2int_rn(x); }
 // Bytes of (hi:lo) picked by the selector's nibbles (PRMT).
 NKV_DEVICE uint32_t byte_perm(uint32_t lo, uint32_t hi, uint32_t selector) { return __byte_perm(lo, hi, selector); }
 

@@ -222,11 +222,6 @@ int blocks_per_sm(void (*)(Params...), int, size_t) {
 inline float max_abs_nan(float a, float b) {
   return std::isnan(a) || std::isnan(b) ? std::numeric_limits<float>::quiet_NaN() : std::fmax(a, std::fabs(b));
 }
-inline int32_t float_to_int_rn(float x) {
-  if (std::isnan(x)) return 0;
-  const float r = std::nearbyint(x);  // (the default rounding: to nearest, ties to even)
-  return r >= 2147483648.f ? INT32_MAX : r <= -2147483648.f ? INT32_MIN : int32_t(r);
-}
 inline uint32_t byte_perm(uint32_t lo, uint32_t hi, uint32_t selector) {
   const uint64_t x = (uint64_t(hi) << 32) | lo;
   uint32_t r = 0;
