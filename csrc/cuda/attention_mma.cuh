@@ -226,6 +226,22 @@ NKV_DEVICE float pow2_normalizer(float max_abs) {
 // exact, without the division routine.
 NKV_DEVICE float pow2_inverse(float x) { return bits_float((254u << 23) - float_bits(x)); }
 
+// The rows' sums of q over each of kBg groups of kD / kBg channels, x the
+// row's normalizer (1 / down[r], a power of two: exact), by the block's
+// threads: out[r][b] for rows r < live, 0 past them (shared memory; the
+// keys-per-token zeros' queries).
+template <int kD, int kBg, int kRows>
+NKV_DEVICE void row_group_sums(const float (&q)[kRows][kD], const float (&down)[kRows], int live,
+                               float (&out)[kRows][kBg]) {
+  constexpr int kGroup = kD / kBg;
+  for (int e = int(threadIdx.x); e < kRows * kBg; e += kMmaThreads) {
+    const int r = e / kBg, b = e % kBg;
+    float s = 0.f;
+    for (int c = b * kGroup; c < (b + 1) * kGroup; ++c) s += q[r][c];
+    out[r][b] = r < live ? s * pow2_inverse(down[r]) : 0.f;
+  }
+}
+
 // x0, x1 as two fp16 pairs hi + lo (hi the nearest fp16, lo the nearest fp16 to
 // the rest): ~22 significant bits for values normalized by pow2_normalizer.
 NKV_DEVICE void split_half2(float x0, float x1, uint32_t& hi, uint32_t& lo) {

@@ -110,7 +110,7 @@ struct ContigDecodeKernel
       ContigDecodeSmem<kD, int(core::row_bytes(kBits, kD)), X, kBg, decode_chunks_per_iteration(kBits), kTokenKeys>;
   using Warp = DecodeWarp<X, kBits, kD, kBg, kDecodeChunk, Smem>;
   using typename Warp::Stage, typename Warp::Rows, typename Warp::QueryLimbs;
-  using Warp::kRB, Warp::kKSteps, Warp::kSub, Warp::kRows, Warp::kStep, Warp::kLog2e, Warp::kRS, Warp::kGroup;
+  using Warp::kRB, Warp::kKSteps, Warp::kSub, Warp::kRows, Warp::kStep, Warp::kLog2e, Warp::kRS;
   using Warp::sm, Warp::warp, Warp::lane, Warp::g, Warp::t, Warp::stage_row, Warp::meta_bits_float;
   static_assert(kSub * kRB == kD, "an iteration's code rows: kD 16-byte pieces a side (kSub kBits = 8)");
   // Blocks per SM the registers must allow (as paged_decode.cuh's; keys per token at 8 bits D128
@@ -354,12 +354,7 @@ struct ContigDecodeKernel
     if (part == 0) sm.qzdown[r] = pow2_inverse(pow2_normalizer(mx));
     NKV_SYNC();
     if constexpr (kTokenKeys) {
-      for (int e = tid; e < kRows * kBg; e += kMmaThreads) {
-        const int rr = e / kBg, b = e % kBg;
-        float sum = 0.f;
-        for (int c = b * kGroup; c < (b + 1) * kGroup; ++c) sum += sm.q[rr][c];
-        sm.qsum[rr][b] = sum * pow2_inverse(sm.qzdown[rr]);
-      }
+      row_group_sums(sm.q, sm.qzdown, kRows, sm.qsum);
     } else {
       // (B of fold's bias MMA v: lane (g, t)'s k slots 2t, 2t + 1 and 2t + 8, 2t + 9 are row
       // g's channels c, c + 1 and c + 4, c + 5 from c = 32 (v / 2) + 8t + 2 (v % 2))

@@ -255,7 +255,7 @@ struct PagedBlockWork {
   // sm.qsum (0 past fold_rows).  Ends with a barrier.
   template <int kD, int kBg, int kRows, typename Smem>
   NKV_DEVICE void fold_queries(Smem& sm, int fold_rows, float factor = 1.f) {
-    constexpr int kKSteps = kD / 16, kGroup = kD / kBg;
+    constexpr int kKSteps = kD / 16;
     const float scale = p.scale * factor;
     const float* signs = p.rotation_signs;
     if (signs)
@@ -298,12 +298,7 @@ struct PagedBlockWork {
     }
     NKV_SYNC();
     // qsum[r][b] = normalizer x sum of q over key group b (a power of two: exact).
-    for (int e = tid; e < kRows * kBg; e += kMmaThreads) {
-      const int rr = e / kBg, b = e % kBg;
-      float s = 0.f;
-      for (int c = b * kGroup; c < (b + 1) * kGroup; ++c) s += sm.buf.q[rr][c];
-      sm.qsum[rr][b] = rr < fold_rows ? s * pow2_inverse(sm.qdown[rr]) : 0.f;
-    }
+    row_group_sums(sm.buf.q, sm.qdown, fold_rows, sm.qsum);
     NKV_SYNC();  // buf.q is the stages' memory from here
   }
 };
