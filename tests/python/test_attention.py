@@ -310,6 +310,33 @@ def test_keys_per_token_match_float64_reference(bits, k_group, v_group):
     assert rel_err(case.run(), case.reference()) <= 1e-4
 
 
+# Keys per channel in groups of 64 tokens with values in groups of 32 and 16 channels at head_dim
+# 64, no outliers (the formats of the CUDA decode kernel's 2-bit variants that hold the queries
+# in registers; test_cuda_emulated.cpp compares that kernel with this CPU kernel), rotated,
+# sinks and ragged tails.
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("v_group", (32, 16))
+def test_keys_per_channel_with_narrow_value_groups_match_float64_reference(bits, v_group):
+    case = Case(
+        bits=bits,
+        group=64,
+        v_group=v_group,
+        k_outliers=0,
+        v_outliers=0,
+        ratio=4,
+        q_len=2,
+        tail=8,
+        tail_lens=[8, 3, 8],
+        comp_lens=(320, 130, 64),
+        rotate=True,
+        sinks=4,
+        sink_lens=[4, 1, 4],
+        seed=bits * 11 + v_group,
+    )
+    assert case.v_cache[1].shape[-1] == 64 // v_group and case.k_cache[0].shape[2] >= 320  # (groups a token)
+    assert rel_err(case.run(), case.reference()) <= 1e-4
+
+
 # ---- regressions found by the bad-input sweep and fuzzing (issue 8) ----------------------------
 
 
