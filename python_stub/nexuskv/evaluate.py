@@ -12,7 +12,10 @@ measurements per cache setting (settings: nexuskv.eval_caches):
    (dense) or QuantizedCache (optimum-quanto, which returns dequantized K/V)
    otherwise.  Each row reports the perplexity over all segments and the spread of
    its ΔPPL over the segments, so that differences below that noise are not taken
-   for wins (knob_effects, equal_bit_pairs).
+   for wins (knob_effects, equal_bit_pairs); and, on the same forwards, the KL
+   divergence of its next-token distribution from the dense cache's and how often
+   their most likely tokens agree: ΔPPL can favour a cache by chance on a segment,
+   the KL cannot, so near-lossless caches are told apart by it (kl_verdict).
 2. Greedy agreement: new tokens generated from a prompt of real text with the
    dense cache and with the compressed one; leading equal tokens and the fraction
    of equal positions.
@@ -43,10 +46,18 @@ from .hf_compat import cache_argument
 Sequences = List[torch.Tensor]  # the windows of one text segment, each [1, n], prefix first
 
 
-def window_nll(model, ids: torch.Tensor, chunk: int, cache) -> torch.Tensor:
-    """Negative log-likelihoods [n-1] of ids[1:] given the prefix, fed chunk by chunk."""
-    nll, prev_logits = [], None
+def window_scores(model, ids: torch.Tensor, chunk: int, cache, reference: Optional[torch.Tensor] = None,
+                  keep: bool = False) -> Dict[str, torch.Tensor]:
+    """ids[1:] scored given the prefix, fed chunk by chunk: "nll" [n-1], the negative
+    log-likelihood of each token.  Against `reference` (the dense cache's logits for this
+    window's next tokens [n-1, vocab], float32): "kl" [n-1] (float64), KL(reference || this
+    cache's distribution) at each position, and "top1" [n-1], whether the most likely next
+    token is the reference's.  With `keep`: "logits" [n-1, vocab] (float32), to be the
+    reference of the other rows.  Per chunk, so that no more than a chunk's logits are held
+    unless kept."""
+    nll, kl, top1, kept, prev_logits = [], [], [], [], None
     cache_kw = {cache_argument(model): cache}
+    done = 0  # positions scored so far
     with torch.inference_mode():
         for s in range(0, ids.shape[1], chunk):
             piece = ids[:, s:s + chunk]
@@ -56,11 +67,27 @@ def window_nll(model, ids: torch.Tensor, chunk: int, cache) -> torch.Tensor:
                 targets = ids[:, s:s + piece.shape[1]]
             else:
                 targets = piece[:, 1:]
-            pred = logits[:, :targets.shape[1]]
-            nll.append(torch.nn.functional.cross_entropy(pred.reshape(-1, pred.shape[-1]), targets.reshape(-1),
-                                                         reduction="none"))
             prev_logits = logits[:, -1:]
-    return torch.cat(nll)
+            scored = logits[0, :targets.shape[1]]  # [m, vocab]
+            nll.append(torch.nn.functional.cross_entropy(scored, targets.reshape(-1), reduction="none"))
+            if reference is not None:
+                ref = reference[done:done + scored.shape[0]]
+                # Both distributions normalized in float64 from the float32 logits: a near-lossless
+                # cache's KL (~1e-6 nats) sits below float32 log_softmax's rounding.
+                p_ref, p = torch.log_softmax(ref.double(), -1), torch.log_softmax(scored.double(), -1)
+                kl.append((p_ref.exp() * (p_ref - p)).sum(-1))
+                top1.append(ref.argmax(-1) == scored.argmax(-1))
+            if keep:
+                kept.append(scored)
+            done += scored.shape[0]
+    out = {"nll": torch.cat(nll)}
+    if reference is not None:
+        if reference.shape[0] != done:
+            raise ValueError(f"eval: the reference holds {reference.shape[0]} positions, the window {done}")
+        out.update(kl=torch.cat(kl), top1=torch.cat(top1))
+    if keep:
+        out["logits"] = torch.cat(kept)
+    return out
 
 
 def windows(body: torch.Tensor, prefix: Sequence[int], window: int) -> Sequences:
@@ -78,38 +105,71 @@ def windows(body: torch.Tensor, prefix: Sequence[int], window: int) -> Sequences
     return [as_sequence(list(prefix), body[:, w0:w0 + step]) for w0 in range(0, body.shape[1], step)]
 
 
-def perplexity(model, sequences: Sequences, chunk: int, make_cache: Callable) -> Dict:
+def perplexity(model, sequences: Sequences, chunk: int, make_cache: Callable,
+               references: Optional[List[torch.Tensor]] = None, keep: bool = False) -> Dict:
     """Perplexity over the given sequences, each with a fresh cache (every token after the
-    first of each sequence is predicted)."""
-    nll = torch.cat([window_nll(model, ids, chunk, make_cache()) for ids in sequences if ids.shape[1] > 1])
-    return {"ppl": math.exp(float(nll.mean())), "tokens": int(nll.numel()), "nll_sum": float(nll.sum())}
+    first of each sequence is predicted).  With `references` (per sequence, the dense
+    cache's logits: window_scores) also the summed KL divergence from them ("kl_sum",
+    nats) and how many positions keep the reference's most likely token ("top1_equal");
+    with `keep`, "logits": this cache's, per sequence (references for the other rows)."""
+    scored = [s for s in sequences if s.shape[1] > 1]
+    refs = references if references is not None else [None] * len(scored)
+    if len(refs) != len(scored):
+        raise ValueError(f"eval: {len(refs)} references for {len(scored)} sequences")
+    parts = [window_scores(model, ids, chunk, make_cache(), ref, keep) for ids, ref in zip(scored, refs)]
+    nll = torch.cat([p["nll"] for p in parts])
+    out = {"ppl": math.exp(float(nll.mean())), "tokens": int(nll.numel()), "nll_sum": float(nll.sum())}
+    if references is not None:
+        out["kl_sum"] = float(sum(float(p["kl"].sum()) for p in parts))
+        out["top1_equal"] = int(sum(int(p["top1"].sum()) for p in parts))
+    if keep:
+        out["logits"] = [p["logits"] for p in parts]
+    return out
 
 
 def _summarize(per_repeat: List[Dict], dense: List[Dict]) -> Dict:
-    """Pooled perplexity over all repeats, ΔPPL pooled and per repeat, and its spread."""
+    """Pooled perplexity over all repeats, ΔPPL pooled and per repeat, and its spread; where
+    measured, the KL divergence from the dense cache's next-token distribution (mean nats
+    per predicted token) and the fraction of positions whose most likely token is dense's,
+    pooled and per repeat."""
     tokens = sum(r["tokens"] for r in per_repeat)
     ppl = math.exp(sum(r["nll_sum"] for r in per_repeat) / tokens)
     base = math.exp(sum(r["nll_sum"] for r in dense) / sum(r["tokens"] for r in dense))
     deltas = [100 * (r["ppl"] - d["ppl"]) / d["ppl"] for r, d in zip(per_repeat, dense)]
-    return {"ppl": ppl, "tokens": tokens, "delta_ppl_pct": 100 * (ppl - base) / base,
-            "repeats": [{"ppl": r["ppl"], "tokens": r["tokens"], "delta_ppl_pct": d}
-                        for r, d in zip(per_repeat, deltas)],
-            "delta_ppl_pct_min": min(deltas), "delta_ppl_pct_max": max(deltas)}
+    repeats = [{"ppl": r["ppl"], "tokens": r["tokens"], "delta_ppl_pct": d} for r, d in zip(per_repeat, deltas)]
+    out = {"ppl": ppl, "tokens": tokens, "delta_ppl_pct": 100 * (ppl - base) / base, "repeats": repeats,
+           "delta_ppl_pct_min": min(deltas), "delta_ppl_pct_max": max(deltas)}
+    if all("kl_sum" in r for r in per_repeat):
+        for rep, r in zip(repeats, per_repeat):
+            rep.update(kl=r["kl_sum"] / r["tokens"], top1_equal=r["top1_equal"] / r["tokens"])
+        kls = [rep["kl"] for rep in repeats]
+        out.update(kl=sum(r["kl_sum"] for r in per_repeat) / tokens, kl_min=min(kls), kl_max=max(kls),
+                   top1_equal=sum(r["top1_equal"] for r in per_repeat) / tokens)
+    return out
 
 
 def measure_perplexity(model, segments: List[Sequences], chunk: int, settings: List[ec.Setting],
-                       progress: bool = True) -> Dict[ec.Setting, Dict]:
-    """Per setting: perplexity on every segment (repeat r: its own text, rotation seed r)."""
+                       progress: bool = True, kl: bool = True) -> Dict[ec.Setting, Dict]:
+    """Per setting: perplexity on every segment (repeat r: its own text, rotation seed r).
+    The dense row runs first; with `kl` its logits are held (tokens x vocab float32) and
+    every other row is also scored by its KL divergence from them."""
     from tqdm import tqdm
 
-    raw = {}
-    bar = tqdm(settings, desc="perplexity", unit="row", disable=not progress)
+    order = [ec.DENSE_SETTING] + [s for s in settings if s != ec.DENSE_SETTING]
+    raw, references = {}, None
+    bar = tqdm(order, desc="perplexity", unit="row", disable=not progress)
     for s in bar:
         bar.set_postfix_str(s.name)  # the row being measured; tqdm's estimate covers the rows left
+        dense = s == ec.DENSE_SETTING
         with ec.attention_for(model, s):
-            raw[s] = [perplexity(model, seqs, chunk, lambda s=s, r=r: ec.make_cache(model, s, seed=r))
+            raw[s] = [perplexity(model, seqs, chunk, lambda s=s, r=r: ec.make_cache(model, s, seed=r),
+                                 references[r] if references is not None else None, keep=dense and kl)
                       for r, seqs in enumerate(segments)]
-    return {s: _summarize(per, raw[ec.DENSE_SETTING]) for s, per in raw.items()}
+        if dense and kl:
+            references = [per.pop("logits") for per in raw[s]]
+            for per in raw[s]:  # the reference against itself
+                per.update(kl_sum=0.0, top1_equal=per["tokens"])
+    return {s: _summarize(raw[s], raw[ec.DENSE_SETTING]) for s in settings}
 
 
 def measure_agreement(model, prompt_ids, new_tokens: int, settings: List[ec.Setting],
@@ -186,13 +246,13 @@ def _find(rows: List[Dict], s: ec.Setting) -> Optional[Dict]:
     return next((r for r in rows if r["name"] == s.name), None)
 
 
-def paired_verdict(with_row: Dict, without_row: Dict) -> Dict:
-    """ΔPPL of `with_row` minus `without_row`, per repeat (same text, same seed) and pooled.
-    "lower"/"higher" only when every repeat agrees on the sign and the pooled difference
-    exceeds half the range of the per-repeat differences (the noise); else "within
-    noise".  One repeat gives no noise estimate: "one repeat"."""
-    d = [a["delta_ppl_pct"] - b["delta_ppl_pct"] for a, b in zip(with_row["repeats"], without_row["repeats"])]
-    pooled = with_row["delta_ppl_pct"] - without_row["delta_ppl_pct"]
+def _differences(with_row: Dict, without_row: Dict, key: str) -> tuple:
+    """`key` of `with_row` minus `without_row`: per repeat (same text, same seed), pooled,
+    the noise (half the range of the per-repeat differences) and the verdict: "lower" /
+    "higher" only when every repeat agrees on the sign and the pooled difference exceeds
+    the noise, else "within noise"; one repeat gives no noise estimate: "one repeat"."""
+    d = [a[key] - b[key] for a, b in zip(with_row["repeats"], without_row["repeats"])]
+    pooled = with_row[key] - without_row[key]
     noise = (max(d) - min(d)) / 2
     if len(d) < 2:
         verdict = "one repeat"
@@ -202,7 +262,25 @@ def paired_verdict(with_row: Dict, without_row: Dict) -> Dict:
         verdict = "higher"
     else:
         verdict = "within noise"
+    return d, pooled, noise, verdict
+
+
+def paired_verdict(with_row: Dict, without_row: Dict) -> Dict:
+    """ΔPPL of `with_row` minus `without_row` in points, per repeat and pooled, with the
+    noise rule's verdict (_differences)."""
+    d, pooled, noise, verdict = _differences(with_row, without_row, "delta_ppl_pct")
     return {"diff_pct": pooled, "diff_pct_repeats": d, "noise_pct": noise, "verdict": verdict}
+
+
+def kl_verdict(with_row: Dict, without_row: Dict) -> Dict:
+    """The same on the KL divergence from the dense cache (nats per token), where both rows
+    have it ({} where not).  ΔPPL can favour a cache by chance (on a segment where its
+    perplexity falls below the dense cache's own), the KL cannot (it is 0 only for the dense
+    distribution itself): near the dense cache's quality it is what tells two caches apart."""
+    if "kl" not in with_row or "kl" not in without_row:
+        return {}
+    d, pooled, noise, verdict = _differences(with_row, without_row, "kl")
+    return {"kl_diff": pooled, "kl_diff_repeats": d, "kl_noise": noise, "kl_verdict": verdict}
 
 
 def knob_effects(rows: List[Dict]) -> List[Dict]:
@@ -271,7 +349,8 @@ def recipe_effects(rows: List[Dict]) -> List[Dict]:
 
 def equal_bit_pairs(rows: List[Dict]) -> List[Dict]:
     """Every quanto row against the nexuskv row of the same code bits and tail at the same
-    effective bits (the plain setting, with the metadata dtype that matches quanto's)."""
+    effective bits (the plain setting, with the metadata dtype that matches quanto's): ΔPPL
+    and, where measured, the KL divergence from the dense cache."""
     out = []
     for q in (r for r in rows if r["kind"] == ec.QUANTO):
         bits = q["effective_bits"]["kv"]
@@ -281,11 +360,13 @@ def equal_bit_pairs(rows: List[Dict]) -> List[Dict]:
                  and abs(r["effective_bits"]["kv"] - bits) < 1e-9]
         if cands:
             n = cands[0]
-            out.append(dict(paired_verdict(n, q), quanto=q["name"], quanto_bits=bits,
+            out.append(dict(paired_verdict(n, q), **kl_verdict(n, q), quanto=q["name"], quanto_bits=bits,
                             quanto_delta=q["delta_ppl_pct"], quanto_spread=[q["delta_ppl_pct_min"],
                                                                             q["delta_ppl_pct_max"]],
-                            nexuskv=n["name"], nexuskv_bits=n["effective_bits"]["kv"], nexuskv_delta=n["delta_ppl_pct"],
-                            nexuskv_spread=[n["delta_ppl_pct_min"], n["delta_ppl_pct_max"]]))
+                            quanto_kl=q.get("kl"), nexuskv=n["name"], nexuskv_bits=n["effective_bits"]["kv"],
+                            nexuskv_delta=n["delta_ppl_pct"], nexuskv_spread=[n["delta_ppl_pct_min"],
+                                                                              n["delta_ppl_pct_max"]],
+                            nexuskv_kl=n.get("kl")))
     return out
 
 
@@ -311,6 +392,12 @@ def _spread(r: Dict) -> str:
     return f"{r['delta_ppl_pct_min']:+.2f} .. {r['delta_ppl_pct_max']:+.2f}"
 
 
+def _kl_spread(r: Dict) -> str:
+    if len(r["repeats"]) < 2:
+        return "-"
+    return f"{1e3 * r['kl_min']:.3f} .. {1e3 * r['kl_max']:.3f}"
+
+
 def _dense_name(r: Dict, dtype_key: str = "model_dtype") -> str:
     return f"dense {r[dtype_key]} ({ec.DENSE_BASELINE})"
 
@@ -318,15 +405,20 @@ def _dense_name(r: Dict, dtype_key: str = "model_dtype") -> str:
 def markdown(rows: List[Dict], extra: Optional[Dict] = None) -> str:
     """The main table (one row per setting), the knob and equal-bit comparisons and, when
     measured, the bytes table."""
-    lines = ["| setting | eff. bits (compressed part) | perplexity | ΔPPL % | ΔPPL % per repeat (min .. max) | "
-             "greedy: leading equal | greedy: equal positions |", "|---|---|---|---|---|---|---|"]
+    has_kl = any("kl" in r for r in rows)
+    kl_head = " KL from dense, 10⁻³ nats/token | KL per repeat (min .. max) | top-1 token as dense |" if has_kl else ""
+    lines = ["| setting | eff. bits (compressed part) | perplexity | ΔPPL % | ΔPPL % per repeat (min .. max) |"
+             f"{kl_head} greedy: leading equal | greedy: equal positions |",
+             "|---|---|---|---|---|" + ("---|---|---|" if has_kl else "") + "---|---|"]
     for r in rows:
         g = r.get("greedy")
         leading = f"{g['leading']}/{g['new_tokens']}" if g else "-"
         equal = f"{100 * g['match']:.1f} %" if g else "-"
         name = _dense_name(r) if r["kind"] == ec.DENSE else r["name"]
+        kl = "" if not has_kl else " - | - | - |" if "kl" not in r else \
+            f" {1e3 * r['kl']:.3f} | {_kl_spread(r)} | {100 * r['top1_equal']:.1f} % |"
         lines.append(f"| {name} | {_fmt_bits(r['effective_bits'])} | {r['ppl']:.3f} | "
-                     f"{r['delta_ppl_pct']:+.2f} | {_spread(r)} | {leading} | {equal} |")
+                     f"{r['delta_ppl_pct']:+.2f} | {_spread(r)} |{kl} {leading} | {equal} |")
     effects = knob_effects(rows)
     if effects:
         lines += ["", "Each knob with against without (ΔPPL difference in points; per repeat; verdict: lower/higher "
@@ -353,13 +445,20 @@ def markdown(rows: List[Dict], extra: Optional[Dict] = None) -> str:
                          f"{e['diff_pct']:+.2f} | {per} | {e['verdict']} |")
     pairs = equal_bit_pairs(rows)
     if pairs:
-        lines += ["", "nexuskv against quanto at equal effective bits (same code bits, same 128-token tail):", "",
-                  "| quanto | its bits | its ΔPPL % | nexuskv | its bits | its ΔPPL % | nexuskv − quanto (points) | "
-                  "verdict |", "|---|---|---|---|---|---|---|---|"]
+        kl_pairs = all("kl_verdict" in p for p in pairs)
+        lines += ["", "nexuskv against quanto at equal effective bits (same code bits, same 128-token tail)"
+                  + (", by ΔPPL and by the KL divergence from the dense cache (10⁻³ nats/token):" if kl_pairs else ":"),
+                  "", "| quanto | its bits | its ΔPPL % | nexuskv | its bits | its ΔPPL % | nexuskv − quanto (points) "
+                  "| verdict |" + (" quanto KL | nexuskv KL | KL per repeat, nexuskv − quanto | KL verdict |"
+                                   if kl_pairs else ""),
+                  "|---|---|---|---|---|---|---|---|" + ("---|" * 4 if kl_pairs else "")]
         for p in pairs:
+            kl = "" if not kl_pairs else (f" {1e3 * p['quanto_kl']:.3f} | {1e3 * p['nexuskv_kl']:.3f} | "
+                                          + ", ".join(f"{1e3 * x:+.3f}" for x in p["kl_diff_repeats"])
+                                          + f" | {p['kl_verdict']} |")
             lines.append(f"| {p['quanto']} | {p['quanto_bits']:.3f} | {p['quanto_delta']:+.2f} | {p['nexuskv']} | "
                          f"{p['nexuskv_bits']:.3f} | {p['nexuskv_delta']:+.2f} | {p['diff_pct']:+.2f} | "
-                         f"{p['verdict']} |")
+                         f"{p['verdict']} |{kl}")
     for note in (extra or {}).get("skipped", []):
         lines += ["", f"Not measured: {note}"]
     measured = [r for r in rows if "bytes" in r]
@@ -434,9 +533,10 @@ def usable_settings(model, settings: List[ec.Setting]) -> tuple:
 def run(model, segments: List[Sequences], settings: List[ec.Setting], chunk: int,
         agreement_settings: List[ec.Setting], prompt_ids: Optional[torch.Tensor], new_tokens: int,
         bytes_settings: List[ec.Setting], bytes_ids: Optional[torch.Tensor], bytes_dtype: torch.dtype,
-        progress: bool = True, extra: Optional[Dict] = None) -> List[Dict]:
+        progress: bool = True, extra: Optional[Dict] = None, kl: bool = True) -> List[Dict]:
     """All three measurements; one dict per setting (in `settings` order).  `segments`:
-    per repeat, the sequences (windows) of its text.  The byte measurement runs last: it
+    per repeat, the sequences (windows) of its text; `kl`: score the perplexity rows by
+    their KL divergence from the dense cache too.  The byte measurement runs last: it
     converts the model to `bytes_dtype`.  `extra` (a dict) receives the settings that
     could not be made for this model ("skipped") and the every-token dense bytes."""
     extra = {} if extra is None else extra
@@ -449,7 +549,7 @@ def run(model, segments: List[Sequences], settings: List[ec.Setting], chunk: int
     rows = {s: dict(s.as_dict(), knobs=list(s.knobs) if s.kind == ec.NEXUSKV else [],
                     effective_bits=ec.effective_bits(s, head_dim, model.dtype),
                     model_dtype=str(model.dtype).replace("torch.", "")) for s in settings}
-    for s, r in measure_perplexity(model, segments, chunk, settings, progress).items():
+    for s, r in measure_perplexity(model, segments, chunk, settings, progress, kl).items():
         rows[s].update(r)
     if agreement_settings and prompt_ids is not None:
         for s, r in measure_agreement(model, prompt_ids, new_tokens, agreement_settings, progress).items():
@@ -489,17 +589,21 @@ def targets(rows: List[Dict]) -> List[str]:
                        f"{'met' if row['delta_ppl_pct'] <= target else 'NOT met'}")
     for p in equal_bit_pairs(rows):
         out.append(f"equal bits: {p['nexuskv']} ({p['nexuskv_bits']:.3f} bits) ΔPPL {p['nexuskv_delta']:+.2f} % vs "
-                   f"{p['quanto']} ({p['quanto_bits']:.3f} bits) {p['quanto_delta']:+.2f} %: nexuskv {p['verdict']}")
+                   f"{p['quanto']} ({p['quanto_bits']:.3f} bits) {p['quanto_delta']:+.2f} %: nexuskv {p['verdict']}"
+                   + (f"; KL from dense {1e3 * p['nexuskv_kl']:.3f} vs {1e3 * p['quanto_kl']:.3f} 10⁻³ nats/token: "
+                      f"nexuskv {p['kl_verdict']}" if "kl_verdict" in p else ""))
     for r in rows:
         if r["kind"] != ec.QUANTO:
             continue
         ours = best(lambda x: x["kind"] == ec.NEXUSKV and x["bits"] == r["bits"] and x["residual"] == r["residual"]
                     and x.get("window_residual") is None and x["effective_bits"]["kv"] <= r["effective_bits"]["kv"])
         if ours:
-            v = paired_verdict(ours, r)["verdict"]
+            v, k = paired_verdict(ours, r)["verdict"], kl_verdict(ours, r)
             out.append(f"best nexuskv at <= quanto's bits: {ours['name']} ({ours['effective_bits']['kv']:.3f} bits) "
                        f"{ours['delta_ppl_pct']:+.2f} % vs {r['name']} ({r['effective_bits']['kv']:.3f} bits) "
-                       f"{r['delta_ppl_pct']:+.2f} %: nexuskv {v}")
+                       f"{r['delta_ppl_pct']:+.2f} %: nexuskv {v}"
+                       + (f"; KL from dense {1e3 * ours['kl']:.3f} vs {1e3 * r['kl']:.3f} 10⁻³ nats/token: "
+                          f"nexuskv {k['kl_verdict']}" if k else ""))
     for r in rows:
         b = r.get("bytes")
         if r["kind"] == ec.NEXUSKV and r["bits"] == 4 and b:
@@ -599,7 +703,7 @@ def main(args) -> int:
     extra: Dict = {}
     facts = ec.model_facts(model)
     rows = run(model, segments, settings, args.chunk, agree, prompt, args.new_tokens, nbytes, bytes_ids,
-               getattr(torch, args.bytes_dtype), progress=not args.no_progress, extra=extra)
+               getattr(torch, args.bytes_dtype), progress=not args.no_progress, extra=extra, kl=not args.no_kl)
     table = markdown(rows, extra)
     verdicts = targets(rows)
     header = (f"model: {model_name(args.model)} ({facts['model_type']}, {facts['layers']} layers, sliding-window "
@@ -682,6 +786,9 @@ def add_arguments(p, text_default: Optional[str] = None) -> None:
                    "the groups, tail and sinks it was allocated for")
     p.add_argument("--fit-recipes", action="store_true",
                    help="each recipe row also with fitted key ranges flipped (on for a recipe made without them)")
+    p.add_argument("--no-kl", action="store_true",
+                   help="no KL divergence from the dense cache (it holds the dense row's logits: "
+                        "4 bytes x vocabulary x tokens x repeats)")
     p.add_argument("--quanto-bits", default="4,2", help="transformers QuantizedCache (optimum-quanto) rows")
     p.add_argument("--no-quanto", action="store_true", help="leave out the quanto rows")
     p.add_argument("--no-equal-bits", action="store_true",

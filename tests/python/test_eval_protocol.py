@@ -9,6 +9,7 @@ import dataclasses
 import json
 import pathlib
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -149,14 +150,15 @@ def test_every_window_starts_like_a_sequence():
 
 
 def test_eval_feeds_bos_at_the_start_of_every_window(tiny_dir, text_file, monkeypatch, tmp_path):
-    firsts = []
-    real = evaluate.window_nll
+    firsts, held = [], []
+    real = evaluate.window_scores
 
-    def spy(model, ids, chunk, cache):
+    def spy(model, ids, chunk, cache, reference=None, keep=False):
         firsts.append(int(ids[0, 0]))
-        return real(model, ids, chunk, cache)
+        held.append(reference is not None or keep)
+        return real(model, ids, chunk, cache, reference, keep)
 
-    monkeypatch.setattr(evaluate, "window_nll", spy)
+    monkeypatch.setattr(evaluate, "window_scores", spy)
     from nexuskv.__main__ import main
 
     assert (
@@ -186,6 +188,7 @@ def test_eval_feeds_bos_at_the_start_of_every_window(tiny_dir, text_file, monkey
                 "--no-greedy",
                 "--no-bytes",
                 "--no-progress",
+                "--no-kl",
                 "--json",
                 str(tmp_path / "e.json"),
             ]
@@ -194,9 +197,65 @@ def test_eval_feeds_bos_at_the_start_of_every_window(tiny_dir, text_file, monkey
     )
     # 2 repeats x 200 text tokens in windows of 63 + BOS: 4 windows each, for 2 rows.
     assert firsts == [1] * 16
+    assert not any(held)  # --no-kl: no dense logits held, no KL scored
+    assert all("kl" not in r for r in json.loads((tmp_path / "e.json").read_text())["rows"])
     doc = json.loads((tmp_path / "e.json").read_text())
     assert doc["sequence_prefix"] == [1] and doc["segment_offsets"] == [0, 200]
     assert all(r["tokens"] == 400 for r in doc["rows"])  # every text token predicted once per repeat
+
+
+class _TableModel:
+    """A "model" whose logits at absolute position t of a sequence are its cache's table[t] (the
+    cache counts the tokens fed so far): window_scores' scores are then known in closed form."""
+
+    def __call__(self, ids, past_key_values=None, use_cache=True):
+        start = past_key_values.seen
+        past_key_values.seen += ids.shape[1]
+        return SimpleNamespace(logits=past_key_values.table[None, start : start + ids.shape[1]])
+
+    forward = __call__
+
+
+def _table_cache(table):
+    return SimpleNamespace(seen=0, table=table)
+
+
+def test_window_scores_kl_and_top1_match_float64():
+    """Over chunk boundaries (50 tokens in chunks of 16): the negative log-likelihoods, the KL
+    divergence KL(dense || cache) and the top-1 agreement of window_scores equal a float64
+    computation from the logit tables; a cache scored against itself has KL exactly 0; and
+    perplexity() sums them over its sequences."""
+    g = torch.Generator().manual_seed(0)
+    n, vocab = 50, 40
+    a = 3 * torch.randn(n, vocab, generator=g)  # the dense cache's logits
+    b = a + 0.5 * torch.randn(n, vocab, generator=g)  # a compressed cache's: some top-1 flip
+    ids = torch.randint(0, vocab, (1, n), generator=g)
+    model = _TableModel()
+    ref = evaluate.window_scores(model, ids, 16, _table_cache(a), keep=True)["logits"]
+    assert torch.equal(ref, a[:-1])  # the logits as the model gave them, each position once
+    got = evaluate.window_scores(model, ids, 16, _table_cache(b), reference=ref)
+    la, lb = torch.log_softmax(a[:-1].double(), -1), torch.log_softmax(b[:-1].double(), -1)
+    want_kl = (la.exp() * (la - lb)).sum(-1)
+    assert float(want_kl.min()) > 0 and "logits" not in got
+    torch.testing.assert_close(got["kl"], want_kl, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(got["nll"].double(), -lb.gather(1, ids[0, 1:, None]).squeeze(1), rtol=1e-5, atol=1e-6)
+    want_top1 = la.argmax(-1) == lb.argmax(-1)
+    assert torch.equal(got["top1"], want_top1) and 0 < int(want_top1.sum()) < n - 1  # both outcomes occur
+    same = evaluate.window_scores(model, ids, 16, _table_cache(a), reference=ref)
+    assert torch.equal(same["kl"], torch.zeros(n - 1, dtype=torch.float64)) and bool(same["top1"].all())
+    with pytest.raises(ValueError, match="the reference holds 48 positions, the window 49"):
+        evaluate.window_scores(model, ids, 16, _table_cache(b), reference=ref[:48])
+
+    seqs, cut = [ids[:, :30], ids[:, 30:]], [slice(0, 30), slice(30, n)]
+    refs = [evaluate.window_scores(model, s, 16, _table_cache(a[c]), keep=True)["logits"] for s, c in zip(seqs, cut)]
+    tables = iter([b[c] for c in cut])
+    per = evaluate.perplexity(model, seqs, 16, lambda: _table_cache(next(tables)), references=refs)
+    want = [(torch.log_softmax(a[c][:-1].double(), -1), torch.log_softmax(b[c][:-1].double(), -1)) for c in cut]
+    assert per["tokens"] == 48 and "logits" not in per
+    assert per["kl_sum"] == pytest.approx(sum(float((x.exp() * (x - y)).sum()) for x, y in want), rel=1e-12)
+    assert per["top1_equal"] == sum(int((x.argmax(-1) == y.argmax(-1)).sum()) for x, y in want)
+    with pytest.raises(ValueError, match="1 references for 2 sequences"):
+        evaluate.perplexity(model, seqs, 16, lambda: _table_cache(b), references=refs[:1])
 
 
 # -- 3. the capture ------------------------------------------------------------------------------
@@ -387,6 +446,24 @@ def test_paired_verdict_reports_no_win_below_the_noise():
     assert evaluate.paired_verdict(_row("b", [5.0]), _row("a", [10.0]))["verdict"] == "one repeat"
 
 
+def test_kl_verdict_tells_near_lossless_caches_apart_where_delta_ppl_cannot():
+    """Two caches within noise of each other by ΔPPL (one below the dense cache on a segment by
+    chance) but one closer to the dense distribution on every segment: kl_verdict says so with
+    the same noise rule; rows without a KL give no KL verdict."""
+    ours, theirs = _row("a", [0.68, 0.16, -0.09]), _row("b", [0.85, 0.31, -0.19])
+    assert evaluate.paired_verdict(ours, theirs)["verdict"] == "within noise"
+    for row, kls in ((ours, [2.0, 2.2, 2.1]), (theirs, [3.0, 3.1, 3.3])):
+        row["kl"] = sum(kls) / 3
+        for rep, k in zip(row["repeats"], kls):
+            rep["kl"] = k
+    v = evaluate.kl_verdict(ours, theirs)
+    assert v["kl_verdict"] == "lower" and v["kl_diff_repeats"] == pytest.approx([-1.0, -0.9, -1.2])
+    assert evaluate.kl_verdict(theirs, ours)["kl_verdict"] == "higher"
+    ours["repeats"][1]["kl"] = 3.2  # one segment disagrees
+    assert evaluate.kl_verdict(ours, theirs)["kl_verdict"] == "within noise"
+    assert evaluate.kl_verdict(ours, _row("c", [0.1, 0.2, 0.3])) == {}
+
+
 def _eval_row(setting, deltas):
     """An eval row of `setting` with these per-repeat ΔPPLs, as evaluate.run makes it."""
     return {
@@ -526,10 +603,16 @@ def test_eval_cli_on_a_tiny_sliding_window_model(tiny_dir, text_file, tmp_path, 
     assert doc["every_token_dense_bytes"]["total"] == 2 * 128 * 2 * 2 * 64 * 2
     four = rows["nexuskv 4-bit tail 0 K g64"]
     assert four["bytes"]["compressed"] > 0 and four["greedy"]["new_tokens"] == 3
+    # KL from the dense cache on the same forwards: 0 for dense itself, > 0 for a compressed cache
+    assert dense["kl"] == 0 and dense["top1_equal"] == 1 and [r["kl"] for r in dense["repeats"]] == [0, 0]
+    assert four["kl"] > 0 and four["kl_min"] <= four["kl"] <= four["kl_max"] and 0 < four["top1_equal"] <= 1
+    assert "KL from dense, 10⁻³ nats/token" in printed
     tiny = tf.AutoModelForCausalLM.from_pretrained(tiny_dir)
     if _quanto_takes(tiny):
         pairs = {(p["quanto_bits"], p["nexuskv_bits"]) for p in doc["equal_bits"]}
         assert pairs == {(5.0, 5.0), (4.5, 4.5)}
+        assert all(p["kl_verdict"] in ("lower", "higher", "within noise") for p in doc["equal_bits"])
+        assert "| KL verdict |" in printed and "; KL from dense " in printed
         assert "| quanto 4-bit g64 tail 128 16-bit scales | 4.500 |" in printed
         assert "| nexuskv 4-bit tail 128 K g64 scales in model dtype | 5.000 |" in printed
     else:

@@ -88,6 +88,10 @@ def test_eval_cli_small(tmp_path):
     assert four["effective_bits"]["kv"] == 4.5 and two["effective_bits"]["kv"] == 2.5
     assert quanto["effective_bits"]["kv"] == 4 + 64 / 64  # fp32 model: fp32 scale and shift per 64
     assert dense["greedy"] == {"leading": 4, "match": 1.0, "new_tokens": 4}
+    # KL from the dense cache: 0 for dense itself; the 2-bit rows' 128-token tail holds each
+    # 128-token window exact, so they are far nearer dense than 4-bit with every token compressed.
+    assert dense["kl"] == 0 and dense["top1_equal"] == 1
+    assert 0 <= two["kl"] < four["kl"] / 10 and four["kl"] > 0 and quanto["kl"] > 0
     # 4-bit with no tail holds the 32-token prompt compressed; measured 4 of 4 leading tokens
     # equal to the dense cache's (and so every position), allow one late flip.
     g = four["greedy"]
