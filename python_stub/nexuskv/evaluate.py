@@ -52,10 +52,13 @@ def window_scores(model, ids: torch.Tensor, chunk: int, cache, reference: Option
     log-likelihood of each token.  Against `reference` (the dense cache's logits for this
     window's next tokens [n-1, vocab], float32): "kl" [n-1] (float64), KL(reference || this
     cache's distribution) at each position, and "top1" [n-1], whether the most likely next
-    token is the reference's.  With `keep`: "logits" [n-1, vocab] (float32), to be the
-    reference of the other rows.  Per chunk, so that no more than a chunk's logits are held
-    unless kept."""
-    nll, kl, top1, kept, prev_logits = [], [], [], [], None
+    token is the reference's.  With `keep`: "logits" [n-1, vocab] (float32, on the CPU), to
+    be the reference of the other rows.  Per chunk, so that no more than a chunk's logits are
+    held on the model's device."""
+    if reference is not None and reference.shape[0] != ids.shape[1] - 1:
+        raise ValueError(f"eval: the reference holds {reference.shape[0]} positions, the window "
+                         f"{ids.shape[1] - 1}")
+    nll, kl, top1, kept, prev_logits = [], [], [], None, None
     cache_kw = {cache_argument(model): cache}
     done = 0  # positions scored so far
     with torch.inference_mode():
@@ -71,22 +74,24 @@ def window_scores(model, ids: torch.Tensor, chunk: int, cache, reference: Option
             scored = logits[0, :targets.shape[1]]  # [m, vocab]
             nll.append(torch.nn.functional.cross_entropy(scored, targets.reshape(-1), reduction="none"))
             if reference is not None:
-                ref = reference[done:done + scored.shape[0]]
+                ref = reference[done:done + scored.shape[0]].to(scored.device)
                 # Both distributions normalized in float64 from the float32 logits: a near-lossless
-                # cache's KL (~1e-6 nats) sits below float32 log_softmax's rounding.
+                # cache's KL (~1e-6 nats) sits below float32 log_softmax's rounding.  A token the
+                # reference rules out (logit -inf) adds nothing (0 log 0 = 0), not 0 x inf = NaN.
                 p_ref, p = torch.log_softmax(ref.double(), -1), torch.log_softmax(scored.double(), -1)
-                kl.append((p_ref.exp() * (p_ref - p)).sum(-1))
-                top1.append(ref.argmax(-1) == scored.argmax(-1))
+                terms = torch.where(p_ref.isneginf(), 0.0, p_ref.exp() * (p_ref - p))
+                kl.append(terms.sum(-1).cpu())
+                top1.append((ref.argmax(-1) == scored.argmax(-1)).cpu())
             if keep:
-                kept.append(scored)
+                if kept is None:  # one buffer for the window: no second copy to concatenate
+                    kept = torch.empty(ids.shape[1] - 1, scored.shape[1], dtype=torch.float32)
+                kept[done:done + scored.shape[0]] = scored
             done += scored.shape[0]
     out = {"nll": torch.cat(nll)}
     if reference is not None:
-        if reference.shape[0] != done:
-            raise ValueError(f"eval: the reference holds {reference.shape[0]} positions, the window {done}")
         out.update(kl=torch.cat(kl), top1=torch.cat(top1))
     if keep:
-        out["logits"] = torch.cat(kept)
+        out["logits"] = kept
     return out
 
 

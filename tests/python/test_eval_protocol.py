@@ -245,6 +245,15 @@ def test_window_scores_kl_and_top1_match_float64():
     assert torch.equal(same["kl"], torch.zeros(n - 1, dtype=torch.float64)) and bool(same["top1"].all())
     with pytest.raises(ValueError, match="the reference holds 48 positions, the window 49"):
         evaluate.window_scores(model, ids, 16, _table_cache(b), reference=ref[:48])
+    # Tokens the dense model rules out (logit -inf, e.g. a padded vocabulary) add 0 log 0 = 0.
+    masked = a.clone()
+    masked[:, :5] = float("-inf")
+    ref_m = evaluate.window_scores(model, ids, 16, _table_cache(masked), keep=True)["logits"]
+    got_m = evaluate.window_scores(model, ids, 16, _table_cache(b), reference=ref_m)["kl"]
+    lm = torch.log_softmax(masked[:-1, 5:].double(), -1)
+    want_m = (lm.exp() * (lm - lb[:, 5:])).sum(-1)
+    assert bool(torch.isfinite(got_m).all())
+    torch.testing.assert_close(got_m, want_m, rtol=1e-12, atol=1e-15)
 
     seqs, cut = [ids[:, :30], ids[:, 30:]], [slice(0, 30), slice(30, n)]
     refs = [evaluate.window_scores(model, s, 16, _table_cache(a[c]), keep=True)["logits"] for s, c in zip(seqs, cut)]
@@ -606,6 +615,10 @@ def test_eval_cli_on_a_tiny_sliding_window_model(tiny_dir, text_file, tmp_path, 
     # KL from the dense cache on the same forwards: 0 for dense itself, > 0 for a compressed cache
     assert dense["kl"] == 0 and dense["top1_equal"] == 1 and [r["kl"] for r in dense["repeats"]] == [0, 0]
     assert four["kl"] > 0 and four["kl_min"] <= four["kl"] <= four["kl_max"] and 0 < four["top1_equal"] <= 1
+    # A 128-token tail holds each 96-token window exact: on every repeat its KL is rounding alone,
+    # which a reference taken from another repeat or window would not be.
+    exact = rows["nexuskv 4-bit tail 128 K g64 scales in model dtype"]
+    assert all(e["kl"] < 1e-3 * f["kl"] for e, f in zip(exact["repeats"], four["repeats"]))
     assert "KL from dense, 10⁻³ nats/token" in printed
     tiny = tf.AutoModelForCausalLM.from_pretrained(tiny_dir)
     if _quanto_takes(tiny):
