@@ -125,8 +125,8 @@ def perplexity(model, sequences: Sequences, chunk: int, make_cache: Callable,
     nll = torch.cat([p["nll"] for p in parts])
     out = {"ppl": math.exp(float(nll.mean())), "tokens": int(nll.numel()), "nll_sum": float(nll.sum())}
     if references is not None:
-        out["kl_sum"] = float(sum(float(p["kl"].sum()) for p in parts))
-        out["top1_equal"] = int(sum(int(p["top1"].sum()) for p in parts))
+        out["kl_sum"] = sum(float(p["kl"].sum()) for p in parts)
+        out["top1_equal"] = sum(int(p["top1"].sum()) for p in parts)
     if keep:
         out["logits"] = [p["logits"] for p in parts]
     return out
@@ -574,6 +574,13 @@ def run(model, segments: List[Sequences], settings: List[ec.Setting], chunk: int
 QUALITY_TARGETS = ((4.6, 0.5, "4-bit class"), (3.25, 0.75, "3-bit class"), (2.6, 3.0, "2-bit class"))
 
 
+def _kl_clause(ours: Optional[float], theirs: Optional[float], verdict: Optional[str]) -> str:
+    """"; KL from dense ... : nexuskv <verdict>" for a printed comparison, "" without a KL verdict."""
+    if verdict is None:
+        return ""
+    return f"; KL from dense {1e3 * ours:.3f} vs {1e3 * theirs:.3f} 10⁻³ nats/token: nexuskv {verdict}"
+
+
 def targets(rows: List[Dict]) -> List[str]:
     """The design's targets, read off the measured rows (best row of each kind), both
     sides' effective bits beside every comparison."""
@@ -595,8 +602,7 @@ def targets(rows: List[Dict]) -> List[str]:
     for p in equal_bit_pairs(rows):
         out.append(f"equal bits: {p['nexuskv']} ({p['nexuskv_bits']:.3f} bits) ΔPPL {p['nexuskv_delta']:+.2f} % vs "
                    f"{p['quanto']} ({p['quanto_bits']:.3f} bits) {p['quanto_delta']:+.2f} %: nexuskv {p['verdict']}"
-                   + (f"; KL from dense {1e3 * p['nexuskv_kl']:.3f} vs {1e3 * p['quanto_kl']:.3f} 10⁻³ nats/token: "
-                      f"nexuskv {p['kl_verdict']}" if "kl_verdict" in p else ""))
+                   + _kl_clause(p.get("nexuskv_kl"), p.get("quanto_kl"), p.get("kl_verdict")))
     for r in rows:
         if r["kind"] != ec.QUANTO:
             continue
@@ -607,8 +613,7 @@ def targets(rows: List[Dict]) -> List[str]:
             out.append(f"best nexuskv at <= quanto's bits: {ours['name']} ({ours['effective_bits']['kv']:.3f} bits) "
                        f"{ours['delta_ppl_pct']:+.2f} % vs {r['name']} ({r['effective_bits']['kv']:.3f} bits) "
                        f"{r['delta_ppl_pct']:+.2f} %: nexuskv {v}"
-                       + (f"; KL from dense {1e3 * ours['kl']:.3f} vs {1e3 * r['kl']:.3f} 10⁻³ nats/token: "
-                          f"nexuskv {k['kl_verdict']}" if k else ""))
+                       + _kl_clause(ours.get("kl"), r.get("kl"), k.get("kl_verdict")))
     for r in rows:
         b = r.get("bytes")
         if r["kind"] == ec.NEXUSKV and r["bits"] == 4 and b:
